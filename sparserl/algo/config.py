@@ -1,0 +1,204 @@
+"""Every knob of the algorithm half: advantages, Sparse-RL corrections and the policy loss."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+CORRECTION_MODES = ("none", "decoupled", "bypass")
+LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class AlgoConfig:
+    """Advantages, corrections and loss. Defaults are plain dense GRPO (the reference's dense baseline).
+
+    A bound or threshold set to None switches its rule off. Ratios are pi_old / pi_sparse (xi in
+    sparse-rl.md, r in field.md); `lo <= ratio <= hi` is kept (bounds inclusive).
+    """
+
+    # ---- rollouts -------------------------------------------------------------------------------
+    sparse_rollout: bool = field(
+        default=False,
+        metadata={
+            "help": "Whether the preset samples rollouts on the compressed KV cache (engine's kv.method)."
+        },
+    )
+
+    # ---- advantages -----------------------------------------------------------------------------
+    adv_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": f"Advantage estimator, one of {', '.join(ADV_ESTIMATORS)}: 'grpo' (group mean and std), "
+            "'drgrpo' (group mean, no std normalisation), 'rloo' (leave-one-out mean)."
+        },
+    )
+    group_size: int = field(
+        default=8, metadata={"help": "Completions sampled per prompt (G); a group is G contiguous sequences."}
+    )
+    adv_eps: float = field(default=1e-6, metadata={"help": "GRPO: added to the group std before dividing."})
+    adv_std_unbiased: bool = field(
+        default=True, metadata={"help": "GRPO: use the unbiased (n-1) group std, as the reference does."}
+    )
+
+    # ---- corrections ----------------------------------------------------------------------------
+    correction_mode: str = field(
+        default="none",
+        metadata={
+            "help": f"One of {', '.join(CORRECTION_MODES)}. 'none': no reweighting or rejection (metrics are "
+            "still logged). 'decoupled': three policies, IS/rejection on pi_old/pi_sparse with a recomputed "
+            "dense pi_old, PPO clip on pi_theta/pi_old. 'bypass': no recompute, pi_old := pi_sparse as the "
+            "PPO anchor; the corrections then act on the ratio given as logp_old (e.g. the learner's "
+            "detached log-probs)."
+        },
+    )
+    log_ratio_clamp: float = field(
+        default=20.0,
+        metadata={"help": "Log-ratios (xi, PPO ratio, sequence sums) are clamped to [-c, c] before exp."},
+    )
+    veto_threshold: float | None = field(
+        default=None,
+        metadata={"help": "Veto: reject a sequence if any response token has xi < this (Sparse-RL: 1e-4)."},
+    )
+    token_rs_low: float | None = field(
+        default=None, metadata={"help": "Token rejection: mask a token with xi below this (Sparse-RL: 0.5)."}
+    )
+    token_rs_high: float | None = field(
+        default=None, metadata={"help": "Token rejection: mask a token with xi above this (Sparse-RL: 1.5)."}
+    )
+    tis_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Token TIS: weight w_t = min(xi_t, cap); None: no token IS weight (Sparse-RL: 1.5)."
+        },
+    )
+    tis_batch_norm: bool = field(
+        default=False,
+        metadata={"help": "Divide the token weights by their mean over the originally valid tokens."},
+    )
+    batch_norm_min: float = field(
+        default=1e-8, metadata={"help": "Batch normalisation is skipped when the weight mean is <= this."}
+    )
+    icepop_low: float | None = field(
+        default=None,
+        metadata={"help": "IcePop: w_t = xi_t * 1[low <= xi_t <= high]; lower bound (e.g. 0.5)."},
+    )
+    icepop_high: float | None = field(
+        default=None, metadata={"help": "IcePop: upper bound of the kept xi (e.g. 5.0)."}
+    )
+    seq_mis_low: float | None = field(
+        default=None,
+        metadata={"help": "Seq-MIS: sequence weight prod_t xi_t, sequence rejected below this (e.g. 0.5)."},
+    )
+    seq_mis_high: float | None = field(
+        default=None,
+        metadata={"help": "Seq-MIS: sequence rejected when prod_t xi_t is above this (e.g. 2.0)."},
+    )
+    geo_rs_low: float | None = field(
+        default=None,
+        metadata={"help": "Geo-RS: keep a sequence iff exp(mean_t log xi_t) >= low (and <= high)."},
+    )
+    geo_rs_high: float | None = field(
+        default=None, metadata={"help": "Geo-RS: upper bound of the kept geometric-mean ratio."}
+    )
+    k3_rs_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "K3-RS: reject a sequence if mean_t k3_t (xi - 1 - log xi) exceeds this (e.g. 0.01)."
+        },
+    )
+    prob_diff_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Sign-aware probability-difference mask (prime-rl): mask a token if A > 0 and "
+            "p_old - p_sparse > this, or A < 0 and p_old - p_sparse < -this (e.g. 0.2). Needs advantages."
+        },
+    )
+
+    # ---- loss -----------------------------------------------------------------------------------
+    eps_low: float = field(
+        default=0.2, metadata={"help": "PPO clip: lower bound of the ratio is 1 - eps_low."}
+    )
+    eps_high: float = field(
+        default=0.2,
+        metadata={"help": "PPO clip: upper bound of the ratio is 1 + eps_high (clip-higher: > eps_low)."},
+    )
+    dual_clip_c: float | None = field(
+        default=None,
+        metadata={"help": "Dual clip: for A < 0 the per-token loss is capped at -c * A (c > 1, e.g. 3.0)."},
+    )
+    loss_agg_mode: str = field(
+        default="seq-mean-token-mean",
+        metadata={
+            "help": f"Loss aggregation, one of {', '.join(LOSS_AGG_MODES)}: per-sequence token mean then mean over "
+            "sequences (the reference), mean over all tokens, or per-sequence token sum / max response length."
+        },
+    )
+    rejected_in_denominator: bool = field(
+        default=True,
+        metadata={
+            "help": "Rejected sequences (all-zero mask) still count in the sequence/token denominator, so "
+            "gradients are diluted, not renormalised (the reference). False: divide by kept ones only."
+        },
+    )
+    kl_estimator: str = field(
+        default="k3", metadata={"help": f"KL-to-reference estimator, one of {', '.join(KL_ESTIMATORS)}."}
+    )
+    kl_coef: float = field(
+        default=1e-4,
+        metadata={"help": "beta: weight of the KL to the reference (initial) model; 0 disables it."},
+    )
+    kl_clamp: float = field(
+        default=10.0, metadata={"help": "The per-token KL estimate is clamped to [-c, c]."}
+    )
+    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus: loss -= coef * entropy."})
+
+    def __post_init__(self) -> None:
+        _choice("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _choice("correction_mode", self.correction_mode, CORRECTION_MODES)
+        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.group_size < 1:
+            raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
+        if self.adv_estimator == "rloo" and self.group_size < 2:
+            raise ValueError("algo.adv_estimator='rloo' needs algo.group_size >= 2")
+        for lo, hi in (
+            ("token_rs_low", "token_rs_high"),
+            ("icepop_low", "icepop_high"),
+            ("seq_mis_low", "seq_mis_high"),
+            ("geo_rs_low", "geo_rs_high"),
+        ):
+            a, b = getattr(self, lo), getattr(self, hi)
+            if a is not None and b is not None and a > b:
+                raise ValueError(f"algo.{lo}={a} must be <= algo.{hi}={b}")
+            for name, v in ((lo, a), (hi, b)):
+                if v is not None and v < 0:
+                    raise ValueError(f"algo.{name}={v} must be >= 0 (it bounds a ratio)")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"algo.tis_cap={self.tis_cap} must be > 0")
+        if self.eps_low < 0 or self.eps_high < 0:
+            raise ValueError(f"algo.eps_low={self.eps_low} and algo.eps_high={self.eps_high} must be >= 0")
+        if self.eps_low >= 1:
+            raise ValueError(f"algo.eps_low={self.eps_low} must be < 1 (the lower clip is 1 - eps_low)")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"algo.dual_clip_c={self.dual_clip_c} must be > 1")
+        if self.kl_coef < 0:
+            raise ValueError(f"algo.kl_coef={self.kl_coef} must be >= 0")
+        if self.log_ratio_clamp <= 0 or self.kl_clamp <= 0:
+            raise ValueError("algo.log_ratio_clamp and algo.kl_clamp must be > 0")
+
+    @property
+    def needs_recompute(self) -> bool:
+        """True when the trainer must recompute dense pi_old with a teacher-forced pass (not in bypass)."""
+        return self.correction_mode != "bypass"
+
+    @property
+    def needs_ref(self) -> bool:
+        """True when the loss needs reference-model log-probs (beta > 0)."""
+        return self.kl_coef > 0
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"algo.{key}={value!r} is unknown; choose one of {', '.join(allowed)}")

@@ -1,0 +1,56 @@
+"""Named algorithm presets: plain dicts of AlgoConfig overrides, themselves overridable key by key."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from sparserl.algo.config import AlgoConfig
+
+# The loss is the same in every preset (the reference's: eps 0.2, beta 1e-4 with k3, seq-mean-token-mean),
+# so presets differ only in how rollouts are sampled and corrected.
+PRESETS: dict[str, dict[str, Any]] = {
+    # Dense rollouts, plain GRPO: the baseline.
+    "dense": {"sparse_rollout": False, "correction_mode": "none"},
+    # Sparse rollouts trained as if they were dense: the collapse the paper reports.
+    "naive-sparse": {"sparse_rollout": True, "correction_mode": "none"},
+    # Sparse-RL reference defaults: veto, token rejection, truncated IS batch-normalised.
+    "sparse-rl": {
+        "sparse_rollout": True,
+        "correction_mode": "decoupled",
+        "veto_threshold": 1e-4,
+        "token_rs_low": 0.5,
+        "token_rs_high": 1.5,
+        "tis_cap": 1.5,
+        "tis_batch_norm": True,
+        "eps_low": 0.2,
+        "eps_high": 0.2,
+        "kl_coef": 1e-4,
+        "kl_estimator": "k3",
+    },
+    # Token-level truncated IS only, the field's common cap.
+    "tis": {"sparse_rollout": True, "correction_mode": "decoupled", "tis_cap": 2.0},
+    # IcePop token mask with the field's typical bounds.
+    "icepop": {"sparse_rollout": True, "correction_mode": "decoupled", "icepop_low": 0.5, "icepop_high": 5.0},
+    # Geometric-mean sequence rejection, wide bounds for compressed rollouts, plus token TIS.
+    "geo-rs": {
+        "sparse_rollout": True,
+        "correction_mode": "decoupled",
+        "geo_rs_low": 0.5,
+        "geo_rs_high": 2.0,
+        "tis_cap": 2.0,
+    },
+}
+
+
+def algo_config(preset: str = "dense", **overrides: Any) -> AlgoConfig:
+    """Build an AlgoConfig from a named preset, then apply `overrides` key by key."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown algo preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    valid = {f.name for f in fields(AlgoConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(
+            f"unknown algo config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(valid))}"
+        )
+    return AlgoConfig(**{**PRESETS[preset], **overrides})
