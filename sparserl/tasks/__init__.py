@@ -1,0 +1,17 @@
+"""Tasks: prompts (chat messages with the \\boxed{} instruction), datasets and verifiable rewards."""
+
+from __future__ import annotations
+
+from sparserl.tasks.base import TASKS, Example, Task, make_task, register_task
+from sparserl.tasks.config import BOXED_INSTRUCTION, BUILTIN_TASKS, TaskConfig
+
+__all__ = [
+    "BOXED_INSTRUCTION",
+    "BUILTIN_TASKS",
+    "TASKS",
+    "Example",
+    "Task",
+    "TaskConfig",
+    "make_task",
+    "register_task",
+]

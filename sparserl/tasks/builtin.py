@@ -1,0 +1,1 @@
+"""Registers the built-in tasks (filled in as they land)."""
