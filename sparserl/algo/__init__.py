@@ -1,6 +1,28 @@
-"""The algorithm half: advantages, Sparse-RL corrections, the policy loss (tensors in, tensors and metrics out)."""
+"""The algorithm half: advantages, Sparse-RL corrections, the policy loss (tensors in, tensors and metrics out).
 
+Typical use per batch of rollouts (mask = response mask, [B, T]):
+
+    adv = grpo_advantages(rewards, cfg.group_size, cfg.adv_estimator)       # before any rejection
+    w, keep, m1 = correction_weights(logp_old, logp_sampler, mask, cfg, adv)
+    loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, mask & keep, w, cfg, logp_ref)
+"""
+
+from sparserl.algo.advantages import advantages_from_config, grpo_advantages
 from sparserl.algo.config import AlgoConfig
+from sparserl.algo.corrections import correction_weights, ppo_anchor
+from sparserl.algo.loss import aggregate, kl_penalty, loss_denominator, policy_loss
 from sparserl.algo.presets import PRESETS, algo_config
 
-__all__ = ["PRESETS", "AlgoConfig", "algo_config"]
+__all__ = [
+    "PRESETS",
+    "AlgoConfig",
+    "advantages_from_config",
+    "aggregate",
+    "algo_config",
+    "correction_weights",
+    "grpo_advantages",
+    "kl_penalty",
+    "loss_denominator",
+    "policy_loss",
+    "ppo_anchor",
+]

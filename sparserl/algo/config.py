@@ -8,6 +8,22 @@ ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 CORRECTION_MODES = ("none", "decoupled", "bypass")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# Knobs that only act when correction_mode is 'decoupled' or 'bypass'.
+CORRECTION_KNOBS = (
+    "veto_threshold",
+    "token_rs_low",
+    "token_rs_high",
+    "tis_cap",
+    "tis_batch_norm",
+    "icepop_low",
+    "icepop_high",
+    "seq_mis_low",
+    "seq_mis_high",
+    "geo_rs_low",
+    "geo_rs_high",
+    "k3_rs_threshold",
+    "prob_diff_threshold",
+)
 
 
 @dataclass
@@ -135,6 +151,13 @@ class AlgoConfig:
             "sequences (the reference), mean over all tokens, or per-sequence token sum / max response length."
         },
     )
+    loss_token_norm: int | None = field(
+        default=None,
+        metadata={
+            "help": "seq-mean-token-sum-norm: the constant each sequence's token sum is divided by "
+            "(Dr. GRPO: the maximum response length); None: the padded length T of the batch."
+        },
+    )
     rejected_in_denominator: bool = field(
         default=True,
         metadata={
@@ -159,6 +182,15 @@ class AlgoConfig:
         _choice("correction_mode", self.correction_mode, CORRECTION_MODES)
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        if self.correction_mode == "none":
+            on = [k for k in CORRECTION_KNOBS if getattr(self, k) not in (None, False)]
+            if on:
+                raise ValueError(
+                    f"algo.correction_mode='none' ignores {', '.join('algo.' + k for k in on)}; "
+                    "set algo.correction_mode='decoupled' (or 'bypass') or unset them"
+                )
+        if self.loss_token_norm is not None and self.loss_token_norm < 1:
+            raise ValueError(f"algo.loss_token_norm={self.loss_token_norm} must be >= 1")
         if self.group_size < 1:
             raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
         if self.adv_estimator == "rloo" and self.group_size < 2:

@@ -1,0 +1,239 @@
+"""Sparse-RL corrections: importance weights and rejection masks for rollouts sampled on a compressed KV cache.
+
+The sparsity consistency ratio is xi_t = pi_old(o_t) / pi_sparse(o_t), computed in log space and clamped to
++-cfg.log_ratio_clamp before exp (sparse-rl.md section 3; r_t in field.md). Every diagnostic metric is taken
+on xi (or the unclamped log-ratio) over the response tokens passed in, *before* truncation, rejection or
+batch normalisation, so a correction never hides the mismatch it corrects.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from sparserl.algo.config import AlgoConfig
+from sparserl.algo.masked import (
+    as_mask,
+    check_2d,
+    masked_fill_safe,
+    masked_max,
+    masked_mean,
+    masked_min,
+    masked_sum,
+    to_floats,
+)
+
+PREFIX = "rollout_corr/"
+
+
+def _log(bound: float) -> float:
+    return math.log(bound) if bound > 0 else float("-inf")
+
+
+def _outside(log_x: Tensor, low: float | None, high: float | None) -> tuple[Tensor, Tensor]:
+    """(below low, above high) in log space; bounds are inclusive-kept; a None bound never fires."""
+    below = log_x < _log(low) if low is not None else torch.zeros_like(log_x, dtype=torch.bool)
+    above = log_x > _log(high) if high is not None else torch.zeros_like(log_x, dtype=torch.bool)
+    return below, above
+
+
+def ppo_anchor(logp_old: Tensor | None, logp_sampler: Tensor, cfg: AlgoConfig) -> Tensor:
+    """The log-probs the PPO ratio is taken against: the sampler's in bypass mode, dense pi_old otherwise."""
+    if cfg.correction_mode == "bypass" or logp_old is None:
+        if cfg.correction_mode != "bypass":
+            raise ValueError(
+                f"algo.correction_mode={cfg.correction_mode!r} needs the recomputed dense logp_old"
+            )
+        return logp_sampler
+    return logp_old
+
+
+def correction_weights(
+    logp_old: Tensor,
+    logp_sampler: Tensor,
+    mask: Tensor,
+    cfg: AlgoConfig,
+    advantages: Tensor | None = None,
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Importance weights, keep mask and mismatch metrics for one batch of sparse rollouts.
+
+    Args:
+        logp_old: [B, T] log pi_old of the sampled tokens from a dense teacher-forced pass (decoupled mode);
+            in bypass mode, whichever log-probs the corrections should compare to the sampler (e.g. the
+            learner's, detached).
+        logp_sampler: [B, T] log pi_sparse recorded while sampling, from the distribution sampled from.
+        mask: [B, T] response mask (1 = a generated token that may be trained on; 0 = prompt or padding).
+            Values at masked positions are ignored, even inf/NaN.
+        cfg: the rules to apply; with correction_mode 'none' nothing is reweighted or rejected.
+        advantages: [B] or [B, T]; needed only by the sign-aware probability-difference mask.
+
+    Returns:
+        weights: [B, T] float32, detached, >= 0, zero wherever keep_mask is 0. The truncated / masked IS
+            weight (token TIS, IcePop, Seq-MIS), batch-normalised if asked: divided by the mean of the
+            pre-rejection weights over the tokens of `mask` (as the reference does; skipped when that mean
+            is <= cfg.batch_norm_min).
+        keep_mask: [B, T] bool, `mask` minus rejected tokens (token RS, IcePop, prob-diff) and minus every
+            token of a rejected sequence (veto, Seq-MIS, Geo-RS, K3-RS). Pass mask * keep_mask as the loss
+            mask of `policy_loss`.
+        metrics: floats keyed 'rollout_corr/<name>', names as in docs/metrics.md.
+    """
+    check_2d("logp_old", logp_old)
+    if logp_sampler.shape != logp_old.shape:
+        raise ValueError(
+            f"logp_sampler has shape {tuple(logp_sampler.shape)}, expected logp_old's {tuple(logp_old.shape)}"
+        )
+    valid = as_mask(mask, logp_old)
+    old = masked_fill_safe(logp_old.detach().float(), valid)
+    samp = masked_fill_safe(logp_sampler.detach().float(), valid)
+    bad = valid & ~(torch.isfinite(samp) & ~torch.isnan(old) & (old < float("inf")))
+    if bool(bad.any()):
+        where = torch.nonzero(bad)[0].tolist()
+        raise ValueError(
+            f"log-probs are not usable at response token [seq {where[0]}, pos {where[1]}]: "
+            f"logp_sampler={float(samp[where[0], where[1]])}, logp_old={float(old[where[0], where[1]])} "
+            "(the sampler's log-prob of a sampled token must be finite; logp_old must not be NaN)"
+        )
+
+    # Unclamped log xi; -inf where pi_old gives the sampled token no mass (never NaN: samp is finite).
+    raw = masked_fill_safe(old - samp, valid)
+    c = cfg.log_ratio_clamp
+    log_xi = raw.clamp(-c, c)
+    xi = log_xi.exp()
+    n_tok = valid.sum(dim=1)  # [B]
+    has_tokens = n_tok > 0
+
+    m: dict[str, Tensor | float] = {}
+    _mismatch_metrics(m, old, samp, raw, log_xi, xi, valid, has_tokens, c)
+
+    on = cfg.correction_mode != "none"
+    keep = valid.clone()
+    seq_keep = torch.ones_like(has_tokens)
+
+    # ---- token weights before rejection (they define the batch-normalisation factor) -----------------------
+    weight = torch.ones_like(xi)
+    if on and (cfg.tis_cap is not None or cfg.icepop_low is not None or cfg.icepop_high is not None):
+        weight = xi
+    if on and cfg.tis_cap is not None:
+        weight = weight.clamp(max=cfg.tis_cap)
+        m["tis_truncated_fraction"] = masked_mean((log_xi > _log(cfg.tis_cap)).float(), valid)
+    if on and (cfg.icepop_low is not None or cfg.icepop_high is not None):
+        lo, hi = _outside(log_xi, cfg.icepop_low, cfg.icepop_high)
+        weight = torch.where(lo | hi, torch.zeros_like(weight), weight)
+        keep &= ~(lo | hi)
+        m["icepop_masked_fraction_low"] = masked_mean(lo.float(), valid)
+        m["icepop_masked_fraction_high"] = masked_mean(hi.float(), valid)
+
+    # ---- sequence-level IS and rejection --------------------------------------------------------------------
+    sum_log = masked_sum(raw, valid, dim=1)
+    if on and (cfg.seq_mis_low is not None or cfg.seq_mis_high is not None):
+        lo, hi = _outside(sum_log, cfg.seq_mis_low, cfg.seq_mis_high)
+        weight = weight * sum_log.clamp(-c, c).exp()[:, None]
+        rejected = (lo | hi) & has_tokens
+        seq_keep &= ~rejected
+        m["seq_mis_rejected_fraction"] = masked_mean(rejected.float(), has_tokens)
+    if on and (cfg.geo_rs_low is not None or cfg.geo_rs_high is not None):
+        mean_log = sum_log / n_tok.clamp_min(1)
+        lo, hi = _outside(mean_log, cfg.geo_rs_low, cfg.geo_rs_high)
+        rejected = (lo | hi) & has_tokens
+        seq_keep &= ~rejected
+        m["geo_rs_rejected_fraction"] = masked_mean(rejected.float(), has_tokens)
+    if on and cfg.k3_rs_threshold is not None:
+        k3_seq = masked_mean(xi - 1.0 - log_xi, valid, dim=1)
+        rejected = (k3_seq > cfg.k3_rs_threshold) & has_tokens
+        seq_keep &= ~rejected
+        m["k3_rs_rejected_fraction"] = masked_mean(rejected.float(), has_tokens)
+    if on and cfg.veto_threshold is not None:
+        catastrophic = valid & (raw < _log(cfg.veto_threshold))  # on the raw ratio, before any clamp
+        vetoed = catastrophic.any(dim=1)
+        seq_keep &= ~vetoed
+        m["veto_fraction"] = masked_mean(vetoed.float(), has_tokens)
+        m["catastrophic_token_fraction"] = masked_mean(catastrophic.float(), valid)
+
+    # ---- token-level rejection ------------------------------------------------------------------------------
+    if on and (cfg.token_rs_low is not None or cfg.token_rs_high is not None):
+        lo, hi = _outside(log_xi, cfg.token_rs_low, cfg.token_rs_high)
+        keep &= ~(lo | hi)
+        m["token_rs_masked_fraction_low"] = masked_mean(lo.float(), valid)
+        m["token_rs_masked_fraction_high"] = masked_mean(hi.float(), valid)
+    if on and cfg.prob_diff_threshold is not None:
+        if advantages is None:
+            raise ValueError("algo.prob_diff_threshold is set: correction_weights needs `advantages`")
+        adv = advantages.detach().float()
+        adv = adv[:, None].expand_as(xi) if adv.dim() == 1 else adv
+        if adv.shape != xi.shape:
+            raise ValueError(
+                f"advantages have shape {tuple(advantages.shape)}, expected [B] or {tuple(xi.shape)}"
+            )
+        diff = old.exp() - samp.exp()
+        t = cfg.prob_diff_threshold
+        flagged = valid & (((adv > 0) & (diff > t)) | ((adv < 0) & (diff < -t)))
+        keep &= ~flagged
+        m["prob_diff_masked_fraction"] = masked_mean(flagged.float(), valid)
+
+    keep &= seq_keep[:, None]
+
+    # ---- batch normalisation --------------------------------------------------------------------------------
+    factor = torch.ones((), dtype=weight.dtype, device=weight.device)
+    if on and cfg.tis_batch_norm:
+        mean_w = masked_mean(weight, valid)
+        if bool(mean_w > cfg.batch_norm_min):
+            factor = mean_w
+    weight = masked_fill_safe(weight / factor, keep) if on else valid.float()
+
+    kept_seqs = keep.any(dim=1)
+    m["batch_norm_factor"] = factor
+    m["seq_rejection_rate"] = masked_mean((~kept_seqs).float(), has_tokens)
+    m["token_keep_fraction"] = masked_mean(keep.float(), valid, empty=0.0)
+    m["weight_mean"] = masked_mean(weight, keep, empty=0.0)
+    m["weight_max"] = masked_max(weight, keep, empty=0.0)
+    m["weight_ess"] = _ess(weight, keep)
+    return weight.detach(), keep, {PREFIX + k: v for k, v in to_floats(m).items()}
+
+
+def _ess(w: Tensor, mask: Tensor) -> Tensor:
+    """Normalised effective sample size 1 / mean((w / mean w)^2) over `mask`, in (0, 1]; 1 if empty."""
+    mean = masked_mean(w, mask)
+    if not bool(mask.any()) or not bool(mean > 0):
+        return torch.ones((), dtype=w.dtype, device=w.device)
+    return 1.0 / masked_mean((w / mean) ** 2, mask)
+
+
+def _mismatch_metrics(
+    m: dict[str, Tensor | float],
+    old: Tensor,
+    samp: Tensor,
+    raw: Tensor,
+    log_xi: Tensor,
+    xi: Tensor,
+    valid: Tensor,
+    has_tokens: Tensor,
+    c: float,
+) -> None:
+    """The field's mismatch diagnostics, all on raw (pre-truncation, pre-rejection) ratios.
+
+    A sampled token that pi_old gives no mass makes kl and log_xi_min infinite: honest, not hidden.
+    """
+    m["kl"] = masked_mean(-raw, valid)  # mean(log pi_sparse - log pi_old)
+    m["k3_kl"] = masked_mean(xi - 1.0 - log_xi, valid)
+    seq_lp_old = masked_mean(old, valid, dim=1)
+    seq_lp_samp = masked_mean(samp, valid, dim=1)
+    log_ppl_diff = seq_lp_samp - seq_lp_old  # = log(training_ppl / rollout_ppl) per sequence
+    m["training_ppl"] = masked_mean((-seq_lp_old).clamp(max=c).exp(), has_tokens, empty=1.0)
+    m["rollout_ppl"] = masked_mean((-seq_lp_samp).clamp(max=c).exp(), has_tokens, empty=1.0)
+    m["training_log_ppl"] = masked_mean(-seq_lp_old, has_tokens)
+    m["rollout_log_ppl"] = masked_mean(-seq_lp_samp, has_tokens)
+    m["ppl_ratio"] = masked_mean(log_ppl_diff.clamp(-c, c).exp(), has_tokens, empty=1.0)
+    m["log_ppl_diff"] = masked_mean(log_ppl_diff, has_tokens)
+    m["log_ppl_abs_diff"] = masked_mean(log_ppl_diff.abs(), has_tokens)
+    m["chi2_token"] = masked_mean(xi.double() ** 2, valid, empty=1.0) - 1.0
+    sum_log = masked_sum(raw, valid, dim=1).clamp(-c, c)
+    m["chi2_seq"] = masked_mean((2.0 * sum_log.double()).exp(), has_tokens, empty=1.0) - 1.0
+    m["ess"] = _ess(xi.double(), valid)
+    m["xi_mean"] = masked_mean(xi, valid, empty=1.0)
+    m["xi_min"] = masked_min(xi, valid, empty=1.0)
+    m["xi_max"] = masked_max(xi, valid, empty=1.0)
+    m["log_xi_min"] = masked_min(raw, valid, empty=0.0)
+    m["log_xi_max"] = masked_max(raw, valid, empty=0.0)
+    m["response_tokens"] = valid.sum().float()

@@ -1,0 +1,180 @@
+"""The policy loss: PPO clip (clip-higher, dual clip) times IS weights, masked aggregation, KL and entropy."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparserl.algo.config import AlgoConfig
+from sparserl.algo.masked import as_mask, check_2d, masked_fill_safe, masked_max, masked_mean, to_floats
+
+PREFIX = "actor/"
+
+
+def loss_denominator(mask: Tensor, cfg: AlgoConfig, response_mask: Tensor | None = None) -> float:
+    """The count `policy_loss` divides by, for a whole (global) batch.
+
+    Sequence modes: number of sequences (all rows if cfg.rejected_in_denominator, else rows with a kept
+    token). token-mean: number of tokens (of `response_mask` if cfg.rejected_in_denominator and it is given,
+    else of `mask`). Compute it once on the global batch and pass it as `denominator` to every micro-batch's
+    `policy_loss` so that the micro-batch losses add up to the global one.
+    """
+    m = mask.bool()
+    if cfg.loss_agg_mode == "token-mean":
+        src = response_mask.bool() if (cfg.rejected_in_denominator and response_mask is not None) else m
+        return float(src.sum())
+    return float(m.shape[0] if cfg.rejected_in_denominator else m.any(dim=1).sum())
+
+
+def aggregate(
+    x: Tensor,
+    mask: Tensor,
+    cfg: AlgoConfig,
+    response_mask: Tensor | None = None,
+    denominator: float | None = None,
+) -> Tensor:
+    """Reduce per-token values `x` [B, T] over `mask` to a scalar, following cfg.loss_agg_mode.
+
+    - seq-mean-token-mean: (1/D) sum_i [ sum_t m x / max(1, sum_t m) ]   (the reference)
+    - token-mean:          (1/D) sum_{i,t} m x
+    - seq-mean-token-sum-norm: (1/D) sum_i [ sum_t m x / L ], L = cfg.loss_token_norm or T  (Dr. GRPO)
+    with D = `denominator` if given, else `loss_denominator` of this batch (at least 1).
+    """
+    m = mask.bool()
+    xm = masked_fill_safe(x, m)
+    d = loss_denominator(m, cfg, response_mask) if denominator is None else float(denominator)
+    d = max(d, 1.0)
+    if cfg.loss_agg_mode == "token-mean":
+        return xm.sum() / d
+    if cfg.loss_agg_mode == "seq-mean-token-mean":
+        per_seq = xm.sum(dim=1) / m.sum(dim=1).clamp_min(1).to(xm.dtype)
+    else:
+        per_seq = xm.sum(dim=1) / float(cfg.loss_token_norm or m.shape[1])
+    return per_seq.sum() / d
+
+
+def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str, clamp: float) -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta, clamped to [-clamp, clamp].
+
+    k1 = log pi - log pi_ref; k2 = (k1)^2 / 2; k3 = exp(-k1) + k1 - 1 (unbiased, >= 0, low variance).
+    """
+    d = logp - logp_ref
+    if estimator == "k1":
+        kl = d
+    elif estimator == "k2":
+        kl = 0.5 * d.square()
+    elif estimator == "k3":
+        kl = torch.exp((-d).clamp(max=clamp + 1.0)) + d - 1.0  # exp bounded so kl never overflows to inf
+    else:
+        raise ValueError(f"kl estimator {estimator!r} is unknown; choose one of k1, k2, k3")
+    return kl.clamp(-clamp, clamp)
+
+
+def policy_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    weights: Tensor | None,
+    cfg: AlgoConfig,
+    logp_ref: Tensor | None = None,
+    entropy: Tensor | None = None,
+    *,
+    response_mask: Tensor | None = None,
+    denominator: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped policy-gradient loss of one (micro-)batch, to minimise.
+
+    r_t = exp(clamp(log pi_theta - log pi_old)),
+    pg_t = w_t * max(-r_t A, -clip(r_t, 1 - eps_low, 1 + eps_high) A), capped at -c A for A < 0 (dual clip),
+    loss = agg(pg) + beta * agg(kl(pi_theta || pi_ref)) - entropy_coef * agg(entropy).
+
+    Args:
+        logp: [B, T] log pi_theta of the sampled tokens, with gradient.
+        logp_old: [B, T] the PPO anchor: dense pi_old (decoupled / none) or the sampler's (bypass); detached.
+        advantages: [B] per sequence (broadcast to its tokens) or [B, T] per token; detached.
+        mask: [B, T] the loss mask = response mask * keep_mask of `correction_weights` (rejected tokens and
+            every token of a rejected sequence are 0). A 0 token contributes nothing, whatever its values
+            (even inf/NaN), and receives zero gradient.
+        weights: [B, T] detached IS weights (>= 0) from `correction_weights`; None means all ones.
+        cfg: clip, dual clip, aggregation, KL and entropy settings.
+        logp_ref: [B, T] reference-model log-probs; required when cfg.kl_coef > 0.
+        entropy: [B, T] per-token entropy of pi_theta, with gradient; required when cfg.entropy_coef > 0.
+        response_mask: [B, T] response tokens before rejection; with token-mean and
+            cfg.rejected_in_denominator, rejected tokens then count in the denominator.
+        denominator: divide by this instead of this batch's own count (see `loss_denominator`).
+
+    Returns the scalar loss and metrics keyed 'actor/<name>' (token statistics over the kept tokens).
+    """
+    check_2d("logp", logp)
+    m = as_mask(mask, logp)
+    for name, t in (
+        ("logp_old", logp_old),
+        ("weights", weights),
+        ("logp_ref", logp_ref),
+        ("entropy", entropy),
+    ):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
+    if response_mask is not None:
+        response_mask = as_mask(response_mask, logp, "response_mask")
+    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
+        advantages = advantages[:, None].expand_as(logp)
+    elif advantages.shape != logp.shape:
+        raise ValueError(
+            f"advantages have shape {tuple(advantages.shape)}, expected [B] or {tuple(logp.shape)}"
+        )
+
+    lp = masked_fill_safe(logp.float(), m)
+    old = masked_fill_safe(logp_old.detach().float(), m)
+    adv = masked_fill_safe(advantages.detach().float(), m)
+    w = torch.ones_like(lp) if weights is None else masked_fill_safe(weights.detach().float(), m)
+    if bool((w < 0).any()):
+        raise ValueError("weights must be >= 0 on the loss mask (importance weights)")
+
+    c = cfg.log_ratio_clamp
+    log_ratio = (lp - old).clamp(-c, c)
+    ratio = log_ratio.exp()
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = m & (loss_clipped > loss_unclipped)
+    dual = torch.zeros_like(m)
+    if cfg.dual_clip_c is not None:
+        cap = -adv * cfg.dual_clip_c
+        dual = m & (adv < 0) & (pg > cap)
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    pg_tok = w * pg
+
+    agg = {"response_mask": response_mask, "denominator": denominator}
+    pg_loss = aggregate(pg_tok, m, cfg, **agg)
+    loss = pg_loss
+    metrics: dict[str, Tensor | float] = {
+        "pg_loss": pg_loss.detach(),
+        "pg_clipfrac": masked_mean(clipped.float(), m),
+        "pg_clipfrac_lower": masked_mean(dual.float(), m),
+        "ppo_kl": masked_mean((old - lp).detach(), m),
+        "ratio_mean": masked_mean(ratio.detach(), m, empty=1.0),
+        "ratio_max": masked_max(ratio.detach(), m, empty=1.0),
+        "kept_tokens": m.sum().float(),
+    }
+
+    if cfg.kl_coef > 0 and logp_ref is None:
+        raise ValueError(f"algo.kl_coef={cfg.kl_coef} > 0 needs logp_ref (log-probs of the reference model)")
+    if logp_ref is not None:
+        ref = masked_fill_safe(logp_ref.detach().float(), m)
+        kl_loss = aggregate(kl_penalty(lp, ref, cfg.kl_estimator, cfg.kl_clamp), m, cfg, **agg)
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl_loss
+        metrics["kl_ref"] = kl_loss.detach()
+
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"algo.entropy_coef={cfg.entropy_coef} > 0 needs the per-token entropy")
+    if entropy is not None:
+        ent = aggregate(masked_fill_safe(entropy.float(), m), m, cfg, **agg)
+        if cfg.entropy_coef > 0:
+            loss = loss - cfg.entropy_coef * ent
+        metrics["entropy"] = ent.detach()
+
+    metrics["loss"] = loss.detach()
+    return loss, {PREFIX + k: v for k, v in to_floats(metrics).items()}
