@@ -38,10 +38,12 @@ class KVConfig:
         },
     )
     rkv_lambda: float = field(
-        default=0.1, metadata={"help": "R-KV: weight of importance versus redundancy (score = l*I - (1-l)*R)."}
+        default=0.1,
+        metadata={"help": "R-KV: weight of importance versus redundancy (score = l*I - (1-l)*R)."},
     )
     rkv_similarity_threshold: float = field(
-        default=0.5, metadata={"help": "R-KV: cosine similarity above which a key counts as a near-duplicate."}
+        default=0.5,
+        metadata={"help": "R-KV: cosine similarity above which a key counts as a near-duplicate."},
     )
     pool_kernel: int = field(
         default=7, metadata={"help": "SnapKV / R-KV: max-pool kernel smoothing the attention scores."}
@@ -60,7 +62,9 @@ class KVConfig:
         if self.method != "dense" and self.budget <= reserved:
             raise ValueError(
                 f"kv.budget={self.budget} must exceed the always-kept positions "
-                f"(window {self.window}" + (f" + {self.n_sink} sinks" if self.method == "streaming_llm" else "") + ")"
+                f"(window {self.window}"
+                + (f" + {self.n_sink} sinks" if self.method == "streaming_llm" else "")
+                + ")"
             )
 
     @property

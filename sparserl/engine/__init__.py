@@ -1,0 +1,18 @@
+"""The rollout engine: our decoder forward, a preallocated (optionally evicting) KV cache, sampling, scoring."""
+
+from __future__ import annotations
+
+from sparserl.engine.kv_config import EVICTION_METHODS, KV_METHODS, KVConfig
+from sparserl.engine.rollout import RolloutEngine, Rollouts, Sample
+from sparserl.engine.scoring import completion_logprobs, score
+
+__all__ = [
+    "EVICTION_METHODS",
+    "KV_METHODS",
+    "KVConfig",
+    "RolloutEngine",
+    "Rollouts",
+    "Sample",
+    "completion_logprobs",
+    "score",
+]

@@ -1,0 +1,125 @@
+"""The eviction interface: a method scores held slots; `Evictor` keeps the best ones plus the recent window."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sparserl.engine.cache import KVCache
+from sparserl.engine.kv_config import KVConfig
+
+
+@dataclass
+class SlotView:
+    """What a method may look at in one layer, for the rows being compressed.
+
+    keys [r, Hkv, S, D]; positions [r, Hkv, S]; candidates [r, S] marks held slots outside the protected
+    recent window (only those compete); queries [r, Hq, w, D] are the last queries seen, `num_queries` [r] of
+    them valid; extras are the per-slot states the method asked the cache to carry.
+    """
+
+    keys: Tensor
+    positions: Tensor
+    candidates: Tensor
+    queries: Tensor
+    num_queries: Tensor
+    extras: dict[str, Tensor]
+    scale: float
+
+
+class EvictionMethod(ABC):
+    """One KV eviction rule. Higher score = keep. Subclasses stay small: a score, maybe an observer."""
+
+    extras: tuple[str, ...] = ()
+
+    def __init__(self, cfg: KVConfig):
+        self.cfg = cfg
+
+    @abstractmethod
+    def score(self, view: SlotView) -> Tensor:
+        """Scores [r, Hkv, S] of every slot (non-candidates are ignored)."""
+
+    def observe(self, cache: KVCache, layer: int, probs: Tensor, span: int) -> None:
+        """See one decode step's attention probabilities [rows, Hkv, G, span]; stateless methods ignore it."""
+
+    def observe_prefill(self, cache: KVCache, layer: int, probs: Tensor) -> None:
+        """See the prefill attention [rows, Hkv, G, T, T] (only called when `needs_prefill_attention`)."""
+
+    needs_prefill_attention: bool = False
+
+
+def window_attention(view: SlotView) -> Tensor:
+    """Mean over the valid window queries of their softmax attention to candidate keys, max over each KV group.
+
+    Window keys are excluded from the softmax (SnapKV's observation window). Returns [r, Hkv, S].
+    """
+    r, hkv, s, d = view.keys.shape
+    hq, w = view.queries.shape[1], view.queries.shape[2]
+    q = view.queries.view(r, hkv, hq // hkv, w, d).float()
+    logits = torch.matmul(q, view.keys.float()[:, :, None].transpose(-1, -2)) * view.scale  # [r,Hkv,G,w,S]
+    logits = logits.masked_fill(~view.candidates[:, None, None, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1).nan_to_num(0.0)
+    q_valid = (torch.arange(w, device=q.device)[None, :] < view.num_queries[:, None]).float()  # [r, w]
+    mean = (probs * q_valid[:, None, None, :, None]).sum(3) / q_valid.sum(1).clamp(min=1)[:, None, None, None]
+    return mean.amax(dim=2)
+
+
+def max_pool(scores: Tensor, kernel: int) -> Tensor:
+    """1-D max pooling along slots with 'same' padding, smoothing scores over neighbouring tokens."""
+    r, h, s = scores.shape
+    pooled = torch.nn.functional.max_pool1d(
+        scores.reshape(r * h, 1, s), kernel, stride=1, padding=kernel // 2
+    )
+    return pooled.view(r, h, s)
+
+
+class Evictor:
+    """Cuts rows of a cache back to a target number of slots with one eviction method."""
+
+    def __init__(self, method: EvictionMethod, cfg: KVConfig, scale: float):
+        self.method = method
+        self.cfg = cfg
+        self.scale = scale
+
+    def compress(self, cache: KVCache, rows: Tensor, target: int, keep_recent: int) -> None:
+        """Keep `target` slots of each listed row in every layer: the last `keep_recent` plus the best-scored."""
+        if rows.numel() == 0:
+            return
+        shared: Tensor | None = None
+        for layer in range(cache.num_layers):
+            if shared is None:
+                slots = self.select(cache, layer, rows, target, keep_recent)
+                if self.cfg.granularity == "shared":
+                    shared = slots
+            else:
+                slots = shared
+            cache.keep(rows, layer, slots)
+        cache.length[rows] = target
+
+    def select(self, cache: KVCache, layer: int, rows: Tensor, target: int, keep_recent: int) -> Tensor:
+        """Slot indices [r, Hkv, target] to keep, in chronological order."""
+        length = cache.length[rows]
+        span = int(length.max())
+        keys = cache.k[layer][rows, :, :span]
+        slot = torch.arange(span, device=keys.device)[None, :]
+        recent_start = (length - keep_recent)[:, None]
+        view = SlotView(
+            keys=keys,
+            positions=cache.pos[layer][rows, :, :span],
+            candidates=slot < recent_start,
+            queries=cache.queries[layer][rows],
+            num_queries=cache.query_count[rows].clamp(max=cache.queries[layer].shape[2]),
+            extras={name: store[layer][rows, :, :span] for name, store in cache.extras.items()},
+            scale=self.scale,
+        )
+        scores = self.method.score(view).float()
+        if self.cfg.granularity == "shared":
+            scores = scores.sum(dim=1, keepdim=True).expand_as(scores)
+        scores = scores.masked_fill(~view.candidates[:, None, :], float("-inf"))
+        best = scores.topk(target - keep_recent, dim=-1).indices
+        recent = (recent_start + torch.arange(keep_recent, device=keys.device)[None, :])[:, None, :]
+        recent = recent.expand(-1, keys.shape[1], -1)
+        return torch.cat([best, recent], dim=-1).sort(dim=-1).values

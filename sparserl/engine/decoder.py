@@ -1,0 +1,113 @@
+"""The engine's own forward pass over a Hugging Face decoder's modules, so that the KV cache and attention are ours.
+
+Only the glue is ours: projections, norms, MLPs, embeddings and the rotary tables are the model's own modules
+(PEFT LoRA layers included), so a weight update or an enabled adapter is seen here at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from sparserl.models import check_supported
+
+
+def causal_lm(model: nn.Module) -> PreTrainedModel:
+    """The underlying `*ForCausalLM`, unwrapping a PEFT model (its LoRA layers stay in place)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class LayerQKV:
+    """Post-RoPE queries [B, Hq, T, D], keys and values [B, Hkv, T, D] of one layer."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+
+
+class Decoder:
+    """Runs a Llama/Mistral/Qwen2/Qwen3 decoder layer by layer, leaving attention to the caller."""
+
+    def __init__(self, model: nn.Module):
+        lm = causal_lm(model)
+        check_supported(lm, getattr(lm.config, "name_or_path", "model") or "model")
+        cfg = lm.config
+        self.model = lm
+        self.layers = lm.model.layers
+        self.num_layers = len(self.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        self.scale = self.head_dim**-0.5
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.model.embed_tokens(input_ids)
+
+    def rope(self, hidden: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin tables [B, T, D] for the true positions [B, T]."""
+        return self.model.model.rotary_emb(hidden, positions)
+
+    def qkv(self, layer: int, hidden: Tensor, rope: tuple[Tensor, Tensor]) -> LayerQKV:
+        attn = self.layers[layer].self_attn
+        x = self.layers[layer].input_layernorm(hidden)
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = (r.unsqueeze(1) for r in rope)
+        return LayerQKV(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v)
+
+    def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
+        """Output projection, residuals and MLP; `attn_out` is [B, Hq, T, D]."""
+        mod = self.layers[layer]
+        b, _, t, _ = attn_out.shape
+        hidden = hidden + mod.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
+        return hidden + mod.mlp(mod.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(self.model.model.norm(hidden)).float()
+
+
+def prefill_attention(qkv: LayerQKV, valid: Tensor) -> Tensor:
+    """Causal attention over a right-padded batch; `valid` [B, T] marks real tokens."""
+    t = valid.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    mask = causal[None, None] & valid[:, None, None, :]
+    return nn.functional.scaled_dot_product_attention(qkv.q, qkv.k, qkv.v, attn_mask=mask, enable_gqa=True)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """One query per row against its cached keys, grouped by KV head (no KV repetition).
+
+    q [N, Hq, 1, D]; k, v [N, Hkv, S, D]; valid [N, S] or [N, Hkv, S]. Returns the output [N, Hq, 1, D] and
+    the attention probabilities [N, Hkv, G, S] (G query heads per KV head), which eviction methods score with.
+    """
+    n, hq, _, d = q.shape
+    hkv = k.shape[1]
+    qg = q.view(n, hkv, hq // hkv, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale
+    mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    out = torch.matmul(probs.to(v.dtype), v)
+    return out.view(n, hq, 1, d), probs

@@ -1,0 +1,295 @@
+"""The rollout engine: batched sampling on our own KV cache, dense or evicted to a budget, with sampler log-probs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedTokenizerBase
+
+from sparserl.engine.cache import KVCache
+from sparserl.engine.compression import make_evictor
+from sparserl.engine.decoder import Decoder, decode_attention, prefill_attention
+from sparserl.engine.kv_config import KVConfig
+from sparserl.engine.sampling import sample_next
+
+
+@dataclass
+class Sample:
+    """One sampled completion. `logprobs[t]` is log p_sampler(token t) under the processed distribution."""
+
+    prompt_index: int
+    completion_ids: list[int]
+    logprobs: Tensor
+    finish_reason: str
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Rollouts:
+    """The samples of one `generate` call (the n samples of prompt i contiguous) and the call's statistics."""
+
+    samples: list[Sample]
+    stats: dict[str, float]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __iter__(self) -> Iterator[Sample]:
+        return iter(self.samples)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.samples[i]
+
+
+def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = getattr(model, "generation_config", None)
+    extra = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids.update(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+    return ids
+
+
+class RolloutEngine:
+    """Samples n completions per prompt. The KV cache is preallocated and, with an eviction method, bounded.
+
+    A prompt is prefilled once (dense) and its KV copied to its n samples. With `kv.method` an eviction
+    method, a prompt longer than `kv.budget` is cut to the budget right after prefill, and during decoding every
+    `kv.interval` steps each sequence holding `budget` or more positions is cut back so that it holds exactly
+    `budget` after the step's token is written: no row ever holds more than `budget + interval - 1` positions.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, kv: KVConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.decoder = Decoder(model)
+        self.kv = kv or KVConfig()
+        self.evictor = make_evictor(self.kv, self.decoder.scale) if self.kv.evicting else None
+        self.eos_ids = eos_token_ids(model, tokenizer)
+
+    def _check(self, prompt_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int) -> None:
+        if not prompt_ids:
+            raise ValueError("generate: the prompt list is empty")
+        if n < 1 or max_new_tokens < 1:
+            raise ValueError(f"generate: n ({n}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+        limit = self.decoder.max_positions
+        for i, p in enumerate(prompt_ids):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty")
+            if limit and len(p) + max_new_tokens > limit:
+                raise ValueError(
+                    f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
+                    f"the model's context of {limit} positions"
+                )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int = 1,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | None = None,
+        seed: int = 0,
+    ) -> Rollouts:
+        """Sample `n` completions for each prompt (token ids, chat template already applied)."""
+        self._check(prompt_ids, n, max_new_tokens)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._generate(
+                prompt_ids, n, max_new_tokens, temperature, top_p, top_k, list(stop or []), seed
+            )
+        finally:
+            self.model.train(was_training)
+
+    def _decode_capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
+        if self.evictor is None:
+            return longest_prompt + max_new_tokens
+        return min(self.kv.budget + self.kv.interval - 1, longest_prompt + max_new_tokens)
+
+    def _generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed) -> Rollouts:
+        dec, kv, dev = self.decoder, self.kv, self.decoder.device
+        t0 = time.perf_counter()
+        prompt_len = torch.tensor([len(p) for p in prompt_ids], device=dev)
+        longest = int(prompt_len.max())
+        capacity = self._decode_capacity(longest, max_new_tokens)
+        cache = KVCache(
+            dec.num_layers, len(prompt_ids), dec.num_kv_heads, dec.num_heads, dec.head_dim,
+            max(capacity, longest), kv.window, dec.dtype, dev,
+            extras=self.evictor.method.extras if self.evictor else (),
+        )  # fmt: skip
+        logits = self._prefill(prompt_ids, prompt_len, cache)
+        compress_s, events = 0.0, torch.zeros(len(prompt_ids), dtype=torch.long, device=dev)
+        if self.evictor is not None:
+            c0 = time.perf_counter()
+            long_rows = (cache.length > kv.budget).nonzero().squeeze(-1)
+            self.evictor.compress(cache, long_rows, kv.budget, kv.window)
+            events[long_rows] += 1
+            compress_s += time.perf_counter() - c0
+        expand = torch.arange(len(prompt_ids), device=dev).repeat_interleave(n)
+        cache.select_rows(expand, capacity=capacity)
+        logits, events, total = logits[expand], events[expand], prompt_len[expand].clone()
+        prefill_s = time.perf_counter() - t0
+
+        rows = len(expand)
+        alive = torch.arange(rows, device=dev)  # sample index of each cache row
+        tokens = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
+        logps = torch.zeros(rows, max_new_tokens, device=dev)
+        length = torch.zeros(rows, dtype=torch.long, device=dev)
+        finish = ["length"] * rows
+        peak = cache.length.clone()
+        retained_sum = torch.zeros(rows, device=dev)
+        peak_bytes = cache.nbytes()
+        gen = torch.Generator(device=dev).manual_seed(seed)
+        t1 = time.perf_counter()
+        for step in range(max_new_tokens):
+            tok, lp = sample_next(logits, gen, temperature, top_p, top_k)
+            tokens[alive, step], logps[alive, step] = tok, lp
+            length[alive] = step + 1
+            done = self._finished(tok, alive, tokens, step, stop, finish)
+            if step == max_new_tokens - 1:
+                break
+            if done.any():
+                keep = (~done).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                alive, tok = alive[keep], tok[keep]
+                cache.select_rows(keep)
+            if self.evictor is not None and (step + 1) % kv.interval == 0:
+                c0 = time.perf_counter()
+                over = (cache.length >= kv.budget).nonzero().squeeze(-1)
+                self.evictor.compress(cache, over, kv.budget - 1, kv.window - 1)
+                events[alive[over]] += 1
+                compress_s += time.perf_counter() - c0
+            logits = self._decode_step(tok, total[alive], cache)
+            total[alive] += 1
+            peak[alive] = torch.maximum(peak[alive], cache.length)
+            retained_sum[alive] += cache.length / total[alive]
+            peak_bytes = max(peak_bytes, cache.nbytes())
+        decode_s = time.perf_counter() - t1
+        return self._collect(
+            expand, tokens, logps, length, finish, peak, events, retained_sum, cache,
+            prefill_s=prefill_s, decode_s=decode_s, compress_s=compress_s, peak_bytes=peak_bytes,
+        )  # fmt: skip
+
+    def _finished(
+        self, tok: Tensor, alive: Tensor, tokens: Tensor, step: int, stop: list[str], finish
+    ) -> Tensor:
+        """Mark rows whose new token is an EOS or completes a stop string."""
+        done = torch.zeros_like(tok, dtype=torch.bool)
+        if self.eos_ids:
+            done |= torch.isin(tok, torch.tensor(sorted(self.eos_ids), device=tok.device))
+        if stop:
+            tail = max(len(s) for s in stop) + 2
+            for i, sample in enumerate(alive.tolist()):
+                if not done[i]:
+                    text = self.tokenizer.decode(tokens[sample, max(0, step + 1 - tail) : step + 1].tolist())
+                    done[i] = any(s in text for s in stop)
+        for i in done.nonzero().squeeze(-1).tolist():
+            finish[alive[i]] = "stop"
+        return done
+
+    def _prefill(self, prompt_ids, prompt_len: Tensor, cache: KVCache) -> Tensor:
+        """Dense forward over the right-padded prompts, filling the cache; returns next-token logits [P, V]."""
+        dec, dev = self.decoder, self.decoder.device
+        p, t = len(prompt_ids), int(prompt_len.max())
+        pad = self.tokenizer.pad_token_id or 0
+        ids = torch.full((p, t), pad, dtype=torch.long, device=dev)
+        for i, row in enumerate(prompt_ids):
+            ids[i, : len(row)] = torch.tensor(row, device=dev)
+        valid = torch.arange(t, device=dev)[None, :] < prompt_len[:, None]
+        positions = torch.arange(t, device=dev)[None, :].expand(p, t)
+        hidden = dec.embed(ids)
+        rope = dec.rope(hidden, positions)
+        w = self.kv.window
+        last = (prompt_len[:, None] - w + torch.arange(w, device=dev)[None, :]).clamp(min=0)  # [P, w]
+        observe = self.evictor is not None and self.evictor.method.needs_prefill_attention
+        for layer in range(dec.num_layers):
+            qkv = dec.qkv(layer, hidden, rope)
+            if observe:
+                out, probs = full_attention_with_probs(qkv, valid, dec.scale)
+                self.evictor.method.observe_prefill(cache, layer, probs)
+            else:
+                out = prefill_attention(qkv, valid)
+            cache.fill(layer, qkv.k, qkv.v, positions, prompt_len)
+            q_last = qkv.q.gather(2, last[:, None, :, None].expand(-1, dec.num_heads, -1, dec.head_dim))
+            cache.queries[layer].scatter_(2, (last % w)[:, None, :, None].expand_as(q_last), q_last)
+            hidden = dec.finish_layer(layer, hidden, out)
+        cache.query_count = prompt_len.clone()
+        return dec.logits(hidden[torch.arange(p, device=dev), prompt_len - 1])
+
+    def _decode_step(self, tok: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
+        """Feed one token per row at its true position; returns next-token logits [rows, V]."""
+        dec = self.decoder
+        hidden = dec.embed(tok[:, None])
+        rope = dec.rope(hidden, positions[:, None])
+        span = int(cache.length.max()) + 1
+        valid = cache.valid(span, extra=1)
+        for layer in range(dec.num_layers):
+            qkv = dec.qkv(layer, hidden, rope)
+            cache.write(layer, qkv.k, qkv.v, positions)
+            k, v = cache.view(layer, span)
+            out, probs = decode_attention(qkv.q, k, v, valid, dec.scale)
+            if self.evictor is not None:
+                cache.remember_queries(layer, qkv.q)
+                self.evictor.method.observe(cache, layer, probs, span)
+            hidden = dec.finish_layer(layer, hidden, out)
+        cache.advance()
+        cache.query_count += 1
+        return dec.logits(hidden[:, 0])
+
+    def _collect(
+        self, expand, tokens, logps, length, finish, peak, events, retained_sum, cache, **t
+    ) -> Rollouts:
+        samples = []
+        steps = (length - 1).clamp(min=1).float()
+        for i in range(len(expand)):
+            k = int(length[i])
+            samples.append(
+                Sample(
+                    prompt_index=int(expand[i]),
+                    completion_ids=tokens[i, :k].tolist(),
+                    logprobs=logps[i, :k].float().cpu(),
+                    finish_reason=finish[i],
+                    stats={
+                        "kv_peak_positions": int(peak[i]),
+                        "compression_events": int(events[i]),
+                        "retained_fraction": float(retained_sum[i] / steps[i]) if k > 1 else 1.0,
+                    },
+                )
+            )
+        generated = int(length.sum())
+        wall = t["prefill_s"] + t["decode_s"]
+        stats = {
+            "tokens_per_s": generated / wall if wall > 0 else 0.0,
+            "generated_tokens": float(generated),
+            "peak_kv_positions": float(peak.max()),
+            "peak_kv_bytes": float(t["peak_bytes"]),
+            "kv_bytes_per_position": float(cache.bytes_per_position()),
+            "retained_fraction": sum(s.stats["retained_fraction"] for s in samples) / len(samples),
+            "compression_events": float(events.sum()),
+            "prefill_s": t["prefill_s"],
+            "decode_s": t["decode_s"],
+            "compress_s": t["compress_s"],
+        }
+        return Rollouts(samples, stats)
+
+
+def full_attention_with_probs(qkv, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Causal prefill attention that also returns its probabilities [P, Hkv, G, T, T] (for H2O)."""
+    p, hq, t, d = qkv.q.shape
+    hkv = qkv.k.shape[1]
+    q = qkv.q.view(p, hkv, hq // hkv, t, d)
+    scores = torch.matmul(q, qkv.k[:, :, None].transpose(-1, -2)) * scale
+    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
+    mask = causal[None, None, None] & valid[:, None, None, None, :]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    out = torch.matmul(probs.to(qkv.v.dtype), qkv.v[:, :, None])
+    return out.view(p, hq, t, d), probs
