@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from sparserl.tasks.config import TaskConfig
+from sparserl.tasks.config import BUILTIN_TASKS, TaskConfig
+from sparserl.tasks.rewards import RewardStats, safe_call
 
 
 @dataclass
@@ -21,9 +22,14 @@ class Example:
 
 class Task:
     """A sequence of examples and the reward of a completion. Subclasses implement `__len__`, `__getitem__`
-    and `reward`; `score` wraps `reward` so that errors and hangs score 0 and are counted."""
+    and `reward`; `score` wraps `reward` so that errors and hangs score 0 and are counted in `stats`.
+
+    `self_guarded = True` says `reward` bounds its own time (the built-in tasks do: math-verify runs in a
+    killable worker); otherwise `score` runs it in a thread and gives up after `reward_timeout` seconds."""
 
     name: str = "task"
+    reward_timeout: float = 5.0
+    self_guarded: bool = False
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -37,6 +43,28 @@ class Task:
     def reward(self, completion_text: str, example: Example) -> float:
         """Reward of one completion, in [0, 1]."""
         raise NotImplementedError
+
+    @property
+    def stats(self) -> RewardStats:
+        """Failure counters of `score` (the trainer logs `stats.as_metrics()`)."""
+        if "_stats" not in self.__dict__:
+            self.__dict__["_stats"] = RewardStats()
+        return self.__dict__["_stats"]
+
+    def warmup(self) -> None:
+        """Prepare what `reward` needs (e.g. start a worker) outside the timed call; called by `score`."""
+
+    def score(self, completion_text: str, example: Example) -> float:
+        """`reward`, or 0.0 (counted in `stats`) when it raises, returns NaN/inf or overruns."""
+        self.warmup()
+        timeout = None if self.self_guarded else self.reward_timeout
+        return safe_call(self.reward, completion_text, example, timeout=timeout, stats=self.stats)
+
+    def score_batch(self, completions: list[str], examples: list[Example]) -> list[float]:
+        """`score` of each (completion, example) pair."""
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
+        return [self.score(c, e) for c, e in zip(completions, examples, strict=True)]
 
 
 TaskFactory = Callable[[TaskConfig, str], Task]
@@ -54,10 +82,17 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 
 
 def make_task(cfg: TaskConfig, split: str = "train") -> Task:
-    """Build the task `cfg.name` for `split` (overridden by `cfg.split` when set)."""
+    """Build the task `cfg.name` for `split` (`cfg.split` wins when set). A name that is not registered is
+    read as a local data file or a Hugging Face dataset name ('owner/name')."""
     import sparserl.tasks.builtin  # noqa: F401  (registers the built-in tasks)
+    from sparserl.tasks.dataset import is_local_source, make_dataset_task
 
     split = cfg.split or split
     if cfg.name in TASKS:
         return TASKS[cfg.name](cfg, split)
-    raise ValueError(f"task.name={cfg.name!r} is unknown; choose one of {', '.join(TASKS)} or a data path")
+    if is_local_source(cfg.name) or "/" in cfg.name:
+        return make_dataset_task(cfg, split)
+    raise ValueError(
+        f"task.name={cfg.name!r} is unknown; choose one of {', '.join(sorted(set(TASKS) | set(BUILTIN_TASKS)))}, "
+        "a .jsonl/.json/.parquet path or a Hugging Face dataset name"
+    )

@@ -1,0 +1,59 @@
+"""Worker process of `rewards.MathVerifier`: reads `[gold, pred]` JSON lines on stdin, answers one JSON line
+each on stdout (`{"ok": bool}` or `{"error": str}`). Runs math-verify with its signal timeouts off: the
+parent kills this process when a call overruns."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this worker when its parent dies (even mid-computation)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def main() -> None:
+    """Serve requests until stdin closes."""
+    _die_with_parent()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints go to stderr, never into the reply stream
+    sys.stdout = sys.stderr
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    from math_verify import parse, verify
+
+    gold_cache: dict[str, list] = {}
+    out.write(json.dumps({"ready": True}) + "\n")
+    for line in sys.stdin:
+        try:
+            request = json.loads(line)
+            if isinstance(request, dict):  # test hook: {"sleep": seconds}
+                time.sleep(float(request["sleep"]))
+                out.write(json.dumps({"ok": False}) + "\n")
+                continue
+            gold_text, pred_text = request
+            gold = gold_cache.get(gold_text)
+            if gold is None:
+                gold = parse(gold_text, parsing_timeout=None)
+                if len(gold_cache) > 4096:
+                    gold_cache.clear()
+                gold_cache[gold_text] = gold
+            pred = parse(pred_text, parsing_timeout=None)
+            ok = bool(verify(gold, pred, timeout_seconds=None)) if gold and pred else False
+            out.write(json.dumps({"ok": ok}) + "\n")
+        except Exception as e:  # reported to the parent, which counts it
+            out.write(json.dumps({"error": f"{type(e).__name__}: {e}"}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

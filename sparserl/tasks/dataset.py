@@ -1,0 +1,207 @@
+"""`gsm8k`, `math` and any other question/answer dataset, from a local JSONL/JSON/Parquet file or a Hugging
+Face dataset name, with per-file field mapping.
+
+The question and answer fields are detected on the first row (`QUESTION_KEYS`, `ANSWER_KEYS`, in order) or
+set with `task.question_key` / `task.answer_key` (dotted for nested fields). The question may be a string or
+a list of chat messages. The reference is reduced to the final answer (`#### N`, last `\\boxed{}`, lists
+joined). A malformed row (bad JSON, missing field, no final answer in a solution) raises ValueError naming
+the file and line (or row); a row whose answer is empty is skipped with a warning (it cannot be scored)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sparserl.tasks.base import Example, Task
+from sparserl.tasks.config import TaskConfig
+from sparserl.tasks.prompts import build_messages, normalize_messages
+from sparserl.tasks.rewards import (
+    extract_boxed,
+    extract_hash_answer,
+    get_verifier,
+    math_reward,
+    reference_answer,
+)
+
+logger = logging.getLogger(__name__)
+
+QUESTION_KEYS = ("problem", "question", "prompt", "query", "input", "instruction")
+ANSWER_KEYS = ("final_answer", "answer", "label", "ground_truth", "gt", "target", "solution")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+DEFAULT_SOURCES = {
+    "gsm8k": ("openai/gsm8k", "main"),
+    "math": ("DigitalLearningGmbH/MATH-lighteval", "default"),
+}
+
+
+def is_local_source(source: str) -> bool:
+    """A path to a file (existing, or named like one) rather than a Hugging Face dataset name."""
+    return Path(source).suffix.lower() in LOCAL_SUFFIXES or Path(source).is_file()
+
+
+def iter_rows(source: str, split: str = "train", data_config: str = "") -> Iterator[tuple[dict, str]]:
+    """Rows of `source` with their location ('file:LINE', 'file row N', 'name[split] row N')."""
+    if is_local_source(source):
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(f"dataset file {source} does not exist")
+        if path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+
+            for n, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+                yield row, f"{path} row {n}"
+            return
+        text = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+            for n, row in enumerate(rows, start=1):
+                yield row, f"{path} item {n}"
+            return
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield row, f"{path}:{lineno}"
+        return
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, data_config or None, split=split)
+    except Exception as e:
+        raise ValueError(
+            f"task data {source!r} is not a local .jsonl/.json/.parquet file and could not be loaded as a "
+            f"Hugging Face dataset (config {data_config or None!r}, split {split!r}): {e}"
+        ) from e
+    for n, row in enumerate(ds, start=1):
+        yield dict(row), f"{source}[{split}] row {n}"
+
+
+def get_field(row: dict, key: str) -> Any:
+    """`row[key]`, following dots into nested dicts; KeyError if absent."""
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(key)
+        value = value[part]
+    return value
+
+
+def detect_key(row: dict, candidates: tuple[str, ...], what: str, where: str, override_name: str) -> str:
+    """The first candidate present (and not None) in `row`."""
+    for key in candidates:
+        if row.get(key) is not None:
+            return key
+    raise ValueError(
+        f"{where}: no {what} field found among {', '.join(candidates)} (row has {', '.join(row) or 'no fields'}); "
+        f"set task.{override_name}"
+    )
+
+
+def row_answer(value: Any, key: str, where: str) -> str:
+    """The final answer in a row's answer field (raising, with the location, when there is none)."""
+    try:
+        answer = reference_answer(value)
+    except ValueError as e:
+        raise ValueError(f"{where}: field {key!r}: {e}") from None
+    if (
+        "solution" in key.lower()
+        and isinstance(value, str)
+        and extract_boxed(value) is None
+        and extract_hash_answer(value) is None
+    ):
+        raise ValueError(f"{where}: field {key!r} holds no \\boxed{{}} or '#### N' final answer")
+    return answer
+
+
+def _meta_value(v: Any) -> bool:
+    return isinstance(v, (int, float, bool)) or (isinstance(v, str) and len(v) <= 200)
+
+
+class DatasetTask(Task):
+    """Questions and references read once from a file or a Hugging Face dataset; math-verify reward."""
+
+    self_guarded = True
+
+    def __init__(
+        self, cfg: TaskConfig, split: str = "train", source: str = "", data_config: str = ""
+    ) -> None:
+        self.cfg = cfg
+        self.split = split
+        self.reward_timeout = cfg.reward_timeout
+        self.source = source.replace("{split}", split)
+        self.name = cfg.name
+        self.examples: list[Example] = []
+        self.skipped: list[str] = []  # locations of rows with an empty reference answer
+        qkey, akey = cfg.question_key, cfg.answer_key
+        for row, where in iter_rows(self.source, split, data_config):
+            if cfg.max_examples and len(self.examples) >= cfg.max_examples:
+                break
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            qkey = qkey or detect_key(row, QUESTION_KEYS, "question", where, "question_key")
+            akey = akey or detect_key(row, ANSWER_KEYS, "answer", where, "answer_key")
+            try:
+                question, answer_value = get_field(row, qkey), get_field(row, akey)
+            except KeyError as e:
+                raise ValueError(f"{where}: missing field {e.args[0]!r} (row has {', '.join(row)})") from None
+            answer = row_answer(answer_value, akey, where)
+            if not answer.strip():  # unscorable (2 such rows in the SimpleRL MATH file): skipped, not fatal
+                self.skipped.append(where)
+                continue
+            try:
+                if isinstance(question, str) and question.strip():
+                    messages = build_messages(question, cfg.instruction, cfg.system_prompt)
+                elif isinstance(question, (list, tuple)):
+                    messages = normalize_messages(question, cfg.instruction, cfg.system_prompt)
+                else:
+                    raise ValueError("must be a non-empty string or a list of chat messages")
+            except ValueError as e:
+                raise ValueError(f"{where}: field {qkey!r}: {e}") from None
+            meta = {k: v for k, v in row.items() if k not in (qkey, akey) and _meta_value(v)}
+            meta.update(source=where, index=len(self.examples))
+            self.examples.append(Example(messages, answer, meta))
+        if self.skipped:
+            logger.warning(
+                "%s: skipped %d rows with an empty answer (%s%s)",
+                self.source,
+                len(self.skipped),
+                ", ".join(self.skipped[:3]),
+                ", ..." if len(self.skipped) > 3 else "",
+            )
+        if not self.examples:
+            raise ValueError(f"task data {self.source!r} (split {split!r}) holds no rows")
+        self.question_key, self.answer_key = qkey, akey
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> Example:
+        return self.examples[i]
+
+    def warmup(self) -> None:
+        """Start the math-verify worker outside any timed reward call."""
+        get_verifier().start()
+
+    def reward(self, completion_text: str, example: Example) -> float:
+        """math-verify equivalence of the extracted answer with the reference, mixed with the format reward."""
+        return math_reward(completion_text, example.answer, self.cfg.format_weight, self.cfg.reward_timeout)
+
+
+def make_dataset_task(cfg: TaskConfig, split: str) -> DatasetTask:
+    """The gsm8k/math task (default Hugging Face source unless `task.data` is set) or a task read from the
+    file or dataset named by `task.name`."""
+    if cfg.data:
+        return DatasetTask(cfg, split, cfg.data, cfg.data_config)
+    if cfg.name in DEFAULT_SOURCES:
+        source, config = DEFAULT_SOURCES[cfg.name]
+        return DatasetTask(cfg, split, source, cfg.data_config or config)
+    return DatasetTask(cfg, split, cfg.name, cfg.data_config)

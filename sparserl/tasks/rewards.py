@@ -1,0 +1,426 @@
+"""Verifiable rewards: answer extraction (`\\boxed{}`, `#### N`), equivalence, format reward, fault guard.
+
+Equivalence first tries an exact numeric comparison (fast, covers arithmetic and most GSM8K answers) and
+otherwise asks math-verify. math-verify's own timeout uses `signal.alarm`, which only works in the main thread
+and cannot interrupt a computation stuck in C (a huge power or factorial inside sympy), so its timeouts are
+disabled and the call runs in a worker process (`sparserl.tasks._verify_worker`) that is killed and
+restarted when it overruns. Any reward function can be wrapped with `safe_call`: an exception or an overrun
+scores 0 and is counted in `RewardStats`, which the trainer logs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+class RewardTimeout(TimeoutError):
+    """A reward computation overran its time limit."""
+
+
+@dataclass
+class RewardStats:
+    """Counters of reward calls that failed; failures score 0. The trainer logs `as_metrics()`."""
+
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    last_error: str = ""
+
+    def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """The counters as a flat metrics dict."""
+        return {
+            f"{prefix}calls": float(self.calls),
+            f"{prefix}errors": float(self.errors),
+            f"{prefix}timeouts": float(self.timeouts),
+        }
+
+    def reset(self) -> None:
+        """Zero the counters (e.g. after each logged step)."""
+        self.calls = self.errors = self.timeouts = 0
+        self.last_error = ""
+
+
+# ----------------------------------------------------------------------------------------------- extraction
+
+
+def _match_brace(text: str, open_at: int) -> int | None:
+    """Index of the `}` closing the `{` at `open_at`, skipping escaped braces; None if unbalanced."""
+    depth = 0
+    i = open_at
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def _boxed_spans(text: str) -> list[str]:
+    """Contents of every well-formed `\\boxed{...}` / `\\fbox{...}` (or `\\boxed 5`), in order."""
+    found: list[tuple[int, str]] = []
+    for cmd in _BOX_COMMANDS:
+        start = 0
+        while (at := text.find(cmd, start)) != -1:
+            j = at + len(cmd)
+            start = j
+            if j < len(text) and (text[j].isalpha()):  # e.g. \boxedfoo: another command
+                continue
+            k = j
+            while k < len(text) and text[k] == " ":
+                k += 1
+            if k < len(text) and text[k] == "{":
+                end = _match_brace(text, k)
+                if end is not None:
+                    found.append((at, text[k + 1 : end]))
+            elif k > j:  # `\boxed 5`: up to whitespace or `$`
+                m = re.match(r"[^\s$]+", text[k:])
+                if m:
+                    found.append((at, m.group(0)))
+    found.sort(key=lambda t: t[0])
+    return [s for _, s in found]
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last well-formed `\\boxed{...}` (nested and escaped braces handled), or None."""
+    spans = _boxed_spans(text)
+    return spans[-1].strip() if spans else None
+
+
+def extract_hash_answer(text: str) -> str | None:
+    """The answer after the last `#### ` marker (GSM8K style), thousands separators removed, or None."""
+    at = text.rfind("####")
+    if at == -1:
+        return None
+    ans = text[at + 4 :].strip().split("\n", 1)[0].strip().rstrip(".").strip()
+    return _strip_thousands(ans) or None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a completion: the last `\\boxed{}`, else `#### N`, else None."""
+    boxed = extract_boxed(text)
+    return boxed if boxed is not None else extract_hash_answer(text)
+
+
+def reference_answer(value: Any) -> str:
+    """Normalize a dataset's reference to the bare final answer: lists are joined with ', ', floats that are
+    integers lose '.0', and a rationale ending in `#### N` or containing `\\boxed{}` is reduced to it."""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(reference_answer(v) for v in value)
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"reference answer {value!r} is not a string or number")
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(value, int):
+        return str(value)
+    text = str(value).strip()
+    if "####" in text:
+        return extract_hash_answer(text) or ""
+    if any(cmd in text for cmd in _BOX_COMMANDS):
+        boxed = extract_boxed(text)
+        if boxed is not None:
+            return boxed
+    return _strip_dollars(text)
+
+
+def format_reward(completion_text: str) -> float:
+    """1.0 when the completion holds a well-formed, non-empty `\\boxed{...}`, else 0.0."""
+    return 1.0 if any(s.strip() for s in _boxed_spans(completion_text)) else 0.0
+
+
+# --------------------------------------------------------------------------------------------- numeric path
+
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+_FRACTION = re.compile(r"[-+]?\d+/\d+")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _strip_dollars(s: str) -> str:
+    s = s.strip()
+    while len(s) >= 2 and s[0] == "$" and s[-1] == "$":
+        s = s[1:-1].strip()
+    return s
+
+
+def _strip_thousands(s: str) -> str:
+    s = s.replace("{,}", ",")
+    return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
+
+
+def parse_number(s: str) -> Fraction | None:
+    """Exact value of a plain number ('42', '-3.50', '1,000', '3/4', '$7$', '\\$5', '7.'), else None."""
+    s = _strip_dollars(s)
+    s = s.replace("\\!", "").replace("\\,", "").replace("\\ ", "").replace(" ", "")
+    if s.startswith("\\$"):
+        s = s[2:]
+    m = re.fullmatch(r"\\text\{(.*)\}", s)
+    if m:
+        s = m.group(1)
+    s = _strip_thousands(s)
+    if _NUMBER.fullmatch(s) or _FRACTION.fullmatch(s):
+        try:
+            return Fraction(s)
+        except (ValueError, ZeroDivisionError):
+            return None
+    return None
+
+
+def numeric_match(gold: str, pred: str) -> bool | None:
+    """Fast path: True/False when both are plain numbers and the comparison is exact, None to defer.
+
+    Unequal values are only decided when neither has a decimal point (decimals may be rounded and are left
+    to math-verify's tolerance)."""
+    g, p = parse_number(gold), parse_number(pred)
+    if g is None or p is None:
+        return None
+    if g == p:
+        return True
+    if "." not in gold and "." not in pred:
+        return False
+    return None
+
+
+# ------------------------------------------------------------------------------------------ math-verify
+
+
+class MathVerifier:
+    """math-verify `parse` + `verify` in a worker process, killable at a per-call deadline; thread-safe."""
+
+    def __init__(self, startup_timeout: float = 120.0) -> None:
+        self.startup_timeout = startup_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the worker if it is not running (imports sympy: about a second). Raises if it cannot."""
+        with self._lock:
+            self._start_locked()
+
+    def _start_locked(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "sparserl.tasks._verify_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self._buf = b""
+        try:
+            reply = self._read_line(time.monotonic() + self.startup_timeout)
+        except RewardTimeout:
+            self._kill_locked()
+            raise RuntimeError(
+                f"the math-verify worker did not start within {self.startup_timeout:.0f}s"
+            ) from None
+        if reply is None or not json.loads(reply).get("ready"):
+            self._kill_locked()
+            raise RuntimeError(
+                "the math-verify worker (python -m sparserl.tasks._verify_worker) failed to start; "
+                "is math-verify installed?"
+            )
+
+    def _read_line(self, deadline: float) -> bytes | None:
+        """One reply line from the worker before `deadline`; None if it exited; RewardTimeout if late."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RewardTimeout("math-verify overran its time limit")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    return None
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def _kill_locked(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        self._proc = None
+        self._buf = b""
+
+    def close(self) -> None:
+        """Stop the worker (it is restarted on the next call)."""
+        with self._lock:
+            self._kill_locked()
+
+    def equivalent(self, gold: str, pred: str, timeout: float = 5.0) -> bool:
+        """math-verify's verdict on LaTeX answers `gold` and `pred`. Raises RewardTimeout past `timeout`
+        seconds (the worker is killed) and RuntimeError if the worker fails."""
+        with self._lock:
+            self._start_locked()
+            assert self._proc is not None and self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(json.dumps([gold, pred]).encode() + b"\n")
+                self._proc.stdin.flush()
+                line = self._read_line(time.monotonic() + timeout)
+            except BaseException:
+                self._kill_locked()
+                raise
+            if line is None:
+                self._kill_locked()
+                raise RuntimeError("the math-verify worker exited unexpectedly")
+            reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"math-verify failed: {reply['error']}")
+        return bool(reply["ok"])
+
+    def _debug_sleep(self, seconds: float, timeout: float) -> None:
+        """Test hook: make the worker busy for `seconds`."""
+        with self._lock:
+            self._start_locked()
+            assert self._proc is not None and self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(json.dumps({"sleep": seconds}).encode() + b"\n")
+                self._proc.stdin.flush()
+                self._read_line(time.monotonic() + timeout)
+            except BaseException:
+                self._kill_locked()
+                raise
+
+
+_VERIFIER: MathVerifier | None = None
+_VERIFIER_LOCK = threading.Lock()
+
+
+def get_verifier() -> MathVerifier:
+    """The process-wide math-verify worker (started lazily, stopped at exit)."""
+    global _VERIFIER
+    with _VERIFIER_LOCK:
+        if _VERIFIER is None:
+            _VERIFIER = MathVerifier()
+            atexit.register(_VERIFIER.close)
+        return _VERIFIER
+
+
+def _canonical(answer: str) -> str:
+    text = _strip_dollars(answer)
+    for junk in ("\\left", "\\right", "\\!", "\\,", "\\ ", " "):
+        text = text.replace(junk, "")
+    return text
+
+
+def _as_latex(answer: str) -> str:
+    return "\\boxed{" + _strip_dollars(answer) + "}"
+
+
+def answers_match(gold: str, pred: str, timeout: float = 5.0, verifier: MathVerifier | None = None) -> bool:
+    """Whether answer `pred` equals reference `gold`: exact numeric comparison, then identical text up to
+    spacing and `\\left`/`\\right`, then math-verify
+    (in the worker, at most `timeout` seconds; raises RewardTimeout past it)."""
+    pred = pred.strip()
+    if not pred:
+        return False
+    fast = numeric_match(gold, pred)
+    if fast is not None:
+        return fast
+    if _canonical(gold) == _canonical(pred):  # also covers references math-verify cannot parse
+        return True
+    return (verifier or get_verifier()).equivalent(_as_latex(gold), _as_latex(pred), timeout=timeout)
+
+
+def math_reward(completion_text: str, gold: str, format_weight: float = 0.0, timeout: float = 5.0) -> float:
+    """(1 - w) * [extracted answer equals `gold`] + w * format_reward; 0 when no answer can be extracted."""
+    pred = extract_answer(completion_text)
+    correct = pred is not None and answers_match(gold, pred, timeout=timeout)
+    fmt = format_reward(completion_text) if format_weight else 0.0
+    return (1.0 - format_weight) * float(correct) + format_weight * fmt
+
+
+def numeric_reward(completion_text: str, gold: str, format_weight: float = 0.0) -> float:
+    """Like `math_reward` but the answer must be a plain number equal to `gold` (no math-verify, so an
+    unevaluated expression such as `3+4` does not count)."""
+    pred = extract_answer(completion_text)
+    value = parse_number(pred) if pred is not None else None
+    correct = value is not None and value == parse_number(gold)
+    fmt = format_reward(completion_text) if format_weight else 0.0
+    return (1.0 - format_weight) * float(correct) + format_weight * fmt
+
+
+# ------------------------------------------------------------------------------------------------ guard
+
+_MAX_LOGGED_ERRORS = 5
+
+
+def _run_with_deadline(fn: Callable[..., Any], args: tuple, timeout: float) -> Any:
+    """`fn(*args)` in a daemon thread; RewardTimeout if it has not returned after `timeout` seconds (the
+    thread is then abandoned: Python cannot kill it)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="sparserl-reward", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise RewardTimeout(f"reward function overran {timeout:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def safe_call(fn: Callable[..., Any], *args: Any, timeout: float | None, stats: RewardStats) -> float:
+    """`float(fn(*args))`, or 0.0 when it raises, returns a non-finite value, or (with `timeout`) runs past
+    `timeout` seconds; each failure is counted in `stats` (a RewardTimeout raised inside counts as a
+    timeout)."""
+    stats.calls += 1
+    try:
+        value = fn(*args) if timeout is None else _run_with_deadline(fn, args, timeout)
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"reward is {value}")
+        return value
+    except RewardTimeout as e:
+        stats.timeouts += 1
+        stats.last_error = str(e)
+        if stats.timeouts <= _MAX_LOGGED_ERRORS:
+            logger.warning("reward timed out (scored 0): %s", e)
+        return 0.0
+    except Exception as e:
+        stats.errors += 1
+        stats.last_error = f"{type(e).__name__}: {e}"
+        if stats.errors <= _MAX_LOGGED_ERRORS:
+            logger.warning("reward raised (scored 0): %s", stats.last_error)
+        return 0.0
