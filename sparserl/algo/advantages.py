@@ -54,6 +54,9 @@ def grpo_advantages(
         adv = g - mean
     else:  # rloo: baseline is the mean of the other G-1 rewards
         adv = (g - mean) * group_size / (group_size - 1)
+    # A group of equal rewards carries no signal: exactly zero (no 0/0 with eps=0, no float residue).
+    flat = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)
+    adv = torch.where(flat, torch.zeros_like(adv), adv)
     return adv.reshape(-1)
 
 

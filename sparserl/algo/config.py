@@ -207,6 +207,15 @@ class AlgoConfig:
             for name, v in ((lo, a), (hi, b)):
                 if v is not None and v < 0:
                     raise ValueError(f"algo.{name}={v} must be >= 0 (it bounds a ratio)")
+        if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
+            raise ValueError(f"algo.veto_threshold={self.veto_threshold} must be in (0, 1)")
+        for key in ("k3_rs_threshold", "prob_diff_threshold"):
+            if getattr(self, key) is not None and getattr(self, key) < 0:
+                raise ValueError(f"algo.{key}={getattr(self, key)} must be >= 0")
+        if self.adv_eps < 0 or self.batch_norm_min < 0:
+            raise ValueError("algo.adv_eps and algo.batch_norm_min must be >= 0")
+        if self.entropy_coef < 0:
+            raise ValueError(f"algo.entropy_coef={self.entropy_coef} must be >= 0 (it is a bonus)")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"algo.tis_cap={self.tis_cap} must be > 0")
         if self.eps_low < 0 or self.eps_high < 0:

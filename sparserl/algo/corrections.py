@@ -23,6 +23,7 @@ from sparserl.algo.masked import (
     masked_min,
     masked_sum,
     to_floats,
+    upcast,
 )
 
 PREFIX = "rollout_corr/"
@@ -70,7 +71,7 @@ def correction_weights(
         advantages: [B] or [B, T]; needed only by the sign-aware probability-difference mask.
 
     Returns:
-        weights: [B, T] float32, detached, >= 0, zero wherever keep_mask is 0. The truncated / masked IS
+        weights: [B, T] float32 (float64 for float64 inputs), detached, >= 0, zero wherever keep_mask is 0. The truncated / masked IS
             weight (token TIS, IcePop, Seq-MIS), batch-normalised if asked: divided by the mean of the
             pre-rejection weights over the tokens of `mask` (as the reference does; skipped when that mean
             is <= cfg.batch_norm_min).
@@ -85,8 +86,8 @@ def correction_weights(
             f"logp_sampler has shape {tuple(logp_sampler.shape)}, expected logp_old's {tuple(logp_old.shape)}"
         )
     valid = as_mask(mask, logp_old)
-    old = masked_fill_safe(logp_old.detach().float(), valid)
-    samp = masked_fill_safe(logp_sampler.detach().float(), valid)
+    old = masked_fill_safe(upcast(logp_old.detach()), valid)
+    samp = masked_fill_safe(upcast(logp_sampler.detach()), valid)
     bad = valid & ~(torch.isfinite(samp) & ~torch.isnan(old) & (old < float("inf")))
     if bool(bad.any()):
         where = torch.nonzero(bad)[0].tolist()
@@ -160,7 +161,7 @@ def correction_weights(
     if on and cfg.prob_diff_threshold is not None:
         if advantages is None:
             raise ValueError("algo.prob_diff_threshold is set: correction_weights needs `advantages`")
-        adv = advantages.detach().float()
+        adv = upcast(advantages.detach())
         adv = adv[:, None].expand_as(xi) if adv.dim() == 1 else adv
         if adv.shape != xi.shape:
             raise ValueError(
@@ -180,7 +181,7 @@ def correction_weights(
         mean_w = masked_mean(weight, valid)
         if bool(mean_w > cfg.batch_norm_min):
             factor = mean_w
-    weight = masked_fill_safe(weight / factor, keep) if on else valid.float()
+    weight = masked_fill_safe(weight / factor, keep) if on else valid.to(xi.dtype)
 
     kept_seqs = keep.any(dim=1)
     m["batch_norm_factor"] = factor

@@ -6,7 +6,15 @@ import torch
 from torch import Tensor
 
 from sparserl.algo.config import AlgoConfig
-from sparserl.algo.masked import as_mask, check_2d, masked_fill_safe, masked_max, masked_mean, to_floats
+from sparserl.algo.masked import (
+    as_mask,
+    check_2d,
+    masked_fill_safe,
+    masked_max,
+    masked_mean,
+    to_floats,
+    upcast,
+)
 
 PREFIX = "actor/"
 
@@ -125,10 +133,10 @@ def policy_loss(
             f"advantages have shape {tuple(advantages.shape)}, expected [B] or {tuple(logp.shape)}"
         )
 
-    lp = masked_fill_safe(logp.float(), m)
-    old = masked_fill_safe(logp_old.detach().float(), m)
-    adv = masked_fill_safe(advantages.detach().float(), m)
-    w = torch.ones_like(lp) if weights is None else masked_fill_safe(weights.detach().float(), m)
+    lp = masked_fill_safe(upcast(logp), m)
+    old = masked_fill_safe(upcast(logp_old.detach()), m)
+    adv = masked_fill_safe(upcast(advantages.detach()), m)
+    w = torch.ones_like(lp) if weights is None else masked_fill_safe(upcast(weights.detach()), m)
     if bool((w < 0).any()):
         raise ValueError("weights must be >= 0 on the loss mask (importance weights)")
 
@@ -162,7 +170,7 @@ def policy_loss(
     if cfg.kl_coef > 0 and logp_ref is None:
         raise ValueError(f"algo.kl_coef={cfg.kl_coef} > 0 needs logp_ref (log-probs of the reference model)")
     if logp_ref is not None:
-        ref = masked_fill_safe(logp_ref.detach().float(), m)
+        ref = masked_fill_safe(upcast(logp_ref.detach()), m)
         kl_loss = aggregate(kl_penalty(lp, ref, cfg.kl_estimator, cfg.kl_clamp), m, cfg, **agg)
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss
@@ -171,7 +179,7 @@ def policy_loss(
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError(f"algo.entropy_coef={cfg.entropy_coef} > 0 needs the per-token entropy")
     if entropy is not None:
-        ent = aggregate(masked_fill_safe(entropy.float(), m), m, cfg, **agg)
+        ent = aggregate(masked_fill_safe(upcast(entropy), m), m, cfg, **agg)
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * ent
         metrics["entropy"] = ent.detach()

@@ -19,6 +19,11 @@ def check_2d(name: str, x: Tensor) -> None:
         raise ValueError(f"{name} must be [batch, tokens], got shape {tuple(x.shape)}")
 
 
+def upcast(x: Tensor) -> Tensor:
+    """`x` in at least float32 (bf16/fp16 are promoted; float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def masked_fill_safe(x: Tensor, mask: Tensor, value: float = 0.0) -> Tensor:
     """`x` where `mask`, `value` elsewhere; garbage (inf/NaN) at padding gets neither value nor gradient."""
     return torch.where(mask, x, torch.full_like(x, value))
