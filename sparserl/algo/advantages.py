@@ -22,7 +22,8 @@ def grpo_advantages(
     - rloo:   R_i - mean_{j != i} R_j (leave-one-out baseline).
 
     Computed over every sequence of the group, before any rejection (rejected samples stay in their group's
-    statistics). A group of equal rewards gets zero advantage, never NaN. Returns float32 of shape [num_seqs].
+    statistics). A group of equal rewards gets zero advantage, never NaN. Returns shape [num_seqs], float32
+    (float64 for float64 rewards).
     """
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(
@@ -35,17 +36,18 @@ def grpo_advantages(
             f"group_size={group_size} must be >= 1 and divide the number of rewards ({rewards.numel()}); "
             "the completions of one prompt must be contiguous"
         )
-    r = rewards.detach().float()
+    out_dtype = torch.promote_types(rewards.dtype, torch.float32)
+    r = rewards.detach().double()  # a handful of numbers: exact group statistics are free
     if not bool(torch.isfinite(r).all()):
         bad = torch.nonzero(~torch.isfinite(r)).flatten().tolist()
         raise ValueError(f"rewards are not finite at sequence index(es) {bad[:10]}")
     if r.numel() == 0:
-        return r.clone()
+        return r.to(out_dtype)
     g = r.view(-1, group_size)
     if group_size == 1:
         if estimator == "rloo":
             raise ValueError("the 'rloo' estimator needs group_size >= 2")
-        return torch.zeros_like(r)
+        return torch.zeros_like(r, dtype=out_dtype)
     mean = g.mean(dim=1, keepdim=True)
     if estimator == "grpo":
         std = g.std(dim=1, keepdim=True, unbiased=std_unbiased)
@@ -57,7 +59,7 @@ def grpo_advantages(
     # A group of equal rewards carries no signal: exactly zero (no 0/0 with eps=0, no float residue).
     flat = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)
     adv = torch.where(flat, torch.zeros_like(adv), adv)
-    return adv.reshape(-1)
+    return adv.reshape(-1).to(out_dtype)
 
 
 def advantages_from_config(rewards: Tensor, cfg: AlgoConfig) -> Tensor:
