@@ -1,0 +1,15 @@
+"""The training loop, checkpoints and logging of `sparserl train`."""
+
+from sparserl.trainer.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from sparserl.trainer.loop import Trainer, find_resumable, new_run_dir, resume_config
+
+__all__ = [
+    "Trainer",
+    "find_resumable",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "new_run_dir",
+    "resume_config",
+    "save_checkpoint",
+]

@@ -1,0 +1,169 @@
+"""Checkpoints that resume exactly: weights (or the LoRA adapter), optimizer, scheduler, every RNG state, data
+position and step, written atomically (temp dir + rename) so a kill mid-write leaves the previous one intact."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"^step-(\d{6,})$")
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    """What the loop needs besides tensors to continue: step, data position, counters, the initial eval."""
+
+    step: int = 0
+    data_position: int = 0
+    engine_seed: int = 0
+    counters: dict[str, float] = field(default_factory=dict)
+    history: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    """Directory holding a run's checkpoints."""
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first. Temp dirs of interrupted writes are ignored."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states, in a form torch.load(weights_only=True) accepts."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` captured."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    torch.set_rng_state(state["torch"])
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    state: TrainerState,
+    weights: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    keep_last: int,
+    weights_name: str = "model.safetensors",
+) -> Path:
+    """Write checkpoint `step-NNNNNN` atomically, then delete all but the newest `keep_last` checkpoints.
+
+    Everything goes to a temp dir beside the final one; a rename publishes it. A kill before the rename
+    leaves only a temp dir, which `list_checkpoints` ignores and the next save cleans up.
+    """
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state.step:06d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
+    try:
+        # safetensors refuses shared storage (tied embeddings): store contiguous, unshared copies.
+        save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, tmp / weights_name)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step: move the old one aside first, so one copy always exists
+            old = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-old-", dir=root))
+            os.rename(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    prune_checkpoints(run_dir, keep_last)
+    return final
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints, and leftovers of interrupted writes."""
+    ckpts = list_checkpoints(run_dir)
+    for old in ckpts[: max(0, len(ckpts) - keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+    for leftover in checkpoint_root(run_dir).glob(".tmp-step-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: hand its parts to the model, optimizer and scheduler, then `restore_rng()`."""
+
+    path: Path
+    state: TrainerState
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+
+    def restore_rng(self) -> None:
+        """Put python, numpy and torch RNGs back where they were at save time."""
+        set_rng_state(self.rng)
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint directory written by `save_checkpoint`; a clear error names a damaged file."""
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a sparserl checkpoint (no {STATE_FILE})")
+    weight_files = sorted(path.glob("*.safetensors"))
+    if len(weight_files) != 1:
+        raise FileNotFoundError(f"{path}: expected one .safetensors weights file, found {len(weight_files)}")
+    try:
+        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+        weights = load_file(weight_files[0])
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True)
+        scheduler = torch.load(path / "scheduler.pt", weights_only=True)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the culprit named
+        raise RuntimeError(f"checkpoint {path} is damaged: {type(e).__name__}: {e}") from e
+    return Checkpoint(path, state, weights, optimizer, scheduler, rng)

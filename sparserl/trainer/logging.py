@@ -1,0 +1,233 @@
+"""Where metrics go: a rich progress bar with live reward / length / rejection rate, metrics.jsonl,
+TensorBoard, and W&B or MLflow when installed and asked for."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from sparserl.config import ConfigError, LoggingConfig
+
+METRICS_FILE = "metrics.jsonl"
+TB_DIR = "tb"
+
+
+def check_backends(cfg: LoggingConfig) -> None:
+    """Fail fast (before loading a model) when W&B or MLflow is requested but not installed."""
+    for name, wanted in (("wandb", cfg.wandb), ("mlflow", cfg.mlflow)):
+        if wanted and importlib.util.find_spec(name) is None:
+            raise ConfigError(
+                f"logging.{name}=true but {name} is not installed: `pip install {name}` or set it false"
+            )
+
+
+def _finite(metrics: dict[str, Any]) -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool):
+            v = float(v)
+        if isinstance(v, (int, float)):
+            out[k] = float(v)
+    return out
+
+
+class MetricSinks:
+    """metrics.jsonl + TensorBoard + optional W&B / MLflow, one `log(step, metrics)` for all."""
+
+    def __init__(
+        self, run_dir: Path, cfg: LoggingConfig, config: dict[str, Any], resume_step: int = 0
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg
+        self.jsonl_path = self.run_dir / METRICS_FILE if cfg.jsonl else None
+        if self.jsonl_path is not None:
+            _truncate_after(self.jsonl_path, resume_step)
+        self.tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a killed run wrote after its last checkpoint.
+            self.tb = SummaryWriter(
+                str(self.run_dir / TB_DIR), purge_step=resume_step + 1 if resume_step else None
+            )
+        self.wandb = None
+        if cfg.wandb:
+            import wandb
+
+            self.wandb = wandb.init(
+                project=cfg.wandb_project,
+                name=self.run_dir.name,
+                dir=str(self.run_dir),
+                config=config,
+                resume="allow",
+            )
+        self.mlflow = None
+        if cfg.mlflow:
+            import mlflow
+
+            mlflow.set_experiment(cfg.mlflow_experiment)
+            mlflow.start_run(run_name=self.run_dir.name)
+            mlflow.log_params(_flatten(config))
+            self.mlflow = mlflow
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Send one step's metrics to every enabled sink (non-finite values are kept in JSONL as null)."""
+        nums = _finite(metrics)
+        if self.jsonl_path is not None:
+            row = {"step": step, "time": time.time()}
+            row.update({k: (v if math.isfinite(v) else None) for k, v in nums.items()})
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        clean = {k: v for k, v in nums.items() if math.isfinite(v)}
+        if self.tb is not None:
+            for k, v in clean.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in clean.items()}, step=step)
+
+    def close(self) -> None:
+        """Flush and close every sink."""
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep only rows with step <= `step` (rows a killed run logged after its last checkpoint are redone)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict):
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+class ProgressDisplay:
+    """Rich progress bar over training steps with live reward, length and rejection rate; plain lines
+    instead when the console is not a terminal (CI, pipes) so logs stay readable."""
+
+    def __init__(self, total: int, start: int, enabled: bool = True, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.live = enabled and self.console.is_terminal
+        self.enabled = enabled
+        self.progress: Progress | None = None
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=total, completed=start, stats="")
+            self.progress.start()
+        self.total = total
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        """Advance to `step` and show its headline numbers."""
+        stats = (
+            f"reward {metrics.get('reward/mean', float('nan')):.3f}  "
+            f"len {metrics.get('length/mean', float('nan')):.0f}  "
+            f"rej {metrics.get('rejection_rate', 0.0):.1%}  "
+            f"{metrics.get('time/step', 0.0):.1f}s/step"
+        )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, stats=stats)
+        elif self.enabled:
+            self.console.print(f"step {step}/{self.total}  {stats}", highlight=False)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print above the bar."""
+        self.console.print(*args, **kwargs)
+
+    def close(self) -> None:
+        """Stop the live bar."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def _fmt(v: Any, pct: bool = False) -> str:
+    if v is None:
+        return "n/a"
+    if pct:
+        return f"{v:.1%}"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _mib(v: Any) -> str:
+    return "n/a" if v is None else f"{v / 2**20:.1f} MiB"
+
+
+def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
+    """Print the end-of-run summary as a table: rewards, KV memory, rejection rate, where the logs are."""
+    from rich.table import Table
+
+    console = console or Console(stderr=True)
+    t = Table(title="sparserl run summary", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("steps", str(summary.get("steps")))
+    t.add_row(
+        "eval reward before -> after",
+        f"{_fmt(summary.get('eval_reward_before'))} -> {_fmt(summary.get('eval_reward_after'))}",
+    )
+    t.add_row(
+        "train reward first -> last step",
+        f"{_fmt(summary.get('train_reward_first_step'))} -> {_fmt(summary.get('train_reward_last_step'))}",
+    )
+    t.add_row("rollouts", str(summary.get("rollouts")))
+    t.add_row(
+        "KV memory saved (peak, vs dense)",
+        f"{_fmt(summary.get('kv_saved_fraction'), pct=True)}  "
+        f"({_mib(summary.get('peak_kv_bytes_mean'))} vs {_mib(summary.get('dense_kv_bytes_mean'))} per rollout)",
+    )
+    t.add_row("sequence rejection rate", _fmt(summary.get("rejection_rate_mean"), pct=True))
+    t.add_row("skipped non-finite updates", str(summary.get("nonfinite_skipped_updates")))
+    t.add_row("seconds per step", _fmt(summary.get("seconds_per_step")))
+    t.add_row("run directory", str(summary.get("run_dir")))
+    if summary.get("metrics"):
+        t.add_row("metrics (JSONL)", str(summary["metrics"]))
+    if summary.get("tensorboard"):
+        t.add_row("TensorBoard", f"tensorboard --logdir {summary['tensorboard']}")
+    t.add_row("last checkpoint", str(summary.get("checkpoint")))
+    t.add_row("trained model", str(summary.get("model")))
+    console.print(t)

@@ -1,0 +1,129 @@
+"""The trained policy: the model (optionally with PEFT LoRA adapters), its tokenizer, and the frozen reference
+policy for the KL term (with LoRA: the same model with adapters disabled, so no second copy)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparserl.config import ModelConfig
+
+TINY_PREFIX = "tiny-"
+ModelLoader = Callable[[ModelConfig], tuple[Any, Any]]
+
+
+def default_loader(cfg: ModelConfig) -> tuple[Any, Any]:
+    """`sparserl.models.load_model(cfg.spec)`; 'tiny-llama' / 'tiny-qwen3' build the offline test models."""
+    from sparserl.models import load_model, tiny_model
+
+    if cfg.spec.startswith(TINY_PREFIX):
+        model, tok = tiny_model(cfg.spec[len(TINY_PREFIX) :], seed=0)
+    else:
+        model, tok = load_model(cfg.spec, dtype=getattr(torch, cfg.dtype))
+    return model.to(getattr(torch, cfg.dtype)), tok
+
+
+class Policy:
+    """Model + tokenizer + reference. `module` is what the engine, scorer and learner run (the causal LM with
+    LoRA layers injected in place, when LoRA is on)."""
+
+    def __init__(
+        self, cfg: ModelConfig, loader: ModelLoader | None = None, need_ref: bool = False, seed: int = 0
+    ):
+        from sparserl.models import prepare_for_training
+
+        model, tokenizer = (loader or default_loader)(cfg)
+        prepare_for_training(model)  # a GGUF-loaded model carries a quantization marker that blocks training
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.peft = None
+        self._ref: nn.Module | None = None
+        if cfg.lora:
+            from peft import LoraConfig, get_peft_model
+
+            targets: list[str] | str = cfg.lora_targets
+            if targets == ["all-linear"]:
+                targets = "all-linear"
+            torch.manual_seed(seed)  # LoRA's A matrices are randomly initialised
+            try:
+                self.peft = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=cfg.lora_r,
+                        lora_alpha=cfg.lora_alpha,
+                        lora_dropout=cfg.lora_dropout,
+                        target_modules=targets,
+                    ),
+                )
+            except ValueError as e:
+                raise ValueError(f"model.lora_targets={cfg.lora_targets}: {e}") from None
+            self.module = self.peft.get_base_model()
+        else:
+            self.module = model
+            if need_ref:
+                self._ref = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """Parameters the optimizer updates (adapters only with LoRA)."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[nn.Module]:
+        """The reference (initial) policy: adapters disabled with LoRA, else the frozen copy."""
+        if self.peft is not None:
+            with self.peft.disable_adapter():
+                yield self.module
+        elif self._ref is not None:
+            yield self._ref
+        else:
+            raise RuntimeError("no reference policy: it is built only when algo.kl_coef > 0")
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores: the adapter weights with LoRA, else the full state dict."""
+        if self.peft is not None:
+            from peft import get_peft_model_state_dict
+
+            return get_peft_model_state_dict(self.peft)
+        return dict(self.module.state_dict())
+
+    @property
+    def weights_name(self) -> str:
+        """File name of the checkpointed weights."""
+        return "adapter.safetensors" if self.peft is not None else "model.safetensors"
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `weights` (strict: a mismatch names the missing/unexpected keys)."""
+        if self.peft is not None:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.peft, state)
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise RuntimeError(f"checkpoint adapter has unexpected keys: {unexpected[:5]}")
+            return
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
+        tied = set(getattr(self.module, "_tied_weights_keys", None) or [])
+        missing = [k for k in missing if k not in tied]
+        if missing or unexpected:
+            raise RuntimeError(
+                f"checkpoint weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+
+    def export(self, path: str | Path) -> Path:
+        """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        if self.peft is not None:
+            merged = copy.deepcopy(self.peft).merge_and_unload()
+            merged.save_pretrained(path)
+            del merged
+        else:
+            self.module.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
