@@ -83,14 +83,14 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 
 def make_task(cfg: TaskConfig, split: str = "train") -> Task:
     """Build the task `cfg.name` for `split` (`cfg.split` wins when set). A name that is not registered is
-    read as a local data file or a Hugging Face dataset name ('owner/name')."""
+    a label for the dataset in `cfg.data` or, without it, a local data file or Hugging Face dataset name."""
     import sparserl.tasks.builtin  # noqa: F401  (registers the built-in tasks)
     from sparserl.tasks.dataset import is_local_source, make_dataset_task
 
     split = cfg.split or split
     if cfg.name in TASKS:
         return TASKS[cfg.name](cfg, split)
-    if is_local_source(cfg.name) or "/" in cfg.name:
+    if cfg.data or is_local_source(cfg.name) or "/" in cfg.name:
         return make_dataset_task(cfg, split)
     raise ValueError(
         f"task.name={cfg.name!r} is unknown; choose one of {', '.join(sorted(set(TASKS) | set(BUILTIN_TASKS)))}, "

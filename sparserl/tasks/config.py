@@ -16,7 +16,8 @@ class TaskConfig:
         default="arithmetic",
         metadata={
             "help": "Task: 'arithmetic', 'long_arithmetic' (procedural, no files), 'gsm8k', 'math', or a "
-            "local .jsonl/.json/.parquet path or a Hugging Face dataset name (then read like `data`)."
+            "local .jsonl/.json/.parquet path or a Hugging Face dataset name (then read like `data`); with `data` set, "
+            "any other name just labels that dataset."
         },
     )
     data: str = field(
