@@ -4,7 +4,7 @@ Typical use per batch of rollouts (mask = response mask, [B, T]):
 
     adv = grpo_advantages(rewards, cfg.group_size, cfg.adv_estimator)       # before any rejection
     w, keep, m1 = correction_weights(logp_old, logp_sampler, mask, cfg, adv)
-    loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, mask & keep, w, cfg, logp_ref)
+    loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, keep, w, cfg, logp_ref)
 """
 
 from sparserl.algo.advantages import advantages_from_config, grpo_advantages

@@ -71,13 +71,14 @@ def correction_weights(
         advantages: [B] or [B, T]; needed only by the sign-aware probability-difference mask.
 
     Returns:
-        weights: [B, T] float32 (float64 for float64 inputs), detached, >= 0, zero wherever keep_mask is 0. The truncated / masked IS
-            weight (token TIS, IcePop, Seq-MIS), batch-normalised if asked: divided by the mean of the
-            pre-rejection weights over the tokens of `mask` (as the reference does; skipped when that mean
-            is <= cfg.batch_norm_min).
+        weights: [B, T] float32 (float64 for float64 inputs), detached, >= 0, zero wherever keep_mask is 0.
+            The truncated / masked IS weight (token TIS, IcePop, Seq-MIS), batch-normalised if asked: divided
+            by the mean of the pre-rejection weights over the tokens of `mask` (as the reference does; skipped
+            when that mean is <= cfg.batch_norm_min). Normalisation is over the batch passed in: call it on
+            the (micro-)batch the reference normalises over.
         keep_mask: [B, T] bool, `mask` minus rejected tokens (token RS, IcePop, prob-diff) and minus every
-            token of a rejected sequence (veto, Seq-MIS, Geo-RS, K3-RS). Pass mask * keep_mask as the loss
-            mask of `policy_loss`.
+            token of a rejected sequence (veto, Seq-MIS, Geo-RS, K3-RS). It lies inside `mask`, so it *is*
+            the loss mask of `policy_loss` (response mask times keep mask).
         metrics: floats keyed 'rollout_corr/<name>', names as in docs/metrics.md.
     """
     check_2d("logp_old", logp_old)
