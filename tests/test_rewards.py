@@ -181,6 +181,19 @@ def test_worker_timeout_kills_and_recovers() -> None:
     assert answers_match("\\frac{1}{2}", "0.5\\cdot 1", timeout=30)  # restarted
 
 
+def test_worker_restarts_after_dying() -> None:
+    verifier = MathVerifier()
+    try:
+        assert verifier.equivalent("\\boxed{2}", "\\boxed{4/2}")
+        assert verifier._proc is not None
+        verifier._proc.kill()
+        verifier._proc.wait()
+        assert not verifier.equivalent("\\boxed{2}", "\\boxed{3}")
+    finally:
+        verifier.close()
+    assert verifier._proc is None
+
+
 def test_worker_timeout_from_a_thread_counts_as_timeout() -> None:
     stats = RewardStats()
     out: list[float] = []

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-import time
 
 
 def _die_with_parent() -> None:
@@ -37,10 +36,6 @@ def main() -> None:
     for line in sys.stdin:
         try:
             request = json.loads(line)
-            if isinstance(request, dict):  # test hook: {"sleep": seconds}
-                time.sleep(float(request["sleep"]))
-                out.write(json.dumps({"ok": False}) + "\n")
-                continue
             gold_text, pred_text = request
             gold = gold_cache.get(gold_text)
             if gold is None:

@@ -303,19 +303,6 @@ class MathVerifier:
             raise RuntimeError(f"math-verify failed: {reply['error']}")
         return bool(reply["ok"])
 
-    def _debug_sleep(self, seconds: float, timeout: float) -> None:
-        """Test hook: make the worker busy for `seconds`."""
-        with self._lock:
-            self._start_locked()
-            assert self._proc is not None and self._proc.stdin is not None
-            try:
-                self._proc.stdin.write(json.dumps({"sleep": seconds}).encode() + b"\n")
-                self._proc.stdin.flush()
-                self._read_line(time.monotonic() + timeout)
-            except BaseException:
-                self._kill_locked()
-                raise
-
 
 _VERIFIER: MathVerifier | None = None
 _VERIFIER_LOCK = threading.Lock()
