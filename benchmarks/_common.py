@@ -1,0 +1,176 @@
+"""Shared benchmark helpers: wall-clock timing, process memory (RSS), machine info, medians and JSON output.
+
+Peak memory is the process's resident set size high-water mark (Linux `VmHWM`). `reset_peak_rss` clears it
+(`/proc/self/clear_refs`, Linux >= 4.0) so that several measurements in one process each get their own peak;
+where that is not possible the peak is the process-lifetime one (`resource.getrusage`) and
+`peak_is_resettable()` says so, so that a report can flag it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "docs" / "results"
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process, in bytes (0 where it cannot be read)."""
+    kib = _status_kib("VmRSS")
+    if kib is not None:
+        return kib * 1024
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the last `reset_peak_rss` (or since the process started), in bytes."""
+    kib = _status_kib("VmHWM")
+    if kib is not None:
+        return kib * 1024
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark to the current RSS; False where the OS does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_is_resettable() -> bool:
+    """Whether `reset_peak_rss` works here (else peaks are process-lifetime maxima)."""
+    return _status_kib("VmHWM") is not None and reset_peak_rss()
+
+
+@contextmanager
+def measure() -> Iterator[dict[str, float]]:
+    """Time a block and record its memory: fills `seconds`, `rss_before_bytes`, `peak_rss_bytes`, `peak_delta_bytes`.
+
+    The peak is the RSS high-water mark during the block (reset at entry where possible); the delta is the
+    peak minus the RSS at entry: the memory the block itself needed on top of what was already resident.
+    """
+    out: dict[str, float] = {}
+    reset_peak_rss()
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    try:
+        yield out
+    finally:
+        out["seconds"] = time.perf_counter() - t0
+        peak = peak_rss_bytes()
+        out["rss_before_bytes"] = float(before)
+        out["peak_rss_bytes"] = float(peak)
+        out["peak_delta_bytes"] = float(max(peak - before, 0))
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """`fn()`'s result and its wall-clock seconds."""
+    t0 = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - t0
+
+
+def median_of(runs: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Key-wise median of a list of flat numeric dicts (keys of the first run)."""
+    return {k: float(statistics.median(r[k] for r in runs)) for k in runs[0]}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on: cores, torch threads, CPU, memory, library versions."""
+    import transformers
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 0
+    mem_kib = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem_kib = int(f.readline().split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu": cpu_model(),
+        "cores": cores,
+        "torch_threads": torch.get_num_threads(),
+        "memory_gib": round(mem_kib / 2**20, 1) if mem_kib else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def command_line() -> str:
+    """The command that produced a result, relative to the repository root when run from it."""
+    argv = list(sys.argv)
+    with suppress(ValueError):
+        argv[0] = str(Path(argv[0]).resolve().relative_to(REPO))
+    return "python " + " ".join(shlex.quote(a) for a in argv)
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    """Write `payload` as indented JSON (parent folders created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def mib(n: float) -> float:
+    return n / 2**20
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A plain fixed-width table on stdout (floats to 2 decimals)."""
+    cells = [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
