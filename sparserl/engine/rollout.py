@@ -71,15 +71,39 @@ class RolloutEngine:
         self.evictor = make_evictor(self.kv, self.decoder.scale) if self.kv.evicting else None
         self.eos_ids = eos_token_ids(model, tokenizer)
 
-    def _check(self, prompt_ids: Sequence[Sequence[int]], n: int, max_new_tokens: int) -> None:
+    def _check(
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        n: int,
+        max_new_tokens: int,
+        sampling: tuple[float, float, int, list[str]],
+    ) -> None:
         if not prompt_ids:
             raise ValueError("generate: the prompt list is empty")
         if n < 1 or max_new_tokens < 1:
             raise ValueError(f"generate: n ({n}) and max_new_tokens ({max_new_tokens}) must be >= 1")
+        temperature, top_p, top_k, stop = sampling
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(
+                f"generate: need temperature >= 0 (0 = greedy), 0 < top_p <= 1, top_k >= 0 (0 = off); "
+                f"got temperature={temperature}, top_p={top_p}, top_k={top_k}"
+            )
+        if any(not s for s in stop):
+            raise ValueError(f"generate: stop strings must be non-empty, got {stop!r}")
         limit = self.decoder.max_positions
+        vocab = self.decoder.model.get_input_embeddings().weight.shape[0]
         for i, p in enumerate(prompt_ids):
+            if isinstance(p, str):
+                raise ValueError(
+                    f"generate: prompt {i} is a string; pass token ids (see models.encode_prompt)"
+                )
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"generate: prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})"
+                )
             if limit and len(p) + max_new_tokens > limit:
                 raise ValueError(
                     f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
@@ -95,17 +119,16 @@ class RolloutEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
-        stop: Sequence[str] | None = None,
+        stop: Sequence[str] | str | None = None,
         seed: int = 0,
     ) -> Rollouts:
         """Sample `n` completions for each prompt (token ids, chat template already applied)."""
-        self._check(prompt_ids, n, max_new_tokens)
+        stop = [stop] if isinstance(stop, str) else list(stop or [])  # one string is one stop, not its chars
+        self._check(prompt_ids, n, max_new_tokens, (temperature, top_p, top_k, stop))
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(
-                prompt_ids, n, max_new_tokens, temperature, top_p, top_k, list(stop or []), seed
-            )
+            return self._generate(prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed)
         finally:
             self.model.train(was_training)
 
