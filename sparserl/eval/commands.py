@@ -1,0 +1,240 @@
+"""The bodies of `sparserl eval` and `sparserl rollout` (argument namespaces in, exit codes out)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from sparserl.config import ConfigError
+
+
+def kv_config(method: str, budget: int, window: int | None = None, interval: int | None = None) -> Any:
+    """KVConfig from command-line flags (window/interval None: KVConfig's defaults); a bad method or budget
+    is a ConfigError naming the flags."""
+    from sparserl.engine import KVConfig
+
+    extra = {k: v for k, v in (("window", window), ("interval", interval)) if v is not None}
+    try:
+        return KVConfig(method=method, budget=budget, **extra)
+    except ValueError as e:
+        raise ConfigError(f"--kv {method} --budget {budget}: {e}") from None
+
+
+def _device(name: str | None) -> str:
+    if name:
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if v < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={v} must be >= 1")
+
+
+@contextlib.contextmanager
+def _quiet_loading(quiet: bool) -> Iterator[None]:
+    """Hide transformers' weight-loading progress bars while `quiet`."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet and was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _mib(v: float | None) -> str:
+    return "n/a" if v is None else f"{v / 2**20:.2f} MiB"
+
+
+def render_eval(result: dict[str, Any], console: Console) -> None:
+    """A short human-readable table of the report (stderr; the JSON goes to stdout)."""
+    from rich.table import Table
+
+    k = result["samples"]
+    table = Table(
+        title=f"sparserl eval: {result['model']} on {result['data']} ({result['prompts']} prompts x {k})"
+    )
+    for col in (
+        "inference",
+        f"mean@{k}",
+        f"pass@{k}",
+        "mean len",
+        "truncated",
+        "peak KV",
+        "retained",
+        "tok/s",
+    ):
+        table.add_column(col, justify="right" if col != "inference" else "left")
+    for mode in ("dense", "sparse"):
+        s = result.get(mode)
+        if not s:
+            continue
+        label = (
+            mode if mode == "dense" else f"sparse ({result['kv']['method']}, budget {result['kv']['budget']})"
+        )
+        table.add_row(
+            label,
+            f"{s[f'mean@{k}']:.3f}",
+            f"{s[f'pass@{k}']:.3f}",
+            f"{s['mean_length']:.1f}",
+            f"{s['truncated_share']:.1%}",
+            _mib(s["peak_kv_bytes"]),
+            f"{s['retained_fraction']:.1%}",
+            f"{s['tokens_per_s']:.1f}",
+        )
+    console.print(table)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """`sparserl eval`: load model and prompts, evaluate dense and sparse, print JSON, write --out. Bad input
+    (a malformed data row, a prompt longer than the model's context) prints one `error:` line."""
+    from sparserl.models import ModelLoadError
+
+    try:
+        return _eval(args)
+    except (ConfigError, ModelLoadError):
+        raise
+    except ValueError as e:
+        print(f"sparserl eval: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from sparserl.eval.evaluate import evaluate, write_json
+    from sparserl.eval.loading import default_limit, load_eval_model, load_eval_task
+
+    _check_positive(
+        samples=args.samples, max_new_tokens=args.max_new_tokens, batch_prompts=args.batch_prompts
+    )
+    if args.limit is not None and args.limit < 0:
+        raise ConfigError(f"--limit={args.limit} must be >= 0 (0: all prompts)")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise ConfigError(f"--temperature={args.temperature} must be >= 0 and --top-p={args.top_p} in (0, 1]")
+    kv = kv_config(args.kv, args.budget, args.window, args.interval)
+    if not kv.evicting and args.no_dense:
+        raise ConfigError("--no-dense with --kv dense leaves nothing to evaluate")
+    console = Console(stderr=True, quiet=args.quiet)
+    task = load_eval_task(args.data, args.split, args.model, args.question_key, args.answer_key)
+    limit = default_limit(task) if args.limit is None else args.limit
+    console.print(f"loading model {args.model} ...", highlight=False)
+    with _quiet_loading(args.quiet):
+        loaded = load_eval_model(args.model, args.dtype, _device(args.device), use_checkpoint=args.checkpoint)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def progress(mode: str, done: int, total: int) -> None:
+        console.print(f"  {mode}: {done}/{total} prompts", highlight=False)
+
+    t0 = time.perf_counter()
+    result = evaluate(
+        loaded.model,
+        loaded.tokenizer,
+        task,
+        kv=kv,
+        samples=args.samples,
+        limit=limit,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        batch_prompts=args.batch_prompts,
+        dense=not args.no_dense,
+        details=bool(args.out),
+        progress=progress,
+    )
+    header = {
+        "model": args.model,
+        "model_loaded_from": loaded.path,
+        "model_kind": loaded.kind,
+        **({"model_info": loaded.info} if loaded.info else {}),
+        "data": args.data if args.data is not None else f"{args.model} (the run's task)",
+        "split": args.split,
+        "wall_s": time.perf_counter() - t0,
+    }
+    result = {**header, **result}
+    summary = {k: v for k, v in result.items() if k != "examples"}
+    print(json.dumps(summary, indent=2))
+    render_eval(result, console)
+    if args.out:
+        path = write_json(result, args.out)
+        console.print(f"report (with per-prompt results) written to {path}", highlight=False)
+    return 0
+
+
+def rollout_command(args: argparse.Namespace) -> int:
+    """`sparserl rollout`: sample a few completions and show them with tokens/s and KV memory."""
+    from rich.panel import Panel
+
+    from sparserl.engine import RolloutEngine
+    from sparserl.eval.loading import eval_task_config, load_eval_model
+    from sparserl.models import encode_prompt
+    from sparserl.tasks import make_task
+
+    _check_positive(prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens)
+    kv = kv_config(args.kv, args.budget, args.window, args.interval)
+    console = Console()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = make_task(eval_task_config(args.task, "test"), "test")
+    count = min(args.prompts, len(task))
+    examples = [task[i] for i in range(count)]
+    console.print(f"loading model {args.model} ...", highlight=False)
+    loaded = load_eval_model(args.model, None, _device(args.device))
+    engine = RolloutEngine(loaded.model, loaded.tokenizer, kv if kv.evicting else None)
+    prompts = [encode_prompt(loaded.tokenizer, ex.messages) for ex in examples]
+    out = engine.generate(
+        prompts,
+        n=args.n,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    tok = loaded.tokenizer
+    for s in out.samples[: args.show]:
+        ex = examples[s.prompt_index]
+        text = tok.decode(s.completion_ids, skip_special_tokens=True)
+        reward = task.score(text, ex)
+        console.print(
+            Panel(
+                f"[cyan]Q:[/cyan] {ex.messages[-1]['content'][-300:]}\n[green]A:[/green] {text}",
+                title=f"prompt {s.prompt_index}, {len(s.completion_ids)} tokens, {s.finish_reason}, "
+                f"reward {reward:.0f} (answer {ex.answer})",
+                title_align="left",
+            ),
+            highlight=False,
+        )
+    st = out.stats
+    rows = len(out)
+    dense_bytes = st["kv_bytes_per_position"] * rows * (max(map(len, prompts)) + args.max_new_tokens)
+    dense_positions = max(len(prompts[s.prompt_index]) + len(s.completion_ids) for s in out.samples)
+    mode = f"sparse {kv.method}, budget {kv.budget}, interval {kv.interval}" if kv.evicting else "dense"
+    console.print(
+        f"[bold]{rows} completions[/bold] ({count} prompts x {args.n}, {mode}): "
+        f"{int(st['generated_tokens'])} tokens in {st['prefill_s'] + st['decode_s']:.2f}s = "
+        f"[bold]{st['tokens_per_s']:.1f} tokens/s[/bold] (prefill {st['prefill_s']:.2f}s, "
+        f"compression {st['compress_s']:.2f}s)",
+        highlight=False,
+    )
+    console.print(
+        f"KV memory: peak [bold]{_mib(st['peak_kv_bytes'])}[/bold] vs {_mib(dense_bytes)} for a dense cache "
+        f"of the same batch ({1 - st['peak_kv_bytes'] / dense_bytes:.1%} saved); at most "
+        f"{int(st['peak_kv_positions'])} positions held per sequence (dense: {dense_positions}); "
+        f"retained fraction {st['retained_fraction']:.1%}, {int(st['compression_events'])} compression events",
+        highlight=False,
+    )
+    return 0

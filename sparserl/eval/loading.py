@@ -1,0 +1,200 @@
+"""What `sparserl eval` and `sparserl rollout` evaluate: a model (a training run's exported model or
+checkpoint, a Hugging Face id or folder, a .gguf file, smollm2-135m) and prompts (an eval file, gsm8k test,
+a built-in procedural task, or a training run's own task)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparserl.config import ConfigError
+
+RUN_CONFIG = "config.yaml"  # sparserl.trainer.loop.CONFIG_FILE
+RUN_EXPORT = "final"  # sparserl.trainer.loop.EXPORT_DIR
+CHECKPOINT_STATE = "trainer_state.json"  # sparserl.trainer.checkpoint.STATE_FILE
+PROCEDURAL_TASKS = ("arithmetic", "long_arithmetic")
+PROCEDURAL_DEFAULT_LIMIT = 200
+EVAL_SETS = ("math500", "aime24", "amc23", "gaokao2023en", "minerva_math", "olympiadbench")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine, its tokenizer, and where it came from (for the report)."""
+
+    model: Any
+    tokenizer: Any
+    source: str
+    kind: str  # 'run-final', 'run-checkpoint', 'pretrained'
+    path: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A sparserl training run directory (it holds the run's config.yaml)."""
+    return (Path(path) / RUN_CONFIG).is_file()
+
+
+def run_config(run_dir: str | Path) -> Any:
+    """The TrainConfig a run was started with."""
+    from sparserl.config import load_config
+
+    return load_config(Path(run_dir) / RUN_CONFIG)
+
+
+def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tuple[Any, Any, dict]:
+    """The run's base model with the checkpoint's weights; LoRA adapters are loaded through PEFT and merged."""
+    from safetensors.torch import load_file
+
+    from sparserl.trainer.policy import Policy
+
+    cfg = run_config(run_dir)
+    model_cfg = replace(cfg.model, dtype=dtype) if dtype else cfg.model
+    files = sorted(ckpt.glob("*.safetensors"))
+    if len(files) != 1:
+        raise FileNotFoundError(f"{ckpt}: expected one .safetensors weights file, found {len(files)}")
+    policy = Policy(model_cfg)
+    try:
+        policy.load_weights(load_file(files[0]))
+    except Exception as e:  # noqa: BLE001 - re-raised naming the checkpoint
+        raise FileNotFoundError(f"checkpoint {ckpt} does not fit model {model_cfg.spec!r}: {e}") from e
+    model = policy.peft.merge_and_unload() if policy.peft is not None else policy.module
+    info = {"base_model": model_cfg.spec, "lora": bool(model_cfg.lora), "weights": str(files[0])}
+    return model, policy.tokenizer, info
+
+
+def load_eval_model(
+    spec: str,
+    dtype: str | None = None,
+    device: str | torch.device = "cpu",
+    use_checkpoint: bool = False,
+) -> LoadedModel:
+    """Load what `spec` names. A run directory gives its exported final model, or (no export yet, or
+    `use_checkpoint`) its latest checkpoint: the base model from the run's config plus the saved weights or
+    LoRA adapter. A checkpoint directory (RUN_DIR/checkpoints/step-N) gives that checkpoint. Anything else
+    goes to `sparserl.models.load_model` (Hugging Face id or folder, .gguf, smollm2-135m); 'tiny-llama' and
+    'tiny-qwen3' build the random test models."""
+    from sparserl.models import load_model, tiny_model
+    from sparserl.trainer import latest_checkpoint
+
+    torch_dtype = getattr(torch, dtype) if dtype else torch.float32
+    path = Path(spec)
+    if path.is_dir() and (path / CHECKPOINT_STATE).is_file() and is_run_dir(path.parent.parent):
+        model, tok, info = _load_checkpoint_model(path.parent.parent, path, dtype)
+        loaded = LoadedModel(model, tok, spec, "run-checkpoint", str(path), info)
+    elif path.is_dir() and is_run_dir(path):
+        final = path / RUN_EXPORT
+        ckpt = latest_checkpoint(path)
+        if (final / "config.json").is_file() and not use_checkpoint:
+            model, tok = load_model(str(final), dtype=torch_dtype)
+            loaded = LoadedModel(model, tok, spec, "run-final", str(final))
+        elif ckpt is not None:
+            model, tok, info = _load_checkpoint_model(path, ckpt, dtype)
+            loaded = LoadedModel(model, tok, spec, "run-checkpoint", str(ckpt), info)
+        else:
+            raise FileNotFoundError(
+                f"run directory {spec} has neither an exported model ({RUN_EXPORT}/) nor a checkpoint yet"
+            )
+    elif spec.startswith("tiny-"):
+        model, tok = tiny_model(spec[len("tiny-") :])
+        loaded = LoadedModel(model.to(torch_dtype), tok, spec, "pretrained", spec)
+    else:
+        model, tok = load_model(spec, dtype=torch_dtype)
+        loaded = LoadedModel(model, tok, spec, "pretrained", spec)
+    if tok_missing_pad(loaded.tokenizer):
+        loaded.tokenizer.pad_token = loaded.tokenizer.eos_token
+    loaded.model = loaded.model.to(device).eval()
+    return loaded
+
+
+def tok_missing_pad(tokenizer: Any) -> bool:
+    """True when the tokenizer has no pad token (the engine pads prompts at prefill)."""
+    return getattr(tokenizer, "pad_token_id", 0) is None
+
+
+def shared_data_dirs() -> list[Path]:
+    """Where the project's shared data folder may be: `../shared/data` beside the project root or the
+    working directory."""
+    root = Path(__file__).resolve().parents[2]
+    dirs = [root.parent / "shared" / "data", Path.cwd().parent / "shared" / "data", Path("shared") / "data"]
+    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+
+
+def _local_named(name: str, split: str) -> Path | None:
+    """The shared-data file for 'gsm8k' (its `split`) or one of the Sparse-RL eval sets, if present."""
+    rel = f"gsm8k/{split}.jsonl" if name == "gsm8k" else f"eval/{name}.jsonl" if name in EVAL_SETS else None
+    if rel is None:
+        return None
+    for d in shared_data_dirs():
+        if (d / rel).is_file():
+            return d / rel
+    return None
+
+
+def eval_task_config(
+    data: str,
+    split: str = "test",
+    question_key: str = "",
+    answer_key: str = "",
+    base: Any = None,
+) -> Any:
+    """The TaskConfig for `--data`: a local .jsonl/.json/.parquet file, 'gsm8k' (the shared test file when
+    present, else openai/gsm8k), an eval set name (math500, aime24, ...: the shared files), 'math', a built-in
+    procedural task (arithmetic, long_arithmetic) or a Hugging Face dataset name. `base` (a run's TaskConfig)
+    supplies the other fields. The format reward is off: eval scores correctness."""
+    from sparserl.tasks import TaskConfig
+    from sparserl.tasks.dataset import is_local_source
+
+    base = base if base is not None else TaskConfig()
+    keys = {"question_key": question_key, "answer_key": answer_key} if question_key or answer_key else {}
+    common = {"format_weight": 0.0, "split": split, **keys}
+    if is_local_source(data):
+        if not Path(data).is_file():
+            raise FileNotFoundError(f"--data {data}: no such file")
+        return replace(base, name=str(data), data=str(data), data_config="", **common)
+    if data in PROCEDURAL_TASKS:
+        return replace(base, name=data, data="", **common)
+    local = _local_named(data, split)
+    if local is not None:
+        return replace(base, name=data, data=str(local), data_config="", **common)
+    if data in EVAL_SETS:
+        raise FileNotFoundError(
+            f"--data {data}: eval set not found under {', '.join(str(d) for d in shared_data_dirs()) or '../shared/data'}; "
+            "give the path of its .jsonl file"
+        )
+    return replace(base, name=data, data="" if data in ("gsm8k", "math") else data, **common)
+
+
+def load_eval_task(
+    data: str | None,
+    split: str = "test",
+    model_spec: str | None = None,
+    question_key: str = "",
+    answer_key: str = "",
+) -> Any:
+    """The task `--data` names; with no `--data` and a run directory as the model, the run's own task
+    (its held-out split)."""
+    from sparserl.tasks import make_task
+
+    base = run_config(model_spec).task if model_spec and is_run_dir(model_spec) else None
+    if data is None:
+        if base is None:
+            raise ConfigError(
+                "--data is required (an eval .jsonl file, gsm8k, math500, arithmetic, long_arithmetic, ...) "
+                "unless --model is a training run directory"
+            )
+        cfg = replace(base, format_weight=0.0, split=split)
+    else:
+        cfg = eval_task_config(data, split, question_key, answer_key, base)
+    return make_task(cfg, split)
+
+
+def default_limit(task: Any) -> int:
+    """How many prompts to evaluate when --limit is not given: every row of a dataset, a bounded number of
+    the procedural tasks (they have `task.num_examples` problems, 10000 by default)."""
+    name = getattr(task, "name", "")
+    if name in PROCEDURAL_TASKS:
+        return min(len(task), PROCEDURAL_DEFAULT_LIMIT)
+    return len(task)
