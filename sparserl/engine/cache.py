@@ -108,6 +108,8 @@ class KVCache:
             store[layer][rows, :, :b] = kept
         for store in (self.pos, *self.extras.values()):
             store[layer][rows, :, :b] = torch.gather(store[layer][rows], 2, slots)
+        for store in self.extras.values():  # freed slots start from zero when a new token is written there
+            store[layer][rows, :, b:] = 0
 
     def select_rows(self, rows: Tensor, capacity: int | None = None) -> None:
         """Keep (or repeat) the given rows in that order, optionally cutting every row to `capacity` slots.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +61,9 @@ class RolloutEngine:
     method, a prompt longer than `kv.budget` is cut to the budget right after prefill, and during decoding every
     `kv.interval` steps each sequence holding `budget` or more positions is cut back so that it holds exactly
     `budget` after the step's token is written: no row ever holds more than `budget + interval - 1` positions.
+
+    `on_step`, when set, is called after every decode step as `on_step(step, cache, samples)` (`samples[r]` is
+    the sample index of cache row r): a read-only window on the cache for tests and instrumentation.
     """
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, kv: KVConfig | None = None):
@@ -70,6 +73,7 @@ class RolloutEngine:
         self.kv = kv or KVConfig()
         self.evictor = make_evictor(self.kv, self.decoder.scale) if self.kv.evicting else None
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self.on_step: Callable[[int, KVCache, Tensor], None] | None = None
 
     def _check(
         self,
@@ -149,9 +153,11 @@ class RolloutEngine:
             extras=self.evictor.method.extras if self.evictor else (),
         )  # fmt: skip
         logits = self._prefill(prompt_ids, prompt_len, cache)
+        prefill_bytes = cache.nbytes()
         compress_s, events = 0.0, torch.zeros(len(prompt_ids), dtype=torch.long, device=dev)
         if self.evictor is not None:
             c0 = time.perf_counter()
+            self.evictor.method.start(seed)
             long_rows = (cache.length > kv.budget).nonzero().squeeze(-1)
             self.evictor.compress(cache, long_rows, kv.budget, kv.window)
             events[long_rows] += 1
@@ -169,7 +175,7 @@ class RolloutEngine:
         finish = ["length"] * rows
         peak = cache.length.clone()
         retained_sum = torch.zeros(rows, device=dev)
-        peak_bytes = cache.nbytes()
+        peak_bytes = max(prefill_bytes, cache.nbytes())
         gen = torch.Generator(device=dev).manual_seed(seed)
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
@@ -196,6 +202,8 @@ class RolloutEngine:
             peak[alive] = torch.maximum(peak[alive], cache.length)
             retained_sum[alive] += cache.length / total[alive]
             peak_bytes = max(peak_bytes, cache.nbytes())
+            if self.on_step is not None:
+                self.on_step(step, cache, alive)
         decode_s = time.perf_counter() - t1
         return self._collect(
             expand, tokens, logps, length, finish, peak, events, retained_sum, cache,
@@ -236,11 +244,9 @@ class RolloutEngine:
         observe = self.evictor is not None and self.evictor.method.needs_prefill_attention
         for layer in range(dec.num_layers):
             qkv = dec.qkv(layer, hidden, rope)
-            if observe:
-                out, probs = full_attention_with_probs(qkv, valid, dec.scale)
-                self.evictor.method.observe_prefill(cache, layer, probs)
-            else:
-                out = prefill_attention(qkv, valid)
+            out = prefill_attention(qkv, valid)
+            if observe:  # probabilities on the side: the output stays the dense path's, bit for bit
+                self.evictor.method.observe_prefill(cache, layer, prefill_probs(qkv, valid, dec.scale))
             cache.fill(layer, qkv.k, qkv.v, positions, prompt_len)
             q_last = qkv.q.gather(2, last[:, None, :, None].expand(-1, dec.num_heads, -1, dec.head_dim))
             cache.queries[layer].scatter_(2, (last % w)[:, None, :, None].expand_as(q_last), q_last)
@@ -305,8 +311,8 @@ class RolloutEngine:
         return Rollouts(samples, stats)
 
 
-def full_attention_with_probs(qkv, valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Causal prefill attention that also returns its probabilities [P, Hkv, G, T, T] (for H2O)."""
+def prefill_probs(qkv, valid: Tensor, scale: float) -> Tensor:
+    """Causal prefill attention probabilities [P, Hkv, G, T, T] (for H2O); padding query rows are zero."""
     p, hq, t, d = qkv.q.shape
     hkv = qkv.k.shape[1]
     q = qkv.q.view(p, hkv, hq // hkv, t, d)
@@ -314,5 +320,4 @@ def full_attention_with_probs(qkv, valid: Tensor, scale: float) -> tuple[Tensor,
     causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
     mask = causal[None, None, None] & valid[:, None, None, None, :]
     probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
-    out = torch.matmul(probs.to(qkv.v.dtype), qkv.v[:, :, None])
-    return out.view(p, hq, t, d), probs
+    return probs * valid[:, None, None, :, None]

@@ -42,6 +42,9 @@ class EvictionMethod(ABC):
     def score(self, view: SlotView) -> Tensor:
         """Scores [r, Hkv, S] of every slot (non-candidates are ignored)."""
 
+    def start(self, seed: int) -> None:
+        """Called at the start of every `generate` call with its seed; stateful methods reset here."""
+
     def observe(self, cache: KVCache, layer: int, probs: Tensor, span: int) -> None:
         """See one decode step's attention probabilities [rows, Hkv, G, span]; stateless methods ignore it."""
 
@@ -119,7 +122,9 @@ class Evictor:
         if self.cfg.granularity == "shared":
             scores = scores.sum(dim=1, keepdim=True).expand_as(scores)
         scores = scores.masked_fill(~view.candidates[:, None, :], float("-inf"))
-        best = scores.topk(target - keep_recent, dim=-1).indices
+        # a stable sort breaks ties (max-pooling makes plateaus) towards the older slot, whatever the span, so a
+        # sequence keeps the same positions alone or beside longer ones in a batch (topk's tie order varies)
+        best = scores.sort(dim=-1, descending=True, stable=True).indices[..., : target - keep_recent]
         recent = (recent_start + torch.arange(keep_recent, device=keys.device)[None, :])[:, None, :]
         recent = recent.expand(-1, keys.shape[1], -1)
         return torch.cat([best, recent], dim=-1).sort(dim=-1).values
