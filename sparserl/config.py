@@ -49,7 +49,7 @@ class ModelConfig:
         default="float32", metadata={"help": f"Weights dtype, one of {', '.join(DTYPES)} (CPU: float32)."}
     )
     lora: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Train LoRA adapters (PEFT) instead of all weights; the reference policy is then the "
             "same model with adapters disabled (no second copy)."
@@ -85,7 +85,7 @@ class RolloutConfig:
     prompts_per_step: int = field(default=4, metadata={"help": "Prompts drawn from the task per step."})
     n: int = field(default=8, metadata={"help": "Completions sampled per prompt: the GRPO group size G."})
     max_new_tokens: int = field(
-        default=160, metadata={"help": "Completion length cap; longer ones finish with reason 'length'."}
+        default=128, metadata={"help": "Completion length cap; longer ones finish with reason 'length'."}
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
     top_p: float = field(
@@ -146,7 +146,7 @@ class AlgoSection(AlgoConfig):
 class OptimConfig:
     """AdamW, the learning-rate schedule, and how a rollout batch is cut into optimizer steps."""
 
-    lr: float = field(default=2e-6, metadata={"help": "Peak learning rate of AdamW."})
+    lr: float = field(default=5e-5, metadata={"help": "Peak learning rate of AdamW."})
     betas: list[float] = field(
         default_factory=lambda: [0.9, 0.98], metadata={"help": "AdamW betas (beta1, beta2)."}
     )
@@ -199,7 +199,7 @@ class OptimConfig:
 class TrainerConfig:
     """Length of the run, seeding, output directory, checkpoints and evaluation."""
 
-    steps: int = field(default=8, metadata={"help": "Training steps (one rollout batch each)."})
+    steps: int = field(default=10, metadata={"help": "Training steps (one rollout batch each)."})
     seed: int = field(
         default=0, metadata={"help": "Seeds prompt order, sampling, mini-batch shuffling and LoRA init."}
     )
@@ -220,8 +220,15 @@ class TrainerConfig:
         },
     )
     eval_prompts: int = field(
-        default=16,
+        default=32,
         metadata={"help": "Held-out prompts (one sample each) for the reward before/after; 0 disables eval."},
+    )
+    eval_data: str = field(
+        default="",
+        metadata={
+            "help": "Data source of the held-out prompts (like task.data, same field mapping); empty: the "
+            "task's 'test' split."
+        },
     )
     eval_temperature: float = field(
         default=0.5, metadata={"help": "Sampling temperature of evaluation (> 0)."}
@@ -480,6 +487,10 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             continue
+        if isinstance(value, dict) and typing.get_origin(_is_optional(tp)[1]) is not dict:
+            raise ConfigError(
+                f"{where(path)}'{path}' is not a section: it takes one {_type_name(tp)} value (e.g. {path}=...)"
+            )
         try:
             kwargs[key] = coerce(value, tp, path)
         except ConfigError as e:

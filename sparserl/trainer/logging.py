@@ -175,7 +175,8 @@ class ProgressDisplay:
             self.console.print(f"step {step}/{self.total}  {stats}", highlight=False)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """Print above the bar."""
+        """Print above the bar (long paths are not wrapped)."""
+        kwargs.setdefault("soft_wrap", True)
         self.console.print(*args, **kwargs)
 
     def close(self) -> None:

@@ -4,9 +4,11 @@ weights because the engine runs the very modules being trained."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -140,7 +142,10 @@ class Trainer:
         self.task = task if task is not None else make_task(cfg.task, "train")
         self.eval_task = eval_task
         if self.eval_task is None and cfg.trainer.eval_prompts > 0:
-            self.eval_task = make_task(cfg.task, "test")
+            eval_cfg = cfg.task
+            if cfg.trainer.eval_data:
+                eval_cfg = dataclasses.replace(cfg.task, data=cfg.trainer.eval_data, split="test")
+            self.eval_task = make_task(eval_cfg, "test")
         need_ref = cfg.algo.kl_coef > 0
         self.policy = Policy(cfg.model, model_loader, need_ref=need_ref, seed=seed)
         self.tokenizer = self.policy.tokenizer
@@ -376,7 +381,11 @@ class Trainer:
                 else:
                     skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)
-                self.scheduler.step()
+                with warnings.catch_warnings():  # the schedule advances even when an update was skipped
+                    warnings.filterwarnings(
+                        "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+                    )
+                    self.scheduler.step()
         module.eval()
         n_updates = self.optimizer_steps_per_rollout
         out = {k: v / n_updates for k, v in sums.items()}
@@ -417,15 +426,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- the run
 
     def _task_counters(self) -> dict[str, float]:
-        out = dict(self.state.counters)
-        for attr in ("reward_stats", "stats", "counters"):
-            stats = getattr(self.task, attr, None)
-            if callable(stats):
-                stats = stats()
-            if isinstance(stats, dict):
-                out.update({f"reward/{k}": float(v) for k, v in stats.items() if _is_number(v)})
-                break
-        return out
+        """Cumulative counters of the run (reward calls/errors/timeouts, skipped updates), kept in the
+        checkpoint so they survive a resume. The tasks' own counters are drained into them each step."""
+        c = self.state.counters
+        for task in {id(t): t for t in (self.task, self.eval_task) if t is not None}.values():
+            stats = getattr(task, "stats", None)
+            if stats is not None and hasattr(stats, "as_metrics"):
+                for k, v in stats.as_metrics().items():
+                    c[k] = c.get(k, 0.0) + float(v)
+                if hasattr(stats, "reset"):
+                    stats.reset()
+        return dict(c)
 
     def save(self) -> Path:
         """Write a checkpoint of the current step."""
