@@ -129,6 +129,7 @@ def test_eval_cli_run_dir_uses_its_model_and_task(
         (["--data", "{qa}", "--samples", "0"], 2, "--samples=0 must be >= 1"),
         (["--data", "{bad}"], 1, "bad.jsonl:2"),
         ([], 2, "--data is required"),
+        (["--data", "nosuchset"], 2, "--data 'nosuchset' is unknown"),
         (["--data", "{qa}", "--model", "{tmp}/no-model"], 1, "no-model"),
     ],
 )

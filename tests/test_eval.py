@@ -16,7 +16,7 @@ from sparserl.engine import KVConfig
 from sparserl.eval import evaluate, load_eval_model, load_eval_task, pass_at_k, pass_ks, summarize_rewards
 from sparserl.eval.loading import eval_task_config
 from sparserl.models import ModelLoadError, tiny_model
-from sparserl.tasks import Example, Task
+from sparserl.tasks import Example, Task, TaskConfig
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
@@ -186,6 +186,22 @@ def test_eval_task_config_sources(tmp_path: Path) -> None:
     assert cfg.data == str(f) and cfg.format_weight == 0.0
     task = load_eval_task(str(f))
     assert len(task) == 1 and task[0].answer == "2"
+    # a run's task lends its prompt format and procedural settings, not its data source or field mapping
+    run_task = TaskConfig(
+        name="train",
+        data="train.jsonl",
+        question_key="prompt",
+        answer_key="label",
+        instruction="Answer in \\boxed{}.",
+        max_digits=4,
+        max_examples=10,
+        format_weight=0.5,
+    )
+    cfg = eval_task_config(str(f), base=run_task)
+    assert (cfg.data, cfg.question_key, cfg.answer_key, cfg.max_examples) == (str(f), "", "", 0)
+    assert cfg.instruction == "Answer in \\boxed{}." and cfg.format_weight == 0.0
+    cfg = eval_task_config("arithmetic", base=run_task)
+    assert cfg.data == "" and cfg.max_digits == 4
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         eval_task_config(str(tmp_path / "nope.jsonl"))
     with pytest.raises(ConfigError, match="--data is required"):

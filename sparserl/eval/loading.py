@@ -48,6 +48,7 @@ def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tupl
     """The run's base model with the checkpoint's weights; LoRA adapters are loaded through PEFT and merged."""
     from safetensors.torch import load_file
 
+    from sparserl.models import ModelLoadError
     from sparserl.trainer.policy import Policy
 
     cfg = run_config(run_dir)
@@ -59,7 +60,7 @@ def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tupl
     try:
         policy.load_weights(load_file(files[0]))
     except Exception as e:  # noqa: BLE001 - re-raised naming the checkpoint
-        raise FileNotFoundError(f"checkpoint {ckpt} does not fit model {model_cfg.spec!r}: {e}") from e
+        raise ModelLoadError(f"checkpoint {ckpt} does not fit model {model_cfg.spec!r}: {e}") from e
     model = policy.peft.merge_and_unload() if policy.peft is not None else policy.module
     info = {"base_model": model_cfg.spec, "lora": bool(model_cfg.lora), "weights": str(files[0])}
     return model, policy.tokenizer, info
@@ -103,15 +104,8 @@ def load_eval_model(
     else:
         model, tok = load_model(spec, dtype=torch_dtype)
         loaded = LoadedModel(model, tok, spec, "pretrained", spec)
-    if tok_missing_pad(loaded.tokenizer):
-        loaded.tokenizer.pad_token = loaded.tokenizer.eos_token
     loaded.model = loaded.model.to(device).eval()
     return loaded
-
-
-def tok_missing_pad(tokenizer: Any) -> bool:
-    """True when the tokenizer has no pad token (the engine pads prompts at prefill)."""
-    return getattr(tokenizer, "pad_token_id", 0) is None
 
 
 def shared_data_dirs() -> list[Path]:
@@ -143,19 +137,26 @@ def eval_task_config(
     """The TaskConfig for `--data`: a local .jsonl/.json/.parquet file, 'gsm8k' (the shared test file when
     present, else openai/gsm8k), an eval set name (math500, aime24, ...: the shared files), 'math', a built-in
     procedural task (arithmetic, long_arithmetic) or a Hugging Face dataset name. `base` (a run's TaskConfig)
-    supplies the other fields. The format reward is off: eval scores correctness."""
+    supplies the prompt format (instruction, system prompt) and the procedural settings; the data source and
+    field mapping come from `data` and the keys given. The format reward is off: eval scores correctness."""
     from sparserl.tasks import TaskConfig
     from sparserl.tasks.dataset import is_local_source
 
     base = base if base is not None else TaskConfig()
-    keys = {"question_key": question_key, "answer_key": answer_key} if question_key or answer_key else {}
-    common = {"format_weight": 0.0, "split": split, **keys}
+    # From a run's task keep the prompt format and procedural settings, not its data source or field mapping.
+    common = {
+        "format_weight": 0.0,
+        "split": split,
+        "question_key": question_key,
+        "answer_key": answer_key,
+        "max_examples": 0,
+    }
     if is_local_source(data):
         if not Path(data).is_file():
             raise FileNotFoundError(f"--data {data}: no such file")
         return replace(base, name=str(data), data=str(data), data_config="", **common)
     if data in PROCEDURAL_TASKS:
-        return replace(base, name=data, data="", **common)
+        return replace(base, name=data, data="", data_config="", **common)
     local = _local_named(data, split)
     if local is not None:
         return replace(base, name=data, data=str(local), data_config="", **common)
@@ -164,7 +165,13 @@ def eval_task_config(
             f"--data {data}: eval set not found under {', '.join(str(d) for d in shared_data_dirs()) or '../shared/data'}; "
             "give the path of its .jsonl file"
         )
-    return replace(base, name=data, data="" if data in ("gsm8k", "math") else data, **common)
+    if "/" not in data and data not in ("gsm8k", "math"):  # like make_task: a Hub name is owner/name
+        raise ConfigError(
+            f"--data {data!r} is unknown: give a .jsonl/.json/.parquet file, gsm8k, math, "
+            f"{', '.join(EVAL_SETS)}, {', '.join(PROCEDURAL_TASKS)}, or a Hugging Face dataset (owner/name)"
+        )
+    source = "" if data in ("gsm8k", "math") else data  # '': the task's default Hugging Face dataset
+    return replace(base, name=data, data=source, data_config="", **common)
 
 
 def load_eval_task(
