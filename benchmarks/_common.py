@@ -8,6 +8,8 @@ where that is not possible the peak is the process-lifetime one (`resource.getru
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -60,6 +62,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc `malloc_trim`), so that the RSS counts live memory only.
+
+    Without it, memory freed by an earlier measurement stays resident in the allocator's pools: the next
+    measurement would then reuse it without raising the RSS and look free of cost.
+    """
+    gc.collect()
+    with suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def reset_peak_rss() -> bool:
     """Reset the RSS high-water mark to the current RSS; False where the OS does not allow it."""
     try:
@@ -79,10 +92,12 @@ def peak_is_resettable() -> bool:
 def measure() -> Iterator[dict[str, float]]:
     """Time a block and record its memory: fills `seconds`, `rss_before_bytes`, `peak_rss_bytes`, `peak_delta_bytes`.
 
-    The peak is the RSS high-water mark during the block (reset at entry where possible); the delta is the
-    peak minus the RSS at entry: the memory the block itself needed on top of what was already resident.
+    Freed memory is first returned to the OS; the peak is the RSS high-water mark during the block (reset at
+    entry where possible); the delta is the peak minus the RSS at entry: the memory the block itself needed on
+    top of what was already resident.
     """
     out: dict[str, float] = {}
+    release_free_memory()
     reset_peak_rss()
     before = rss_bytes()
     t0 = time.perf_counter()
