@@ -439,3 +439,32 @@ def test_unsupported_attention_is_refused():
     gpt2 = transformers.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ModelLoadError, match="architecture 'gpt2' is not supported"):
         RolloutEngine(gpt2, tok, kv=KVConfig(method="rkv", budget=64))
+
+
+def reference_redundancy(keys: torch.Tensor, candidates: torch.Tensor, threshold: float) -> torch.Tensor:
+    """The spec's formula, literally: S = K^ K^T of the candidates with a zero diagonal; per row i, zero S_ij of
+    the most recent j with S_ij > threshold; R_j = softmax_j(mean_i S_ij)."""
+    r, h, s, _ = keys.shape
+    out = torch.zeros(r, h, s)
+    for row in range(r):
+        idx = candidates[row].nonzero().squeeze(-1)
+        k = torch.nn.functional.normalize(keys[row][:, idx].double(), dim=-1)
+        for head in range(h):
+            sim = k[head] @ k[head].T
+            sim.fill_diagonal_(0)
+            for i in range(len(idx)):
+                near = (sim[i] > threshold).nonzero()
+                if len(near):
+                    sim[i, near.max()] = 0
+            out[row, head, idx] = sim.mean(dim=0).softmax(dim=-1).float()
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 128])
+def test_rkv_redundancy_matches_the_spec_formula(chunk):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 2, 6, 8, generator=g)  # few directions: many near-duplicates
+    keys = base[:, :, torch.randint(0, 6, (23,), generator=g)] + 0.5 * torch.randn(2, 2, 23, 8, generator=g)
+    candidates = torch.arange(23)[None] < torch.tensor([[20], [17]])
+    got = redundancy(keys, candidates, threshold=0.5, chunk=chunk)
+    torch.testing.assert_close(got, reference_redundancy(keys, candidates, 0.5), atol=1e-6, rtol=1e-5)

@@ -98,16 +98,19 @@ class KVCache:
         """[rows, span] mask of held slots, counting `extra` pending slots per row."""
         return torch.arange(span, device=self.length.device)[None, :] < (self.length + extra)[:, None]
 
-    def keep(self, rows: Tensor, layer: int, slots: Tensor) -> None:
-        """Keep only `slots` [len(rows), H, B] (chronological) of the given rows in one layer, packed left."""
-        b = slots.shape[-1]
+    def keep(self, rows: Tensor | slice, layer: int, slots: Tensor) -> None:
+        """Keep only `slots` [rows, H, B] (chronological) of the given rows in one layer, packed left.
+
+        `rows` is an index tensor or `slice(None)` for all rows (no copy of the untouched rows then).
+        """
+        b, span = slots.shape[-1], int(slots.max()) + 1
         for store in (self.k, self.v):
-            kept = torch.gather(
-                store[layer][rows], 2, slots[..., None].expand(-1, -1, -1, store[layer].shape[-1])
+            src = store[layer][rows, :, :span]
+            store[layer][rows, :, :b] = torch.gather(
+                src, 2, slots[..., None].expand(-1, -1, -1, src.shape[-1])
             )
-            store[layer][rows, :, :b] = kept
         for store in (self.pos, *self.extras.values()):
-            store[layer][rows, :, :b] = torch.gather(store[layer][rows], 2, slots)
+            store[layer][rows, :, :b] = torch.gather(store[layer][rows, :, :span], 2, slots)
         for store in self.extras.values():  # freed slots start from zero when a new token is written there
             store[layer][rows, :, b:] = 0
 

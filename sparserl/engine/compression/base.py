@@ -91,6 +91,8 @@ class Evictor:
         """Keep `target` slots of each listed row in every layer: the last `keep_recent` plus the best-scored."""
         if rows.numel() == 0:
             return
+        if rows.numel() == cache.rows:  # every row (the usual case): index by slice, copying nothing
+            rows = slice(None)
         shared: Tensor | None = None
         for layer in range(cache.num_layers):
             if shared is None:
@@ -102,7 +104,9 @@ class Evictor:
             cache.keep(rows, layer, slots)
         cache.length[rows] = target
 
-    def select(self, cache: KVCache, layer: int, rows: Tensor, target: int, keep_recent: int) -> Tensor:
+    def select(
+        self, cache: KVCache, layer: int, rows: Tensor | slice, target: int, keep_recent: int
+    ) -> Tensor:
         """Slot indices [r, Hkv, target] to keep, in chronological order."""
         length = cache.length[rows]
         span = int(length.max())
