@@ -85,7 +85,7 @@ class RolloutConfig:
     prompts_per_step: int = field(default=4, metadata={"help": "Prompts drawn from the task per step."})
     n: int = field(default=8, metadata={"help": "Completions sampled per prompt: the GRPO group size G."})
     max_new_tokens: int = field(
-        default=128, metadata={"help": "Completion length cap; longer ones finish with reason 'length'."}
+        default=64, metadata={"help": "Completion length cap; longer ones finish with reason 'length'."}
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
     top_p: float = field(
@@ -110,7 +110,22 @@ class RolloutConfig:
 
 
 def _kv_default() -> KVConfig:
-    return KVConfig(method="rkv", budget=96, interval=16)
+    return KVConfig(method="rkv", budget=80, interval=16)
+
+
+# The embedded default's prompts: one-digit sums, and a system message with a worked \boxed{} example so that
+# SmolLM2-135M scores often enough (~20%) for GRPO groups to carry signal from the first step.
+DEFAULT_SYSTEM_PROMPT = (
+    "Reply with the final result inside \\boxed{}. "
+    "Example: What is 2 + 3? Answer: 2 + 3 = 5, so the result is \\boxed{5}."
+)
+DEFAULT_INSTRUCTION = "Put the final answer in \\boxed{}."
+
+
+def _task_default() -> TaskConfig:
+    return TaskConfig(
+        name="arithmetic", max_digits=1, system_prompt=DEFAULT_SYSTEM_PROMPT, instruction=DEFAULT_INSTRUCTION
+    )
 
 
 @dataclass
@@ -146,7 +161,7 @@ class AlgoSection(AlgoConfig):
 class OptimConfig:
     """AdamW, the learning-rate schedule, and how a rollout batch is cut into optimizer steps."""
 
-    lr: float = field(default=5e-5, metadata={"help": "Peak learning rate of AdamW."})
+    lr: float = field(default=1e-4, metadata={"help": "Peak learning rate of AdamW."})
     betas: list[float] = field(
         default_factory=lambda: [0.9, 0.98], metadata={"help": "AdamW betas (beta1, beta2)."}
     )
@@ -282,7 +297,13 @@ class TrainConfig:
     """A whole training run. The defaults are the embedded default run (`sparserl train` with no config)."""
 
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "The model being trained."})
-    task: TaskConfig = field(default_factory=TaskConfig, metadata={"help": "Prompts and verifiable rewards."})
+    task: TaskConfig = field(
+        default_factory=_task_default,
+        metadata={
+            "help": "Prompts and verifiable rewards. The default run's prompt settings (one-digit sums, a "
+            "system message with a \\boxed{} example) apply only while task.name stays 'arithmetic'."
+        },
+    )
     rollout: RolloutConfig = field(
         default_factory=RolloutConfig, metadata={"help": "Sampling of completions."}
     )
@@ -508,6 +529,10 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
             if tp is not AlgoSection and f.default_factory is not dataclasses.MISSING:
                 # start from this config's default for the section (e.g. kv defaults to R-KV), then override
                 base = f.default_factory()
+                if tp is TaskConfig and section.get("name", base.name) != base.name:
+                    base = (
+                        TaskConfig()
+                    )  # another task: the default run's arithmetic prompt does not carry over
                 section = {**{g.name: getattr(base, g.name) for g in fields(base)}, **section}
             else:
                 section = dict(section)

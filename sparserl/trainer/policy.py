@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparserl.config import ModelConfig
+from sparserl.config import ConfigError, ModelConfig
 
 TINY_PREFIX = "tiny-"
 ModelLoader = Callable[[ModelConfig], tuple[Any, Any]]
@@ -51,18 +52,15 @@ class Policy:
             if targets == ["all-linear"]:
                 targets = "all-linear"
             torch.manual_seed(seed)  # LoRA's A matrices are randomly initialised
+            lora = LoraConfig(
+                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets
+            )
             try:
-                self.peft = get_peft_model(
-                    model,
-                    LoraConfig(
-                        r=cfg.lora_r,
-                        lora_alpha=cfg.lora_alpha,
-                        lora_dropout=cfg.lora_dropout,
-                        target_modules=targets,
-                    ),
-                )
+                with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
+                    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+                    self.peft = get_peft_model(model, lora)
             except ValueError as e:
-                raise ValueError(f"model.lora_targets={cfg.lora_targets}: {e}") from None
+                raise ConfigError(f"model.lora_targets={cfg.lora_targets} do not fit {cfg.spec!r}: {e}") from None
             self.module = self.peft.get_base_model()
         else:
             self.module = model
