@@ -117,8 +117,16 @@ class KVCache:
     def select_rows(self, rows: Tensor, capacity: int | None = None) -> None:
         """Keep (or repeat) the given rows in that order, optionally cutting every row to `capacity` slots.
 
-        Used to drop finished sequences and to give a prompt's KV to each of its n samples.
+        Used to drop finished sequences and to give a prompt's KV to each of its n samples. Keeping every row
+        in place at the same capacity (n = 1, dense) is a no-op rather than a copy of the whole cache.
         """
+        same_capacity = capacity is None or capacity == self.capacity
+        if (
+            same_capacity
+            and rows.numel() == self.rows
+            and bool((rows == torch.arange(self.rows, device=rows.device)).all())
+        ):
+            return
         if capacity is not None:
             if int(self.length.max()) > capacity:
                 raise RuntimeError(f"cannot shrink the KV cache to {capacity} slots: a row holds more")
