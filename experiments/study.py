@@ -1,0 +1,191 @@
+"""The small-scale reproduction of Sparse-RL's claims: dense vs naive sparse vs Sparse-RL rollouts.
+
+Every arm trains from experiments/base.yaml with the same seeds, data and steps, changing only the algorithm
+preset and the KV method. Then each trained model (and the untrained base) is evaluated on the same held-out
+prompts under dense inference and under the arm's sparse inference (R-KV at the same budget). Results go to
+docs/results/study.json, study.md and PNG curves.
+
+    python experiments/study.py                 # run (or resume) everything; safe to re-run after a kill
+    nohup python experiments/study.py > runs/study/log.txt 2>&1 &
+    python experiments/study.py --report-only   # rebuild the report from finished arms
+
+Each arm is a `sparserl train` run under runs/study/<arm>; a killed arm resumes from its last checkpoint, and a
+finished arm (summary.json present) is not run again. Evaluations are cached as JSON next to the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = ROOT / "experiments" / "base.yaml"
+ARMS: dict[str, list[str]] = {
+    "dense": ["algo.preset=dense"],
+    "naive-sparse-rkv": ["algo.preset=naive-sparse", "kv.method=rkv"],
+    "sparse-rl-rkv": ["algo.preset=sparse-rl", "kv.method=rkv"],
+    "sparse-rl-snapkv": ["algo.preset=sparse-rl", "kv.method=snapkv"],
+    "sparse-rl-streaming": ["algo.preset=sparse-rl", "kv.method=streaming_llm"],
+}
+REQUIRED_ARMS = ["dense", "naive-sparse-rkv", "sparse-rl-rkv", "sparse-rl-snapkv"]
+EVAL_KV = {"method": "rkv", "budget": 48, "interval": 16, "window": 8}
+
+
+def train_arm(out: Path, arm: str, overrides: list[str], extra: list[str]) -> Path:
+    """Run (or resume, or skip when finished) one arm; returns its run directory."""
+    run = out / arm
+    if (run / "summary.json").is_file():
+        return run
+    cmd = [sys.executable, "-m", "sparserl.cli", "train"]
+    if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step-*")):
+        cmd += ["--resume", str(run), *extra]
+    else:
+        cmd += [
+            "--config",
+            str(BASE),
+            *overrides,
+            f"trainer.output_dir={out}",
+            f"trainer.run_name={arm}",
+            *extra,
+        ]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return run
+
+
+def evaluate_model(spec: str, run_for_task: Path, path: Path, limit: int, samples: int) -> dict:
+    """Dense and sparse (R-KV) held-out accuracy of a model on the study task, cached in `path`."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    from sparserl.engine import KVConfig
+    from sparserl.eval.evaluate import evaluate, write_json
+    from sparserl.eval.loading import load_eval_model, run_config
+    from sparserl.tasks import make_task
+
+    loaded = load_eval_model(spec)
+    task = make_task(run_config(run_for_task).task, "test")
+    result = evaluate(
+        loaded.model, loaded.tokenizer, task, kv=KVConfig(**EVAL_KV), samples=samples, limit=limit,
+        max_new_tokens=64, seed=1234,
+    )  # fmt: skip
+    write_json(result, path)
+    return result
+
+
+def read_metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    )
+
+
+def mean_of(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
+    """Collect per-arm numbers into JSON and a markdown table."""
+    base = evals.get("base")
+    arms = {}
+    for arm in ARMS:
+        rows = read_metrics(out / arm)
+        if not rows:
+            continue
+        ev = evals.get(arm, {})
+        rewards = [r.get("reward/mean") for r in rows if "reward/mean" in r]
+        arms[arm] = {
+            "steps": len(rewards),
+            "train_reward_curve": rewards,
+            "heldout_dense_mean@k": ev.get("dense", {}).get(f"mean@{ev.get('samples')}"),
+            "heldout_sparse_mean@k": ev.get("sparse", {}).get(f"mean@{ev.get('samples')}"),
+            "kv_saved_fraction": mean_of(rows, "kv/saved_fraction"),
+            "kv_positions_saved_fraction": mean_of(rows, "kv/positions_saved_fraction"),
+            "rejection_rate": mean_of(rows, "rejection_rate"),
+            "mismatch_kl": mean_of(rows, "rollout_corr/kl"),
+            "time_rollout_s": mean_of(rows, "time/rollout"),
+            "time_score_s": mean_of(rows, "time/score"),
+            "time_update_s": mean_of(rows, "time/train"),
+        }
+    summary = {"arms": arms, "base_model": base, "eval_kv": EVAL_KV, "config": str(BASE.relative_to(ROOT))}
+    if base and "dense" in arms:
+        k = base["samples"]
+        b_dense = base["dense"][f"mean@{k}"]
+        gain = {a: (v["heldout_dense_mean@k"] or 0) - b_dense for a, v in arms.items()}
+        summary["heldout_dense_gain"] = gain
+        if gain.get("dense"):
+            summary["gain_vs_dense"] = {a: g / gain["dense"] for a, g in gain.items()}
+    results_dir.mkdir(parents=True, exist_ok=True)
+    (results_dir / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
+    lines = [
+        "| arm | steps | held-out dense mean@k | held-out sparse mean@k | KV bytes saved | rejection rate | "
+        "mismatch kl | rollout / score / update s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    if base:
+        k = base["samples"]
+        lines.append(
+            f"| base model | 0 | {base['dense'][f'mean@{k}']:.3f} | {base['sparse'][f'mean@{k}']:.3f} | | | | |"
+        )
+
+    def f(v, fmt=".3f"):
+        return "" if v is None else format(v, fmt)
+
+    for arm, v in arms.items():
+        times = "/".join(f(v[t], ".0f") for t in ("time_rollout_s", "time_score_s", "time_update_s"))
+        lines.append(
+            f"| {arm} | {v['steps']} | {f(v['heldout_dense_mean@k'])} | {f(v['heldout_sparse_mean@k'])} | "
+            f"{f(v['kv_saved_fraction'], '.0%')} | {f(v['rejection_rate'])} | {f(v['mismatch_kl'], '.4f')} | {times} |"
+        )
+    (results_dir / "study.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=str(ROOT / "runs" / "study"), help="where the arms' runs go")
+    parser.add_argument("--results", default=str(ROOT / "docs" / "results" / "study"), help="report folder")
+    parser.add_argument("--arms", nargs="*", default=REQUIRED_ARMS, help=f"arms to run, of {list(ARMS)}")
+    parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
+    parser.add_argument("--eval-samples", type=int, default=2, help="samples per held-out prompt (mean@k)")
+    parser.add_argument("--report-only", action="store_true", help="only rebuild the report")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="extra key=value for every arm (e.g. trainer.steps=4)"
+    )
+    args = parser.parse_args()
+    unknown = set(args.arms) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {list(ARMS)}")
+    out, results = Path(args.out), Path(args.results)
+    evals: dict[str, dict] = {}
+    for arm in args.arms:
+        run = out / arm
+        if not args.report_only:
+            train_arm(out, arm, ARMS[arm], args.overrides)
+        if (run / "summary.json").is_file():
+            evals[arm] = evaluate_model(
+                str(run), run, run / "heldout_eval.json", args.eval_prompts, args.eval_samples
+            )
+            if "base" not in evals:
+                evals["base"] = evaluate_model(
+                    "smollm2-135m", run, out / "base_eval.json", args.eval_prompts, args.eval_samples
+                )
+    report(out, results, evals)
+    runs = [str(out / a) for a in args.arms if (out / a / "metrics.jsonl").is_file()]
+    if runs:
+        subprocess.run(
+            [sys.executable, "-m", "sparserl.cli", "plot", *runs, "--out", str(results)],
+            check=False,
+            cwd=ROOT,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
