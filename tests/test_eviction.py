@@ -327,7 +327,7 @@ def test_window_attention_excludes_the_window_and_max_pools_gqa_groups():
 
 def test_rkv_drops_older_duplicates_and_keeps_the_newest_copy():
     keys = one_hot(0, 15, 2, 3, 15, 5, 15, 7, 8, 9)[None, None]  # slots 1, 4, 6 hold the same key
-    r = redundancy(keys[0], torch.arange(10)[None] < 8, threshold=0.5)[0, 0]
+    r = redundancy(keys, torch.arange(10)[None] < 8, threshold=0.5)[0, 0]
     assert r[1] > r[4] > r[6] and r[6] == pytest.approx(r[0].item())  # the newest copy looks unique
     # zero queries: uniform attention, so redundancy alone decides
     cache = evict("rkv", hand_cache(keys), target=9, keep_recent=2)
@@ -460,11 +460,11 @@ def reference_redundancy(keys: torch.Tensor, candidates: torch.Tensor, threshold
     return out
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 128])
-def test_rkv_redundancy_matches_the_spec_formula(chunk):
+@pytest.mark.parametrize("block", [1, 5, 128])
+def test_rkv_redundancy_matches_the_spec_formula(block):
     g = torch.Generator().manual_seed(0)
     base = torch.randn(2, 2, 6, 8, generator=g)  # few directions: many near-duplicates
     keys = base[:, :, torch.randint(0, 6, (23,), generator=g)] + 0.5 * torch.randn(2, 2, 23, 8, generator=g)
     candidates = torch.arange(23)[None] < torch.tensor([[20], [17]])
-    got = redundancy(keys, candidates, threshold=0.5, chunk=chunk)
+    got = redundancy(keys, candidates, threshold=0.5, block=block)
     torch.testing.assert_close(got, reference_redundancy(keys, candidates, 0.5), atol=1e-6, rtol=1e-5)
