@@ -431,6 +431,14 @@ def test_unknown_method_and_granularity_are_named():
         KVConfig(method="rkv", granularity="per_layer")
 
 
+@pytest.mark.parametrize(
+    ("key", "value"), [("pool_kernel", 4), ("pool_kernel", 0), ("rkv_lambda", 1.5), ("n_sink", -1)]
+)
+def test_bad_method_knobs_are_named(key, value):
+    with pytest.raises(ValueError, match=rf"kv.{key}={value}"):
+        KVConfig(method="rkv", **{key: value})
+
+
 def test_unsupported_attention_is_refused():
     _, tok = tiny()
     cfg = transformers.AutoConfig.for_model(

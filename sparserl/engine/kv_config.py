@@ -58,6 +58,14 @@ class KVConfig:
             raise ValueError(f"kv.granularity={self.granularity!r} must be 'per_head' or 'shared'")
         if self.window < 1 or self.interval < 1:
             raise ValueError(f"kv.window ({self.window}) and kv.interval ({self.interval}) must be >= 1")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(
+                f"kv.pool_kernel={self.pool_kernel} must be odd and >= 1 (it is centred on a slot)"
+            )
+        if not 0.0 <= self.rkv_lambda <= 1.0:
+            raise ValueError(f"kv.rkv_lambda={self.rkv_lambda} must be in [0, 1]")
+        if self.n_sink < 0:
+            raise ValueError(f"kv.n_sink={self.n_sink} must be >= 0")
         reserved = self.window + (self.n_sink if self.method == "streaming_llm" else 0)
         if self.method != "dense" and self.budget <= reserved:
             raise ValueError(
