@@ -251,6 +251,15 @@ class TrainerConfig:
     threads: int = field(
         default=0, metadata={"help": "torch CPU threads; 0 leaves torch's default (all cores)."}
     )
+    reuse_learner_logprobs: bool = field(
+        default=True,
+        metadata={
+            "help": "When a rollout batch gets exactly one optimizer step (ppo_epochs 1, one mini-batch), no "
+            "dropout and algo.rejected_in_denominator, take dense pi_old from the learner's own forward pass "
+            "instead of a separate scoring pass (the weights have not moved yet, so it is the same policy): "
+            "one forward pass less per step. False: always score pi_old separately."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.steps < 0:

@@ -15,6 +15,15 @@ from sparserl.trainer.checkpoint import TrainerState, load_checkpoint
 from sparserl.trainer.data import PromptSampler
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy shared CPU cannot stall idle spinning threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class ParityTask(Task):
     """A task whose reward varies on a random tiny model (parity of the completion's character codes), so
     advantages are non-zero and every step really changes the weights."""
@@ -258,3 +267,57 @@ def test_prompt_sampler_is_a_resumable_stream() -> None:
     assert sorted(stream[:7]) == list(range(7))  # each epoch is a permutation
     b = PromptSampler(7, seed=3, position=9)
     assert b.take(11) == stream[9:]
+
+
+@pytest.mark.parametrize("backend", ["wandb", "mlflow"])
+def test_missing_tracker_fails_fast(tmp_path: Path, backend: str) -> None:
+    import importlib.util
+
+    from sparserl.config import ConfigError
+
+    if importlib.util.find_spec(backend) is not None:
+        pytest.skip(f"{backend} is installed here")
+    with pytest.raises(ConfigError, match=f"logging.{backend}=true but {backend} is not installed"):
+        make_trainer(tiny_cfg(tmp_path, f"logging.{backend}=true"))
+    assert not (tmp_path / "run").exists()  # failed before creating anything
+
+
+def test_bad_lora_targets_name_the_key(tmp_path: Path) -> None:
+    from sparserl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="model.lora_targets"):
+        make_trainer(tiny_cfg(tmp_path, "model.lora=true", "model.lora_targets=no_such_proj"))
+
+
+def test_pi_old_from_the_learner_pass_equals_a_separate_scoring_pass(tmp_path: Path) -> None:
+    """One update per rollout: pi_old taken from the learner's own forward gives the update a separate
+    dense scoring pass gives (same weights, same corrections), with one forward pass less."""
+    base = [
+        "optim.mini_batch_size=0",
+        "trainer.steps=1",
+        "model.lora=true",
+        "model.lora_r=4",
+        "optim.lr=1e-2",
+    ]
+    reused = make_trainer(tiny_cfg(tmp_path, *base, name="reuse"))
+    scored = make_trainer(tiny_cfg(tmp_path, *base, "trainer.reuse_learner_logprobs=false", name="score"))
+    assert reused.reuse_learner_logprobs and not scored.reuse_learner_logprobs
+    reused.train()
+    scored.train()
+    a, b = weights(reused), weights(scored)
+    assert any(
+        not torch.equal(a[k], weights(make_trainer(tiny_cfg(tmp_path, *base, name="init")))[k]) for k in a
+    )
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+    ra = [r for r in rows(tmp_path / "reuse") if "reward/mean" in r][0]
+    rb = [r for r in rows(tmp_path / "score") if "reward/mean" in r][0]
+    assert ra["rejection_rate"] == rb["rejection_rate"]
+    assert abs(ra["rollout_corr/kl"] - rb["rollout_corr/kl"]) < 1e-5
+
+
+def test_several_updates_per_rollout_score_pi_old_separately(tmp_path: Path) -> None:
+    assert not make_trainer(
+        tiny_cfg(tmp_path, "optim.ppo_epochs=2", "optim.mini_batch_size=0")
+    ).reuse_learner_logprobs
+    assert not make_trainer(tiny_cfg(tmp_path, name="r2")).reuse_learner_logprobs  # two mini-batches

@@ -52,11 +52,9 @@ class Batch:
     completions: list[list[int]]
     mask: Tensor  # [B, T] bool response mask
     logp_sampler: Tensor  # [B, T]
-    logp_old: Tensor | None  # [B, T] dense old policy (None in bypass mode)
+    logp_old: Tensor | None  # [B, T] dense old policy (None: bypass mode, or taken from the learner's pass)
     logp_ref: Tensor | None  # [B, T] reference policy (None when kl_coef == 0)
     advantages: Tensor  # [B]
-    weights: Tensor  # [B, T]
-    keep: Tensor  # [B, T] bool
 
 
 def pad(rows: Sequence[Tensor | Sequence[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
@@ -153,6 +151,7 @@ class Trainer:
         from sparserl.engine import RolloutEngine
 
         self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.kv if cfg.sparse else None)
+        self.reuse_learner_logprobs = cfg.trainer.reuse_learner_logprobs and self._single_update()
         self.optimizer = self._make_optimizer()
         self.scheduler = self._make_scheduler()
         self.state = TrainerState()
@@ -186,6 +185,19 @@ class Trainer:
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+    def _single_update(self) -> bool:
+        """True when pi_old can come from the learner's pass: one update per rollout batch, decoupled (or
+        none) mode, a rejection-independent loss denominator, and no dropout (train mode == eval mode)."""
+        cfg, module = self.cfg, self.policy.module
+        dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules())
+        dropout = dropout or bool(getattr(getattr(module, "config", None), "attention_dropout", 0.0))
+        return (
+            self.optimizer_steps_per_rollout == 1
+            and cfg.algo.needs_recompute
+            and cfg.algo.rejected_in_denominator
+            and not dropout
+        )
 
     @property
     def optimizer_steps_per_rollout(self) -> int:
@@ -272,19 +284,18 @@ class Trainer:
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         rewards = self._rewards(self.task, texts, [examples[s.prompt_index] for s in samples])
         advantages = advantages_from_config(rewards, cfg.algo)
+        t_reward = time.perf_counter()
         logp_sampler, mask = pad([s.logprobs for s in samples])
         length = mask.shape[1]
 
         logp_old = logp_ref = None
         with torch.no_grad():
-            if cfg.algo.needs_recompute:
+            if cfg.algo.needs_recompute and not self.reuse_learner_logprobs:
                 logp_old = self._score(self.policy.module, prompts, completions, length)
             if cfg.algo.kl_coef > 0:
                 with self.policy.reference() as ref:
                     logp_ref = self._score(ref, prompts, completions, length)
         t2 = time.perf_counter()
-        corr_old = logp_old if logp_old is not None else logp_sampler
-        weights, keep, corr_metrics = correction_weights(corr_old, logp_sampler, mask, cfg.algo, advantages)
 
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
@@ -298,22 +309,26 @@ class Trainer:
                 "length/truncated_frac": truncated.mean().item(),
                 "adv/abs_mean": advantages.abs().mean().item(),
                 "time/rollout": t1 - t0,
-                "time/score": t2 - t1,
+                "time/reward": t_reward - t1,
+                "time/score": t2 - t_reward,
             }
         )
         metrics.update({f"rollout/{k}": float(v) for k, v in rollouts.stats.items() if _is_number(v)})
         metrics.update(
             _kv_saving(rollouts.stats, prompts, completions, cfg.rollout.max_new_tokens, cfg.sparse)
         )
-        metrics.update(corr_metrics)
-        metrics["rejection_rate"] = corr_metrics.get("rollout_corr/seq_rejection_rate", 0.0)
-        batch = Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages, weights, keep)
+        batch = Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages)
         return batch, metrics
 
     def learn(self, step: int, batch: Batch) -> dict[str, float]:
-        """Step 7: K passes over shuffled mini-batches; gradient accumulation, clipping, AdamW, schedule.
+        """Steps 6-7: corrections, then K passes over shuffled mini-batches with gradient accumulation,
+        clipping, AdamW and the lr schedule. Returns the step's loss, optimizer and correction metrics.
 
-        A mini-batch whose loss or gradient is NaN/inf is skipped (no update) and counted.
+        Corrections are computed per micro-batch (the TIS batch normalisation is over the micro-batch's valid
+        tokens, as in the reference code); their logged metrics are over the whole rollout batch. When
+        `batch.logp_old` is None outside bypass mode, pi_old is the learner's own first forward pass (exact:
+        one update per rollout, so the weights have not moved yet). A mini-batch whose loss or gradient is
+        NaN/inf is skipped (no update) and counted.
         """
         from sparserl.engine import completion_logprobs
 
@@ -324,8 +339,12 @@ class Trainer:
         params = self.policy.trainable_parameters()
         B = len(batch.prompts)
         mini = cfg.optim.mini_batch_size or B
-        anchor = ppo_anchor(batch.logp_old, batch.logp_sampler, algo)
-        loss_mask = batch.mask & batch.keep
+        from_learner = batch.logp_old is None and algo.needs_recompute
+        old_full = (
+            batch.logp_sampler.clone()
+            if from_learner
+            else ppo_anchor(batch.logp_old, batch.logp_sampler, algo)
+        )
         sums: dict[str, float] = {}
         skipped = 0
         for epoch in range(cfg.optim.ppo_epochs):
@@ -333,7 +352,15 @@ class Trainer:
             order = torch.randperm(B, generator=gen)
             for start in range(0, B, mini):
                 mb = order[start : start + mini]
-                denom = loss_denominator(loss_mask[mb], algo, batch.mask[mb])
+                if (
+                    from_learner
+                ):  # rejected_in_denominator holds: the denominator does not depend on rejection
+                    denom = loss_denominator(batch.mask[mb], algo, batch.mask[mb])
+                else:  # rejection is per token / sequence, so the mini-batch's keep mask is known up front
+                    _, keep_mb, _ = correction_weights(
+                        old_full[mb], batch.logp_sampler[mb], batch.mask[mb], algo, batch.advantages[mb]
+                    )
+                    denom = loss_denominator(batch.mask[mb] & keep_mb, algo, batch.mask[mb])
                 self.optimizer.zero_grad(set_to_none=True)
                 finite = True
                 for micro in torch.tensor_split(mb, cfg.optim.grad_accum):
@@ -347,24 +374,33 @@ class Trainer:
                         temperature=cfg.rollout.temperature,
                         with_entropy=algo.entropy_coef > 0,
                     )
-                    logp, _ = out[0], out[1]
+                    logp = out[0]
                     entropy = out[2] if len(out) > 2 else None
                     T = logp.shape[1]
+                    if from_learner:
+                        old_full[micro, :T] = logp.detach()
+                    old = old_full[micro, :T]
+                    mask = batch.mask[micro, :T]
+                    weights, keep, _ = correction_weights(
+                        old, batch.logp_sampler[micro, :T], mask, algo, batch.advantages[micro]
+                    )
                     loss, m = policy_loss(
                         logp,
-                        anchor[micro, :T],
+                        old,
                         batch.advantages[micro],
-                        loss_mask[micro, :T],
-                        batch.weights[micro, :T],
+                        mask & keep,
+                        weights,
                         algo,
                         logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
                         entropy=entropy,
-                        response_mask=batch.mask[micro, :T],
+                        response_mask=mask,
                         denominator=denom,
                     )
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
+                    if not finite or not torch.isfinite(loss):
+                        finite = (
+                            False  # keep going without backward: pi_old of the later micro-batches is needed
+                        )
+                        continue
                     loss.backward()
                     for k, v in m.items():
                         if k in ("actor/loss", "actor/pg_loss", "actor/kl_ref", "actor/entropy"):
@@ -396,6 +432,11 @@ class Trainer:
         )
         out["train/nonfinite_skipped_updates"] = float(skipped)
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        # whole-batch correction metrics (the rejection decisions are per token / sequence, so they match
+        # the ones applied above; only the batch-normalisation factor is the whole batch's here)
+        _, _, corr = correction_weights(old_full, batch.logp_sampler, batch.mask, algo, batch.advantages)
+        out.update(corr)
+        out["rejection_rate"] = corr.get("rollout_corr/seq_rejection_rate", 0.0)
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -57,10 +57,14 @@ class Policy:
             )
             try:
                 with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
-                    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+                    warnings.filterwarnings(
+                        "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+                    )
                     self.peft = get_peft_model(model, lora)
             except ValueError as e:
-                raise ConfigError(f"model.lora_targets={cfg.lora_targets} do not fit {cfg.spec!r}: {e}") from None
+                raise ConfigError(
+                    f"model.lora_targets={cfg.lora_targets} do not fit {cfg.spec!r}: {e}"
+                ) from None
             self.module = self.peft.get_base_model()
         else:
             self.module = model
