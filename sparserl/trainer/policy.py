@@ -91,7 +91,7 @@ class Policy:
         if self.peft is not None:
             from peft import get_peft_model_state_dict
 
-            return get_peft_model_state_dict(self.peft)
+            return get_peft_model_state_dict(self.peft, save_embedding_layers=False)
         return dict(self.module.state_dict())
 
     @property
