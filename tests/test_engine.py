@@ -113,21 +113,26 @@ def test_sampler_logprobs_are_normalised_and_negative(tiny):
         assert bool((s.logprobs <= 0).all()) and bool(torch.isfinite(s.logprobs).all())
 
 
+def hf_greedy(model, tok, prompt: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
+    """transformers' own greedy continuation of one prompt (stopping at the same EOS ids as the engine)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=sorted(eos_ids),
+        pad_token_id=tok.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def test_greedy_matches_transformers_generate(tiny):
     """Our decoder forward and cache reproduce the model's own greedy decoding token for token."""
     model, tok = tiny
     engine = RolloutEngine(model, tok)
     for prompt in prompts_of(tok):
         ours = engine.generate([prompt], max_new_tokens=24, temperature=0)[0]
-        ref = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=24,
-            do_sample=False,
-            eos_token_id=sorted(engine.eos_ids),
-            pad_token_id=tok.pad_token_id,
-        )[0, len(prompt) :].tolist()
-        assert ours.completion_ids == ref
+        assert ours.completion_ids == hf_greedy(model, tok, prompt, 24, engine.eos_ids)
         assert bool((ours.logprobs == 0).all())  # greedy samples from a point mass
 
 

@@ -12,6 +12,7 @@ import importlib.util
 
 import pytest
 import torch
+from test_engine import hf_greedy
 
 from sparserl.engine import RolloutEngine, score
 from sparserl.models import encode_prompt, load_model
@@ -65,12 +66,4 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2):
     prompt = encode_prompt(tok, [{"role": "user", "content": QUESTIONS[0]}])
     engine = RolloutEngine(model, tok)
     ours = engine.generate([prompt], max_new_tokens=24, temperature=0)[0].completion_ids
-    ref = model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=24,
-        do_sample=False,
-        eos_token_id=sorted(engine.eos_ids),
-        pad_token_id=tok.pad_token_id,
-    )[0, len(prompt) :].tolist()
-    assert ours == ref
+    assert ours == hf_greedy(model, tok, prompt, 24, engine.eos_ids)
