@@ -10,6 +10,7 @@ the call. Runs alternate (ours, HF, ours, HF, ...) so that a busy machine slows 
 
     python benchmarks/rollout.py                # batch 16, contexts 512+512 and 1024+1024, writes docs/results
     python benchmarks/rollout.py --quick        # a smoke run in about a minute, prints only
+    python benchmarks/rollout.py --group 8 --contexts 512:128 --out /tmp/group.json   # GRPO groups of 8
 """
 
 from __future__ import annotations
@@ -60,15 +61,18 @@ def make_prompts(tokenizer, batch: int, length: int) -> list[list[int]]:
     return prompts
 
 
-def run_ours(engine: RolloutEngine, prompts: list[list[int]], new: int, seed: int) -> dict[str, float]:
-    """One engine call; EOS is off on the engine (`eos_ids = set()`)."""
+def run_ours(
+    engine: RolloutEngine, prompts: list[list[int]], new: int, seed: int, group: int = 1
+) -> dict[str, float]:
+    """One engine call, `group` samples per prompt; EOS is off on the engine (`eos_ids = set()`)."""
     with measure() as m:
         out = engine.generate(
-            prompts, n=1, max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=0, seed=seed
+            prompts, n=group, max_new_tokens=new, temperature=1.0, top_p=1.0, top_k=0, seed=seed
         )
     generated = sum(len(s.completion_ids) for s in out)
-    assert generated == new * len(prompts), "EOS must be disabled for a fair comparison"
-    return metrics(m, out.stats["prefill_s"], m["seconds"] - out.stats["prefill_s"], prompts, generated)
+    assert generated == new * len(prompts) * group, "EOS must be disabled for a fair comparison"
+    prefill = out.stats["prefill_s"]
+    return metrics(m, prefill, m["seconds"] - prefill, prompts, group, generated)
 
 
 class FirstCall(LogitsProcessor):
@@ -83,8 +87,13 @@ class FirstCall(LogitsProcessor):
         return scores
 
 
-def run_hf(model, tokenizer, prompts: list[list[int]], new: int, seed: int) -> dict[str, float]:
-    """One `model.generate` call: sampling at temperature 1, no top-k/top-p, EOS suppressed by min_new_tokens."""
+def run_hf(
+    model, tokenizer, prompts: list[list[int]], new: int, seed: int, group: int = 1
+) -> dict[str, float]:
+    """One `model.generate` call: sampling at temperature 1, no top-k/top-p, EOS suppressed by min_new_tokens.
+
+    `group` samples per prompt come from `num_return_sequences` (transformers repeats the prompt rows).
+    """
     ids = torch.tensor(prompts, device=model.device)
     first = FirstCall()
     torch.manual_seed(seed)
@@ -100,24 +109,26 @@ def run_hf(model, tokenizer, prompts: list[list[int]], new: int, seed: int) -> d
             max_new_tokens=new,
             min_new_tokens=new,
             pad_token_id=tokenizer.pad_token_id,
+            num_return_sequences=group,
             logits_processor=LogitsProcessorList([first]),
         )
-    generated = int((out.shape[1] - ids.shape[1]) * ids.shape[0])
-    assert generated == new * len(prompts)
+    generated = int((out.shape[1] - ids.shape[1]) * out.shape[0])
+    assert generated == new * len(prompts) * group
     prefill = first.t - t0
-    return metrics(m, prefill, m["seconds"] - prefill, prompts, generated)
+    return metrics(m, prefill, m["seconds"] - prefill, prompts, group, generated)
 
 
 def metrics(
-    m: dict[str, float], prefill_s: float, decode_s: float, prompts, generated: int
+    m: dict[str, float], prefill_s: float, decode_s: float, prompts, group: int, generated: int
 ) -> dict[str, float]:
-    rows = len(prompts)
+    rows = len(prompts) * group
     return {
         "total_s": m["seconds"],
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "tokens_per_s": generated / m["seconds"],
-        "prefill_tokens_per_s": sum(map(len, prompts)) / prefill_s,
+        # prompt tokens served: each of a prompt's `group` sequences counts its prompt
+        "prefill_tokens_per_s": group * sum(map(len, prompts)) / prefill_s,
         # the first token of every row comes with the prefill; the decode loop makes the rest
         "decode_tokens_per_s": (generated - rows) / decode_s if decode_s > 0 else 0.0,
         "decode_step_s": decode_s / max(generated // rows - 1, 1),
@@ -142,7 +153,10 @@ def parse_contexts(spec: str) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
-    ap.add_argument("--batch", type=int, default=16, help="sequences per call (distinct prompts, n=1 each)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per call")
+    ap.add_argument("--group", type=int, default=1,
+                    help="samples per prompt (GRPO group): batch/group distinct prompts; ours prefills each "
+                    "prompt once, generate gets num_return_sequences=group (default 1: distinct prompts)")  # fmt: skip
     ap.add_argument("--contexts", type=parse_contexts, default=parse_contexts("512:512,1024:1024"),
                     help="comma-separated PROMPT:NEW token counts (default 512:512,1024:1024)")  # fmt: skip
     ap.add_argument(
@@ -157,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.contexts, args.repeats = 4, [(64, 32)], 1
+    if args.group < 1 or args.batch % args.group:
+        ap.error(f"--group {args.group} must be >= 1 and divide --batch {args.batch}")
     out_path = args.out or (None if args.quick else str(RESULTS / "rollout.json"))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -172,11 +188,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = []
     for prompt_len, new in args.contexts:
-        prompts = make_prompts(tokenizer, args.batch, prompt_len)
+        prompts = make_prompts(tokenizer, args.batch // args.group, prompt_len)
         runs: dict[str, list[dict[str, float]]] = {"sparserl": [], "hf_generate": []}
         for r in range(args.repeats):
-            runs["sparserl"].append(run_ours(engine, prompts, new, args.seed + r))
-            runs["hf_generate"].append(run_hf(model, tokenizer, prompts, new, args.seed + r))
+            order = ("sparserl", "hf_generate") if r % 2 == 0 else ("hf_generate", "sparserl")
+            for name in order:  # alternate who goes first: a machine that gets busier hurts both alike
+                if name == "sparserl":
+                    runs[name].append(run_ours(engine, prompts, new, args.seed + r, args.group))
+                else:
+                    runs[name].append(run_hf(model, tokenizer, prompts, new, args.seed + r, args.group))
             print(
                 f"context {prompt_len}+{new} run {r + 1}/{args.repeats}: "
                 f"ours {runs['sparserl'][-1]['total_s']:.1f} s, generate {runs['hf_generate'][-1]['total_s']:.1f} s",
@@ -188,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
             "new_tokens": new,
             "context_tokens": prompt_len + new,
             "batch": args.batch,
+            "group": args.group,
             "sparserl": ours,
             "hf_generate": hf,
             "speedup_tokens_per_s": ours["tokens_per_s"] / hf["tokens_per_s"],
@@ -211,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
             "", res["peak_growth_ratio"] if res["peak_growth_ratio"] is not None else "",
         ])  # fmt: skip
     print(
-        f"\n{args.model}, batch {args.batch}, fp32, {torch.get_num_threads()} thread(s), median of {args.repeats}"
+        f"\n{args.model}, batch {args.batch} (group {args.group}), fp32, {torch.get_num_threads()} thread(s), median of {args.repeats}"
     )
     print_table(
         ["context", "engine", "tok/s", "prefill s", "prefill tok/s", "decode s", "decode tok/s", "s/step",
