@@ -214,7 +214,7 @@ class OptimConfig:
 class TrainerConfig:
     """Length of the run, seeding, output directory, checkpoints and evaluation."""
 
-    steps: int = field(default=10, metadata={"help": "Training steps (one rollout batch each)."})
+    steps: int = field(default=8, metadata={"help": "Training steps (one rollout batch each)."})
     seed: int = field(
         default=0, metadata={"help": "Seeds prompt order, sampling, mini-batch shuffling and LoRA init."}
     )

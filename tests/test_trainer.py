@@ -321,3 +321,23 @@ def test_several_updates_per_rollout_score_pi_old_separately(tmp_path: Path) -> 
         tiny_cfg(tmp_path, "optim.ppo_epochs=2", "optim.mini_batch_size=0")
     ).reuse_learner_logprobs
     assert not make_trainer(tiny_cfg(tmp_path, name="r2")).reuse_learner_logprobs  # two mini-batches
+
+
+@pytest.mark.slow
+def test_embedded_default_one_step_on_smollm2(tmp_path: Path) -> None:
+    """The real default (SmolLM2-135M GGUF, LoRA, arithmetic, sparse-rl + R-KV), shrunk to one small step."""
+    cfg = load_config(
+        None,
+        [
+            "rollout.prompts_per_step=1",
+            "trainer.steps=1",
+            "trainer.eval_prompts=2",
+            "logging.progress=false",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.run_name=smol",
+        ],
+    )
+    summary = Trainer(cfg).train()
+    assert summary["steps"] == 1 and summary["kv_saved_fraction"] > 0
+    assert (tmp_path / "smol" / "final" / "config.json").is_file()
+    assert (tmp_path / "smol" / "checkpoints" / "step-000001" / "adapter.safetensors").is_file()
