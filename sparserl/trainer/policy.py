@@ -119,13 +119,21 @@ class Policy:
 
     def export(self, path: str | Path) -> Path:
         """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer."""
+        from transformers.utils import logging as hf_logging
+
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        if self.peft is not None:
-            merged = copy.deepcopy(self.peft).merge_and_unload()
-            merged.save_pretrained(path)
-            del merged
-        else:
-            self.module.save_pretrained(path)
+        was_enabled = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # its bar would tear the live training bar
+        try:
+            if self.peft is not None:
+                merged = copy.deepcopy(self.peft).merge_and_unload()
+                merged.save_pretrained(path)
+                del merged
+            else:
+                self.module.save_pretrained(path)
+        finally:
+            if was_enabled:
+                hf_logging.enable_progress_bar()
         self.tokenizer.save_pretrained(path)
         return path
