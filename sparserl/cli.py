@@ -177,6 +177,10 @@ def train(args: argparse.Namespace) -> int:
     if args.resume is not None and args.config is not None:
         raise ConfigError("--resume uses the run's own config.yaml; pass overrides (key=value), not --config")
     run_dir = None
+    if args.resume and "=" in args.resume and not os.path.isdir(args.resume):
+        # `--resume key=value`: argparse took the first override for RUN_DIR
+        args.overrides.insert(0, args.resume)
+        args.resume = ""
     if args.resume is not None:
         from sparserl.trainer import find_resumable, resume_config
 

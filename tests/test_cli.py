@@ -107,6 +107,9 @@ def test_train_runs_and_summarises(tmp_path: Path, capsys: pytest.CaptureFixture
     # a finished run can be extended with --resume and a larger trainer.steps
     assert cli.main(["train", "--resume", str(tmp_path / "r"), "trainer.steps=3"]) == 0
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 3
+    # a bare --resume picks the newest run under trainer.output_dir
+    assert cli.main(["train", "--resume", f"trainer.output_dir={tmp_path}", "trainer.steps=4"]) == 0
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 4
     # a fresh run into the same directory is refused with the way out
     assert cli.main(args) == cli.EXIT_FAILURE
     assert "--resume" in capsys.readouterr().err
