@@ -205,7 +205,7 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
     console = console or Console(stderr=True)
     t = Table(title="sparserl run summary", show_header=False, title_justify="left")
     t.add_column(style="bold")
-    t.add_column()
+    t.add_column(overflow="fold")  # paths are folded, never cut with an ellipsis
     t.add_row("steps", str(summary.get("steps")))
     t.add_row(
         "eval reward before -> after",
