@@ -11,20 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from sparserl import cli
 from sparserl.trainer import latest_checkpoint
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy shared CPU cannot stall idle spinning threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 TINY = [
     "model.spec=tiny-llama",

@@ -7,22 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from sparserl.cli import build_parser, main
 from sparserl.config import load_config, save_config
 from sparserl.models import tiny_model
 
 SMALL_KV = ["--kv", "rkv", "--budget", "40", "--window", "4", "--interval", "4"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (several threads thrash on a busy CI machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

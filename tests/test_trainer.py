@@ -15,15 +15,6 @@ from sparserl.trainer.checkpoint import TrainerState, load_checkpoint
 from sparserl.trainer.data import PromptSampler
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy shared CPU cannot stall idle spinning threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class ParityTask(Task):
     """A task whose reward varies on a random tiny model (parity of the completion's character codes), so
     advantages are non-zero and every step really changes the weights."""
