@@ -74,8 +74,10 @@ def run_one(
     engine = RolloutEngine(model, tokenizer, kv=kv)
     engine.eos_ids = set()
     load = os.getloadavg()[0]
+    cpu0 = time.process_time()
     with measure() as m:
         out = engine.generate([prompt], n=batch, max_new_tokens=length, temperature=1.0, seed=seed)
+    cpu_s = time.process_time() - cpu0
     generated = sum(len(s.completion_ids) for s in out)
     assert generated == batch * length, "EOS must be disabled so that every sample reaches the length"
     st = out.stats
@@ -94,7 +96,11 @@ def run_one(
         "compression_events": st["compression_events"],
         "peak_rss_mib": mib(m["peak_rss_bytes"]),
         "peak_growth_mib": mib(m["peak_delta_bytes"]),
+        # on a shared machine the wall clock depends on the others' load; CPU seconds much less so
+        "cpu_s": cpu_s,
+        "tokens_per_cpu_s": generated / cpu_s if cpu_s > 0 else 0.0,
         "load_avg_1min_before": load,
+        "load_avg_5min_after": os.getloadavg()[1],
     }
 
 
@@ -130,6 +136,8 @@ def summarise(runs: list[dict], args) -> list[dict]:
         d = dense.get(r["length"])
         if d is not None and r["method"] != "dense":
             row["speedup_vs_dense"] = r["tokens_per_s"] / d["tokens_per_s"]
+            if r.get("cpu_s") and d.get("cpu_s"):
+                row["cpu_speedup_vs_dense"] = r["tokens_per_cpu_s"] / d["tokens_per_cpu_s"]
             row["kv_reduction_vs_dense"] = 1 - r["peak_kv_bytes"] / d["peak_kv_bytes"]
             row["rss_growth_ratio_vs_dense"] = (
                 r["peak_growth_mib"] / d["peak_growth_mib"] if d["peak_growth_mib"] else None
@@ -191,6 +199,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--quick", action="store_true", help="batch 4, budget 64, interval 16, length 128, no JSON"
     )
     ap.add_argument("--resume", action="store_true", help="keep the runs already in --out (same settings)")
+    ap.add_argument(
+        "--redo",
+        action="store_true",
+        help="with --resume: run the given methods x lengths again, replacing them",
+    )
     ap.add_argument("--out", default=None, help=f"JSON output (default {RESULTS / 'sparse_rollout.json'})")
     args = ap.parse_args(argv)
     if args.quick:
@@ -204,10 +217,14 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = encode_prompt(tokenizer, [{"role": "user", "content": PROMPT}])
     settings = settings_of(args, len(prompt))
     runs: list[dict] = []
+    commands: list[str] = []
     if args.resume and out_path and Path(out_path).is_file():
         old = json.loads(Path(out_path).read_text())
         if old.get("settings") == settings:
             runs = old.get("runs", [])
+            commands = old.get("commands", [old["command"]] if "command" in old else [])
+            if args.redo:
+                runs = [r for r in runs if not (r["method"] in args.methods and r["length"] in args.lengths)]
             print(f"resuming: {len(runs)} runs kept from {out_path}")
         else:
             print(f"not resuming: the settings in {out_path} differ")
@@ -220,6 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {
             "benchmark": "sparse rollouts: dense KV vs eviction methods (sparserl RolloutEngine)",
             "command": command_line(),
+            "commands": [*commands, command_line()],  # every invocation that contributed runs
             "complete": complete,
             "settings": settings,
             "dtype": "float32",
