@@ -2,23 +2,26 @@
 
 Every arm trains from experiments/base.yaml with the same seeds, data and steps, changing only the algorithm
 preset and the KV method. Then each trained model (and the untrained base) is evaluated on the same held-out
-prompts under dense inference and under the arm's sparse inference (R-KV at the same budget). Results go to
-docs/results/study.json, study.md and PNG curves.
+prompts under dense inference and under sparse inference with base.yaml's KV setting (R-KV). Results go to
+docs/results/study/ (study.json, study.md and PNG curves).
 
     python experiments/study.py                 # run (or resume) everything; safe to re-run after a kill
-    nohup python experiments/study.py > runs/study/log.txt 2>&1 &
+    nohup python experiments/study.py --jobs 2 > runs/study/log.txt 2>&1 &   # two arms at a time
     python experiments/study.py --report-only   # rebuild the report from finished arms
 
 Each arm is a `sparserl train` run under runs/study/<arm>; a killed arm resumes from its last checkpoint, and a
-finished arm (summary.json present) is not run again. Evaluations are cached as JSON next to the run.
+finished arm (summary.json present) is not run again. Evaluations are cached as JSON next to the run. With
+`--jobs N`, the arms and the base-model evaluation run as N worker processes sharing the CPU cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +34,7 @@ ARMS: dict[str, list[str]] = {
     "sparse-rl-streaming": ["algo.preset=sparse-rl", "kv.method=streaming_llm"],
 }
 REQUIRED_ARMS = ["dense", "naive-sparse-rkv", "sparse-rl-rkv", "sparse-rl-snapkv"]
-EVAL_KV = {"method": "rkv", "budget": 48, "interval": 16, "window": 8}
+BASE_JOB = "base"  # the untrained model's held-out evaluation, a job of its own
 
 
 def train_arm(out: Path, arm: str, overrides: list[str], extra: list[str]) -> Path:
@@ -52,27 +55,67 @@ def train_arm(out: Path, arm: str, overrides: list[str], extra: list[str]) -> Pa
             *extra,
         ]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    rc = subprocess.run(cmd, cwd=ROOT).returncode
+    if rc:
+        raise SystemExit(f"arm {arm}: training exited with status {rc} (its error is above)")
     return run
 
 
-def evaluate_model(spec: str, run_for_task: Path, path: Path, limit: int, samples: int) -> dict:
-    """Dense and sparse (R-KV) held-out accuracy of a model on the study task, cached in `path`."""
+def evaluate_model(spec: str, path: Path, limit: int, samples: int) -> dict:
+    """Dense and sparse held-out accuracy of a model on the study task (base.yaml's task, KV setting and
+    completion length), cached in `path`."""
     if path.is_file():
         return json.loads(path.read_text())
-    from sparserl.engine import KVConfig
+    from sparserl.config import load_config
     from sparserl.eval.evaluate import evaluate, write_json
-    from sparserl.eval.loading import load_eval_model, run_config
+    from sparserl.eval.loading import load_eval_model
     from sparserl.tasks import make_task
 
+    cfg = load_config(BASE)
     loaded = load_eval_model(spec)
-    task = make_task(run_config(run_for_task).task, "test")
     result = evaluate(
-        loaded.model, loaded.tokenizer, task, kv=KVConfig(**EVAL_KV), samples=samples, limit=limit,
-        max_new_tokens=64, seed=1234,
+        loaded.model, loaded.tokenizer, make_task(cfg.task, "test"), kv=cfg.kv, samples=samples, limit=limit,
+        max_new_tokens=cfg.rollout.max_new_tokens, seed=1234,
     )  # fmt: skip
     write_json(result, path)
     return result
+
+
+def eval_path(out: Path, job: str) -> Path:
+    return out / "base_eval.json" if job == BASE_JOB else out / job / "heldout_eval.json"
+
+
+def run_job(out: Path, job: str, extra: list[str], limit: int, samples: int) -> None:
+    """Train and evaluate one arm, or evaluate the base model."""
+    if job == BASE_JOB:
+        evaluate_model("smollm2-135m", eval_path(out, job), limit, samples)
+        return
+    run = train_arm(out, job, ARMS[job], extra)
+    evaluate_model(str(run), eval_path(out, job), limit, samples)
+
+
+def run_jobs_in_workers(args: argparse.Namespace, jobs: list[str]) -> None:
+    """Run each job as a `study.py --worker JOB` process, `args.jobs` at a time, each with its share of the
+    cores (torch reads OMP_NUM_THREADS at start-up)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
+    fixed = [
+        "--out",
+        args.out,
+        "--eval-prompts",
+        str(args.eval_prompts),
+        "--eval-samples",
+        str(args.eval_samples),
+    ]
+
+    def work(job: str) -> int:
+        cmd = [sys.executable, __file__, "--worker", job, *fixed, *args.overrides]
+        print("$", " ".join(cmd), flush=True)
+        return subprocess.run(cmd, env=env, cwd=ROOT).returncode
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        failed = [job for job, rc in zip(jobs, pool.map(work, jobs), strict=True) if rc != 0]
+    if failed:
+        raise SystemExit(f"study jobs failed: {failed} (re-run the same command to resume)")
 
 
 def read_metrics(run: Path) -> list[dict]:
@@ -110,7 +153,7 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
             "time_score_s": mean_of(rows, "time/score"),
             "time_update_s": mean_of(rows, "time/train"),
         }
-    summary = {"arms": arms, "base_model": base, "eval_kv": EVAL_KV, "config": str(BASE.relative_to(ROOT))}
+    summary = {"arms": arms, "base_model": base, "config": str(BASE.relative_to(ROOT))}
     if base and "dense" in arms:
         k = base["samples"]
         b_dense = base["dense"][f"mean@{k}"]
@@ -155,6 +198,8 @@ def main() -> int:
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts per evaluation")
     parser.add_argument("--eval-samples", type=int, default=2, help="samples per held-out prompt (mean@k)")
     parser.add_argument("--report-only", action="store_true", help="only rebuild the report")
+    parser.add_argument("--jobs", type=int, default=1, help="arms run at once, as worker processes")
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)  # one job, started by --jobs
     parser.add_argument(
         "overrides", nargs="*", default=[], help="extra key=value for every arm (e.g. trainer.steps=4)"
     )
@@ -163,19 +208,19 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; choose from {list(ARMS)}")
     out, results = Path(args.out), Path(args.results)
-    evals: dict[str, dict] = {}
-    for arm in args.arms:
-        run = out / arm
-        if not args.report_only:
-            train_arm(out, arm, ARMS[arm], args.overrides)
-        if (run / "summary.json").is_file():
-            evals[arm] = evaluate_model(
-                str(run), run, run / "heldout_eval.json", args.eval_prompts, args.eval_samples
-            )
-            if "base" not in evals:
-                evals["base"] = evaluate_model(
-                    "smollm2-135m", run, out / "base_eval.json", args.eval_prompts, args.eval_samples
-                )
+    if args.worker:
+        run_job(out, args.worker, args.overrides, args.eval_prompts, args.eval_samples)
+        return 0
+    jobs = [*args.arms, BASE_JOB]
+    if not args.report_only:
+        if args.jobs > 1:
+            run_jobs_in_workers(args, jobs)
+        else:
+            for job in jobs:
+                run_job(out, job, args.overrides, args.eval_prompts, args.eval_samples)
+    evals = {
+        job: json.loads(eval_path(out, job).read_text()) for job in jobs if eval_path(out, job).is_file()
+    }
     report(out, results, evals)
     runs = [str(out / a) for a in args.arms if (out / a / "metrics.jsonl").is_file()]
     if runs:
