@@ -23,6 +23,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "experiments" / "base.yaml"
@@ -130,21 +131,92 @@ def mean_of(rows: list[dict], key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+CURVES = {  # per-step series kept in study.json: name -> metrics.jsonl key (docs/metrics.md)
+    "train_reward": "reward/mean",
+    "rejection_rate": "rejection_rate",
+    "mismatch_kl": "rollout_corr/kl",
+    "kv_saved_fraction": "kv/saved_fraction",
+}
+
+
+def heldout(ev: dict, mode: str) -> float | None:
+    return ev.get(mode, {}).get(f"mean@{ev.get('samples')}")
+
+
+def goals(arms: dict[str, dict], base: dict | None) -> dict[str, Any]:
+    """The study's three claims, checked on the finished arms (None: an arm it needs is missing)."""
+    if not base or "dense" not in arms:
+        return {}
+    b = heldout(base, "dense")
+    gain = {
+        a: v["heldout_dense_mean@k"] - b for a, v in arms.items() if v["heldout_dense_mean@k"] is not None
+    }
+    srl = [a for a in arms if a.startswith("sparse-rl") and a in gain]
+    out: dict[str, Any] = {"heldout_dense_gain": gain}
+    if gain.get("dense"):
+        out["gain_vs_dense"] = {a: g / gain["dense"] for a, g in gain.items()}
+        out["sparse_rl_keeps_97pct_of_dense_gain_at_50pct_kv_saved"] = {
+            a: out["gain_vs_dense"][a] >= 0.97 and (arms[a]["kv_saved_fraction"] or 0) >= 0.5 for a in srl
+        }
+    if "naive-sparse-rkv" in gain:
+        out["sparse_rl_beats_naive"] = {a: gain[a] > gain["naive-sparse-rkv"] for a in srl}
+    dense_sparse = arms["dense"]["heldout_sparse_mean@k"]
+    if dense_sparse is not None:
+        out["sparse_inference_sparse_rl_ge_dense_trained"] = {
+            a: arms[a]["heldout_sparse_mean@k"] >= dense_sparse
+            for a in srl
+            if arms[a]["heldout_sparse_mean@k"] is not None
+        }
+    return out
+
+
+def plot_heldout(arms: dict[str, dict], base: dict | None, path: Path) -> None:
+    """Bars: held-out mean@k of the base model and every arm, under dense and under sparse inference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sparserl.config import load_config
+
+    names = (["base model"] if base else []) + [
+        a for a, v in arms.items() if v["heldout_dense_mean@k"] is not None
+    ]
+    rows = ([(heldout(base, "dense"), heldout(base, "sparse"))] if base else []) + [
+        (arms[a]["heldout_dense_mean@k"], arms[a]["heldout_sparse_mean@k"]) for a in names if a in arms
+    ]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [r[0] for r in rows], 0.4, label="dense inference")
+    kv = load_config(BASE).kv
+    ax.bar(
+        [i + 0.2 for i in x],
+        [r[1] or 0 for r in rows],
+        0.4,
+        label=f"sparse inference ({kv.method} {kv.budget})",
+    )
+    ax.set_xticks(list(x), names, rotation=15)
+    ax.set_ylabel("held-out mean@k")
+    ax.set_title("Held-out accuracy after training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
-    """Collect per-arm numbers into JSON and a markdown table."""
-    base = evals.get("base")
+    """Collect per-arm numbers into JSON, a markdown table and a held-out accuracy chart."""
+    base = evals.get(BASE_JOB)
     arms = {}
     for arm in ARMS:
         rows = read_metrics(out / arm)
         if not rows:
             continue
         ev = evals.get(arm, {})
-        rewards = [r.get("reward/mean") for r in rows if "reward/mean" in r]
         arms[arm] = {
-            "steps": len(rewards),
-            "train_reward_curve": rewards,
-            "heldout_dense_mean@k": ev.get("dense", {}).get(f"mean@{ev.get('samples')}"),
-            "heldout_sparse_mean@k": ev.get("sparse", {}).get(f"mean@{ev.get('samples')}"),
+            "steps": len(rows),
+            "heldout_dense_mean@k": heldout(ev, "dense"),
+            "heldout_sparse_mean@k": heldout(ev, "sparse"),
             "kv_saved_fraction": mean_of(rows, "kv/saved_fraction"),
             "kv_positions_saved_fraction": mean_of(rows, "kv/positions_saved_fraction"),
             "rejection_rate": mean_of(rows, "rejection_rate"),
@@ -152,31 +224,31 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
             "time_rollout_s": mean_of(rows, "time/rollout"),
             "time_score_s": mean_of(rows, "time/score"),
             "time_update_s": mean_of(rows, "time/train"),
+            "curves": {name: [r.get(key) for r in rows] for name, key in CURVES.items()},
         }
-    summary = {"arms": arms, "base_model": base, "config": str(BASE.relative_to(ROOT))}
-    if base and "dense" in arms:
-        k = base["samples"]
-        b_dense = base["dense"][f"mean@{k}"]
-        gain = {a: (v["heldout_dense_mean@k"] or 0) - b_dense for a, v in arms.items()}
-        summary["heldout_dense_gain"] = gain
-        if gain.get("dense"):
-            summary["gain_vs_dense"] = {a: g / gain["dense"] for a, g in gain.items()}
+    summary = {
+        "arms": arms,
+        "base_model": base,
+        "config": str(BASE.relative_to(ROOT)),
+        "goals": goals(arms, base),
+    }
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if arms:
+        plot_heldout(arms, base, results_dir / "heldout.png")
     lines = [
         "| arm | steps | held-out dense mean@k | held-out sparse mean@k | KV bytes saved | rejection rate | "
         "mismatch kl | rollout / score / update s |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    if base:
-        k = base["samples"]
-        lines.append(
-            f"| base model | 0 | {base['dense'][f'mean@{k}']:.3f} | {base['sparse'][f'mean@{k}']:.3f} | | | | |"
-        )
 
     def f(v, fmt=".3f"):
         return "" if v is None else format(v, fmt)
 
+    if base:
+        lines.append(
+            f"| base model | 0 | {f(heldout(base, 'dense'))} | {f(heldout(base, 'sparse'))} | | | | |"
+        )
     for arm, v in arms.items():
         times = "/".join(f(v[t], ".0f") for t in ("time_rollout_s", "time_score_s", "time_update_s"))
         lines.append(
