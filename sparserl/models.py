@@ -39,11 +39,18 @@ def _smollm2_path() -> Path:
     return path
 
 
+TINY_PREFIX = "tiny-"  # model specs that name a random test model: tiny-llama, tiny-qwen3
+
+
 def load_model(
     spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load `(model, tokenizer)` from a Hugging Face id or folder, a `.gguf` file, or `smollm2-135m`."""
+    """Load `(model, tokenizer)` from a Hugging Face id or folder, a `.gguf` file, `smollm2-135m`, or
+    `tiny-llama` / `tiny-qwen3` (the random offline test models of `tiny_model`, seed 0)."""
     gguf: Path | None = None
+    if spec.startswith(TINY_PREFIX):
+        model, tokenizer = tiny_model(spec[len(TINY_PREFIX) :], seed=0)
+        return model.to(dtype=dtype, device=device).eval(), tokenizer
     if spec == EMBEDDED_DEFAULT:
         gguf = _smollm2_path()
     elif spec.endswith(".gguf"):

@@ -35,15 +35,6 @@ ARCHS = ("llama", "qwen3")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared CPU two threads' spin-waits cost ~10x."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request):
     return tiny_model(request.param, seed=0)

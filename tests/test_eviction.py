@@ -28,15 +28,6 @@ GRANULARITIES = ("per_head", "shared")
 KEY_TOL = 1e-5  # a cached key vs the same key recomputed alone (batched vs single-row matmuls): ~1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a shared CPU the spin-waits of two threads cost a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @functools.cache
 def tiny(arch: str = "llama"):
     return tiny_model(arch, seed=0)

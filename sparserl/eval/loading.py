@@ -77,7 +77,7 @@ def load_eval_model(
     LoRA adapter. A checkpoint directory (RUN_DIR/checkpoints/step-N) gives that checkpoint. Anything else
     goes to `sparserl.models.load_model` (Hugging Face id or folder, .gguf, smollm2-135m); 'tiny-llama' and
     'tiny-qwen3' build the random test models."""
-    from sparserl.models import load_model, tiny_model
+    from sparserl.models import load_model
     from sparserl.trainer import latest_checkpoint
 
     torch_dtype = getattr(torch, dtype) if dtype else torch.float32
@@ -98,9 +98,6 @@ def load_eval_model(
             raise FileNotFoundError(
                 f"run directory {spec} has neither an exported model ({RUN_EXPORT}/) nor a checkpoint yet"
             )
-    elif spec.startswith("tiny-"):
-        model, tok = tiny_model(spec[len("tiny-") :])
-        loaded = LoadedModel(model.to(torch_dtype), tok, spec, "pretrained", spec)
     else:
         model, tok = load_model(spec, dtype=torch_dtype)
         loaded = LoadedModel(model, tok, spec, "pretrained", spec)

@@ -15,19 +15,14 @@ from torch import nn
 
 from sparserl.config import ConfigError, ModelConfig
 
-TINY_PREFIX = "tiny-"
 ModelLoader = Callable[[ModelConfig], tuple[Any, Any]]
 
 
 def default_loader(cfg: ModelConfig) -> tuple[Any, Any]:
-    """`sparserl.models.load_model(cfg.spec)`; 'tiny-llama' / 'tiny-qwen3' build the offline test models."""
-    from sparserl.models import load_model, tiny_model
+    """`sparserl.models.load_model(cfg.spec)` in the configured dtype."""
+    from sparserl.models import load_model
 
-    if cfg.spec.startswith(TINY_PREFIX):
-        model, tok = tiny_model(cfg.spec[len(TINY_PREFIX) :], seed=0)
-    else:
-        model, tok = load_model(cfg.spec, dtype=getattr(torch, cfg.dtype))
-    return model.to(getattr(torch, cfg.dtype)), tok
+    return load_model(cfg.spec, dtype=getattr(torch, cfg.dtype))
 
 
 class Policy:
