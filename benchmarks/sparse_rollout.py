@@ -46,6 +46,7 @@ from sparserl.engine import KV_METHODS, KVConfig, RolloutEngine  # noqa: E402
 from sparserl.models import encode_prompt, load_model  # noqa: E402
 
 PROMPT = "Write a very long story about a lighthouse keeper who counts ships. Go on for as long as you can."
+DEFAULT_LENGTHS = [1024, 2048, 4096]
 GOALS = {"kv_reduction_min": 0.85, "speedup_min": 3.0, "compress_share_max": 0.10}
 
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
     ap.add_argument("--batch", type=int, default=16, help="samples of the prompt per call")
-    ap.add_argument("--lengths", type=lambda s: parse_list(int, s), default=[1024, 2048, 4096],
+    ap.add_argument("--lengths", type=lambda s: parse_list(int, s), default=DEFAULT_LENGTHS,
                     help="comma-separated generation lengths, run in this order (default 1024,2048,4096)")  # fmt: skip
     ap.add_argument("--methods", type=methods_arg, default=list(KV_METHODS),
                     help=f"comma-separated KV methods (default all: {','.join(KV_METHODS)})")  # fmt: skip
@@ -216,29 +217,45 @@ def main(argv: list[str] | None = None) -> dict:
     load_s = time.perf_counter() - t0
     prompt = encode_prompt(tokenizer, [{"role": "user", "content": PROMPT}])
     settings = settings_of(args, len(prompt))
-    runs: list[dict] = []
-    commands: list[str] = []
-    if args.resume and out_path and Path(out_path).is_file():
+    mine: list[dict] = []  # the runs this invocation measured
+
+    def on_disk() -> tuple[list[dict], list[str]]:
+        """Runs and commands already in --out with the same settings (re-read before every write, so that two
+        `--resume` invocations on different methods or lengths can share one file)."""
+        if not (args.resume and out_path and Path(out_path).is_file()):
+            return [], []
         old = json.loads(Path(out_path).read_text())
-        if old.get("settings") == settings:
-            runs = old.get("runs", [])
-            commands = old.get("commands", [old["command"]] if "command" in old else [])
-            if args.redo:
-                runs = [r for r in runs if not (r["method"] in args.methods and r["length"] in args.lengths)]
-            print(f"resuming: {len(runs)} runs kept from {out_path}")
-        else:
-            print(f"not resuming: the settings in {out_path} differ")
+        if old.get("settings") != settings:
+            return [], []
+        return old.get("runs", []), old.get("commands", [old["command"]] if "command" in old else [])
+
+    def merged() -> tuple[list[dict], list[str]]:
+        runs, commands = on_disk()
+        key = {(r["method"], r["length"]) for r in mine}
+        return [r for r in runs if (r["method"], r["length"]) not in key] + mine, commands
+
+    if args.resume and out_path and Path(out_path).is_file():
+        runs, _ = on_disk()
+        print(f"resuming: {len(runs)} runs kept from {out_path}" if runs else f"not resuming: {out_path} has no "
+              "runs with these settings")  # fmt: skip
+        if args.redo:
+            runs = [r for r in runs if not (r["method"] in args.methods and r["length"] in args.lengths)]
+    else:
+        runs = []
     done = {(r["method"], r["length"]) for r in runs}
     for method in args.methods:  # warm-up: first kernels, allocator, the methods' code paths
         kv = None if method == "dense" else KVConfig(method=method, budget=16, window=4, interval=4)
         run_one(model, tokenizer, kv, prompt, 2, 24, args.seed)
 
-    def report(complete: bool) -> dict:
+    def report() -> dict:
+        runs, commands = merged()
+        grid = {(m, n) for m in KV_METHODS for n in DEFAULT_LENGTHS}
         return {
             "benchmark": "sparse rollouts: dense KV vs eviction methods (sparserl RolloutEngine)",
             "command": command_line(),
-            "commands": [*commands, command_line()],  # every invocation that contributed runs
-            "complete": complete,
+            "commands": [*dict.fromkeys([*commands, command_line()])],  # every invocation that added runs
+            "complete": grid
+            <= {(r["method"], r["length"]) for r in runs},  # dense + every method at 1k/2k/4k
             "settings": settings,
             "dtype": "float32",
             "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos": "ignored"},
@@ -274,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
             positions = held_positions(method, args, len(prompt), length)
             expected = args.batch * positions * res["kv_bytes_per_position"]
             assert res["peak_kv_bytes"] == expected, (method, length, res["peak_kv_bytes"], expected)
-            runs.append({"method": method, "length": length, "positions_per_sequence": positions, **res})
+            mine.append({"method": method, "length": length, "positions_per_sequence": positions, **res})
             print(
                 f"{method:>13} {length:>5}: {res['tokens_per_s']:.1f} tok/s, decode {res['decode_s']:.0f} s, "
                 f"compress {100 * res['compress_share']:.1f}%, peak KV {mib(res['peak_kv_bytes']):.0f} MiB, "
@@ -282,8 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
             if out_path:
-                write_json(out_path, report(complete=False))
-    final = report(complete=True)
+                write_json(out_path, report())
+    final = report()
     print_report(final["summary"], args)
     if out_path:
         print(f"wrote {write_json(out_path, final)}")
