@@ -134,6 +134,7 @@ def mean_of(rows: list[dict], key: str) -> float | None:
 CURVES = {  # per-step series kept in study.json: name -> metrics.jsonl key (docs/metrics.md)
     "train_reward": "reward/mean",
     "rejection_rate": "rejection_rate",
+    "token_keep_fraction": "rollout_corr/token_keep_fraction",
     "mismatch_kl": "rollout_corr/kl",
     "kv_saved_fraction": "kv/saved_fraction",
 }
@@ -220,6 +221,7 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
             "kv_saved_fraction": mean_of(rows, "kv/saved_fraction"),
             "kv_positions_saved_fraction": mean_of(rows, "kv/positions_saved_fraction"),
             "rejection_rate": mean_of(rows, "rejection_rate"),
+            "token_keep_fraction": mean_of(rows, "rollout_corr/token_keep_fraction"),
             "mismatch_kl": mean_of(rows, "rollout_corr/kl"),
             "time_rollout_s": mean_of(rows, "time/rollout"),
             "time_score_s": mean_of(rows, "time/score"),
@@ -237,9 +239,9 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
     if arms:
         plot_heldout(arms, base, results_dir / "heldout.png")
     lines = [
-        "| arm | steps | held-out dense mean@k | held-out sparse mean@k | KV bytes saved | rejection rate | "
-        "mismatch kl | rollout / score / update s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| arm | steps | held-out dense mean@k | held-out sparse mean@k | KV bytes saved | rejected sequences | "
+        "masked tokens | mismatch kl | rollout / score / update s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, fmt=".3f"):
@@ -251,9 +253,11 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
         )
     for arm, v in arms.items():
         times = "/".join(f(v[t], ".0f") for t in ("time_rollout_s", "time_score_s", "time_update_s"))
+        masked = None if v["token_keep_fraction"] is None else 1 - v["token_keep_fraction"]
         lines.append(
             f"| {arm} | {v['steps']} | {f(v['heldout_dense_mean@k'])} | {f(v['heldout_sparse_mean@k'])} | "
-            f"{f(v['kv_saved_fraction'], '.0%')} | {f(v['rejection_rate'])} | {f(v['mismatch_kl'], '.4f')} | {times} |"
+            f"{f(v['kv_saved_fraction'], '.0%')} | {f(v['rejection_rate'], '.1%')} | {f(masked, '.1%')} | "
+            f"{f(v['mismatch_kl'], '.4f')} | {times} |"
         )
     (results_dir / "study.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
