@@ -148,7 +148,9 @@ def summarise(runs: list[dict], args) -> list[dict]:
             )
             row["goals"] = {
                 "kv_reduction": row["kv_reduction_vs_dense"] >= GOALS["kv_reduction_min"],
-                "speedup": row["speedup_vs_dense"] >= GOALS["speedup_min"],
+                # CPU-second throughput when both arms have it: one thread each, so on an idle machine it equals
+                # wall-clock throughput, and on a shared one it is not skewed by what else ran at the time
+                "speedup": row.get("cpu_speedup_vs_dense", row["speedup_vs_dense"]) >= GOALS["speedup_min"],
                 "compress_share": r["compress_share"] < GOALS["compress_share_max"],
             }
         rows.append(row)
@@ -161,7 +163,7 @@ def print_report(rows: list[dict], args) -> None:
         dense = r["method"] == "dense"
         table.append([
             r["length"], r["method"], r["tokens_per_s"], "1.00" if dense else r.get("speedup_vs_dense", ""),
-            r["decode_s"], f"{100 * r['compress_share']:.1f}", mib(r["peak_kv_bytes"]),
+            r.get("tokens_per_cpu_s", ""), "1.00" if dense else r.get("cpu_speedup_vs_dense", ""), r["decode_s"], f"{100 * r['compress_share']:.1f}", mib(r["peak_kv_bytes"]),
             "" if dense else f"{100 * r['kv_reduction_vs_dense']:.1f}" if "kv_reduction_vs_dense" in r else "",
             r["retained_fraction"], r["peak_rss_mib"], r["peak_growth_mib"], r["max_batch_at_cap"],
         ])  # fmt: skip
@@ -171,7 +173,7 @@ def print_report(rows: list[dict], args) -> None:
         "(computed from bytes per position and the bound)"
     )
     print_table(
-        ["length", "method", "tok/s", "x dense", "decode s", "compress %", "peak KV MiB", "KV -% vs dense",
+        ["length", "method", "tok/s", "x dense", "tok/CPU-s", "x dense (CPU)", "decode s", "compress %", "peak KV MiB", "KV -% vs dense",
          "retained", "peak RSS MiB", "RSS growth MiB", "max batch"],
         table,
     )  # fmt: skip
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {
             "benchmark": "sparse rollouts: dense KV vs eviction methods (sparserl RolloutEngine)",
             "command": command_line(),
-            "commands": [*dict.fromkeys([*commands, command_line()])],  # every invocation that added runs
+            # every invocation that added runs
+            "commands": [*dict.fromkeys([*commands, *([command_line()] if mine else [])])],
             "complete": grid
             <= {(r["method"], r["length"]) for r in runs},  # dense + every method at 1k/2k/4k
             "settings": settings,
