@@ -348,7 +348,10 @@ def test_eos_certain_gives_one_token_completions():
 
 
 def reference_logprobs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """Hand computation, one row at a time in float64: keep the top-k, then the smallest nucleus >= top_p."""
+    """Hand computation, one row at a time in float64: keep the top-k, then the smallest nucleus >= top_p.
+
+    top_p = 1 means no nucleus cut (as in the sampler): a float64 running mass can reach 1.0 before the last token.
+    """
     out = torch.full(logits.shape, float("-inf"), dtype=torch.float64)
     for r, row in enumerate(logits.double() / temperature):
         order = row.argsort(descending=True).tolist()
@@ -358,7 +361,7 @@ def reference_logprobs(logits: torch.Tensor, temperature: float, top_p: float, t
         for idx, p in zip(kept, probs.tolist(), strict=True):
             nucleus.append(idx)
             mass += p
-            if mass >= top_p:
+            if top_p < 1.0 and mass >= top_p:
                 break
         out[r, nucleus] = torch.log_softmax(row[nucleus], dim=0)
     return out
