@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from sparserl.algo import PRESETS, AlgoConfig
+from sparserl.errors import UserError
 from sparserl.engine.kv_config import KVConfig
 from sparserl.tasks import TaskConfig
 
@@ -27,7 +28,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 DEFAULT_PRESET = "sparse-rl"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override that does not fit TrainConfig; the message names the culprit."""
 
 

@@ -15,6 +15,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from sparserl.errors import UserError
+
 EMBEDDED_DEFAULT = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -24,7 +26,7 @@ CHATML_TEMPLATE = (
 )
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError):
     """A model spec that cannot be loaded; the message names the spec and what to do."""
 
 
