@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 
 from sparserl.algo import PRESETS, AlgoConfig
-from sparserl.errors import UserError
 from sparserl.engine.kv_config import KVConfig
+from sparserl.errors import UserError
 from sparserl.tasks import TaskConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
