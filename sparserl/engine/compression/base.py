@@ -16,13 +16,15 @@ from sparserl.engine.kv_config import KVConfig
 class SlotView:
     """What a method may look at in one layer, for the rows being compressed.
 
-    keys [r, Hkv, S, D]; positions [r, Hkv, S]; candidates [r, S] marks held slots outside the protected
-    recent window (only those compete); queries [r, Hq, w, D] are the last queries seen, `num_queries` [r] of
-    them valid; extras are the per-slot states the method asked the cache to carry.
+    keys [r, Hkv, S, D]; positions [r, Hkv, S]; held [r, S] marks the slots a row holds (S is the longest row's
+    length); candidates [r, S] marks held slots outside the protected recent window (only those compete);
+    queries [r, Hq, w, D] are the last queries seen, `num_queries` [r] of them valid; extras are the per-slot
+    states the method asked the cache to carry.
     """
 
     keys: Tensor
     positions: Tensor
+    held: Tensor
     candidates: Tensor
     queries: Tensor
     num_queries: Tensor
@@ -55,19 +57,22 @@ class EvictionMethod(ABC):
 
 
 def window_attention(view: SlotView) -> Tensor:
-    """Mean over the valid window queries of their softmax attention to candidate keys, max over each KV group.
+    """SnapKV's window attention to the candidate keys, in the reference code's order: the max over each KV
+    group's query heads of the raw logits q k / sqrt(d), then a softmax over the candidates (window keys
+    excluded) per window query, then the mean over the valid window queries. Returns [r, Hkv, S].
 
-    Window keys are excluded from the softmax (SnapKV's observation window). Returns [r, Hkv, S].
+    The order is the reference code's (`attn_pooling="max"`); a softmax per query head before the max ranks
+    keys differently. Non-candidates get 0 and every score is >= 0, so max-pooling all slots afterwards gives each candidate
+    what pooling the candidates alone (the reference) gives.
     """
     r, hkv, s, d = view.keys.shape
     hq, w = view.queries.shape[1], view.queries.shape[2]
     q = view.queries.view(r, hkv, hq // hkv, w, d).float()
     logits = torch.matmul(q, view.keys.float()[:, :, None].transpose(-1, -2)) * view.scale  # [r,Hkv,G,w,S]
-    logits = logits.masked_fill(~view.candidates[:, None, None, None, :], float("-inf"))
-    probs = logits.softmax(dim=-1).nan_to_num(0.0)
+    logits = logits.amax(dim=2).masked_fill(~view.candidates[:, None, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1).nan_to_num(0.0)  # [r, Hkv, w, S]
     q_valid = (torch.arange(w, device=q.device)[None, :] < view.num_queries[:, None]).float()  # [r, w]
-    mean = (probs * q_valid[:, None, None, :, None]).sum(3) / q_valid.sum(1).clamp(min=1)[:, None, None, None]
-    return mean.amax(dim=2)
+    return (probs * q_valid[:, None, :, None]).sum(2) / q_valid.sum(1).clamp(min=1)[:, None, None]
 
 
 def max_pool(scores: Tensor, kernel: int) -> Tensor:
@@ -116,6 +121,7 @@ class Evictor:
         view = SlotView(
             keys=keys,
             positions=cache.pos[layer][rows, :, :span],
+            held=slot < length[:, None],
             candidates=slot < recent_start,
             queries=cache.queries[layer][rows],
             num_queries=cache.query_count[rows].clamp(max=cache.queries[layer].shape[2]),

@@ -1,8 +1,9 @@
 """R-KV: importance (SnapKV's pooled window attention) minus redundancy among near-duplicate keys.
 
-score = lambda * I - (1 - lambda) * R. Redundancy R_j is a softmax over slots of the mean cosine similarity
-that key j has with the others; for each key, its most recent near-duplicate (similarity above the threshold)
-is exempted, so the newest copy of a repeated phrase survives and older copies go first.
+score = lambda * I - (1 - lambda) * R. Redundancy R_j is a softmax over all held slots (window included) of the
+mean cosine similarity that key j has with the others; for each key, its most recent near-duplicate
+(similarity above the threshold) is exempted, so the newest copy of a repeated phrase survives and older copies
+go first. Only the candidates' entries of R compete.
 """
 
 from __future__ import annotations
@@ -39,23 +40,24 @@ def newest_near_duplicate(k: Tensor, threshold: float, block: int) -> Tensor:
     return newest
 
 
-def redundancy(keys: Tensor, candidates: Tensor, threshold: float, block: int = 128) -> Tensor:
-    """R [r, H, S]: softmax over candidate slots of their mean cosine similarity to the other candidates, where
-    each key's similarity to its most recent near-duplicate (> threshold) does not count.
+def redundancy(keys: Tensor, held: Tensor, threshold: float, block: int = 128) -> Tensor:
+    """R [r, H, S]: softmax over the L held slots of each key's mean cosine similarity to the held keys, as the
+    reference code computes it: S = K^ K^T with a zero diagonal; in each row i the entry of i's most recent
+    near-duplicate j* (S_ij > threshold) is zeroed, or the entry of slot 0 when i has none; R = softmax_j of
+    the column means over all L rows. The caller uses the candidates' entries.
 
     The column sums come from the sum of the normalised keys (O(S D)); the S x S similarity is only searched
     for each key's most recent near-duplicate (`newest_near_duplicate`).
     """
     r, h, s, d = keys.shape
-    k = torch.nn.functional.normalize(keys.float(), dim=-1) * candidates[:, None, :, None]  # others are 0
-    newest = newest_near_duplicate(k.view(r * h, s, d), threshold, block).view(r, h, s)
-    has = newest >= 0
-    newest = newest.clamp(min=0)
-    dropped = (k * k.gather(2, newest[..., None].expand_as(k))).sum(-1) * has  # S[i, newest_i], 0 if none
+    k = torch.nn.functional.normalize(keys.float(), dim=-1) * held[:, None, :, None]  # others are 0
+    newest = newest_near_duplicate(k.view(r * h, s, d), threshold, block).view(r, h, s).clamp(min=0)
+    dropped = (k * k.gather(2, newest[..., None].expand_as(k))).sum(-1)  # S[i, j*_i]
+    dropped = dropped * (newest != torch.arange(s, device=k.device))  # key 0 without a duplicate: S_00 is 0
     col = (k.sum(dim=-2, keepdim=True) * k).sum(-1) - (k * k).sum(-1)  # sum over i != j of S_ij
     col = col.scatter_add(-1, newest, -dropped)
-    mean = col / candidates.sum(-1).clamp(min=1)[:, None, None].float()
-    return mean.masked_fill(~candidates[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    mean = col / held.sum(-1).clamp(min=1)[:, None, None].float()
+    return mean.masked_fill(~held[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
 
 class RKV(EvictionMethod):
@@ -63,5 +65,5 @@ class RKV(EvictionMethod):
         importance = max_pool(window_attention(view), self.cfg.pool_kernel)
         lam = self.cfg.rkv_lambda
         return lam * importance - (1 - lam) * redundancy(
-            view.keys, view.candidates, self.cfg.rkv_similarity_threshold
+            view.keys, view.held, self.cfg.rkv_similarity_threshold
         )
