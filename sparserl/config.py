@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -21,6 +23,7 @@ from sparserl.algo import PRESETS, AlgoConfig
 from sparserl.engine.kv_config import KVConfig
 from sparserl.errors import UserError
 from sparserl.tasks import TaskConfig
+from sparserl.tasks.config import GENERATED_TASKS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
@@ -102,8 +105,8 @@ class RolloutConfig:
         for key in ("prompts_per_step", "n", "max_new_tokens"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"rollout.{key}={getattr(self, key)} must be >= 1")
-        if self.temperature <= 0:
-            raise ConfigError(f"rollout.temperature={self.temperature} must be > 0")
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError(f"rollout.temperature={self.temperature} must be a finite number > 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
@@ -195,8 +198,8 @@ class OptimConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.lr < 0:
-            raise ConfigError(f"optim.lr={self.lr} must be >= 0")
+        if not 0 <= self.lr < math.inf:
+            raise ConfigError(f"optim.lr={self.lr} must be a finite number >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"optim.betas={self.betas} must be two numbers in [0, 1)")
         if self.schedule not in SCHEDULES:
@@ -242,12 +245,19 @@ class TrainerConfig:
     eval_data: str = field(
         default="",
         metadata={
-            "help": "Data source of the held-out prompts (like task.data, same field mapping); empty: the "
-            "task's 'test' split."
+            "help": "Data source of the held-out prompts (like task.data, same field mapping; a relative path "
+            "in a YAML file is relative to that file); empty: the task's 'test' split."
         },
     )
     eval_temperature: float = field(
         default=0.5, metadata={"help": "Sampling temperature of evaluation (> 0)."}
+    )
+    eval_sparse: bool = field(
+        default=False,
+        metadata={
+            "help": "Evaluation always samples with a dense cache (eval/dense/*); also evaluate with the "
+            "training KV policy (eval/sparse/*) when rollouts are sparse."
+        },
     )
     threads: int = field(
         default=0, metadata={"help": "torch CPU threads; 0 leaves torch's default (all cores)."}
@@ -270,8 +280,8 @@ class TrainerConfig:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0")
         if self.keep_last < 1:
             raise ConfigError(f"trainer.keep_last={self.keep_last} must be >= 1")
-        if self.eval_temperature <= 0:
-            raise ConfigError(f"trainer.eval_temperature={self.eval_temperature} must be > 0")
+        if not 0 < self.eval_temperature < math.inf:
+            raise ConfigError(f"trainer.eval_temperature={self.eval_temperature} must be a finite number > 0")
         if self.run_name is not None and (
             not self.run_name or "/" in self.run_name or self.run_name in (".", "..")
         ):
@@ -332,7 +342,19 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metric sinks."})
 
     def __post_init__(self) -> None:
+        if self.algo.loss_agg_mode == "seq-mean-token-sum-norm" and self.algo.loss_token_norm is None:
+            # Dr. GRPO divides by a constant; a batch's padded length would make the objective depend on
+            # grad_accum and on which sequences share a micro-batch
+            self.algo.loss_token_norm = self.rollout.max_new_tokens
         self.validate()
+
+    def eval_task_config(self) -> TaskConfig:
+        """The held-out prompts: the task's own 'test' split, or trainer.eval_data read as a dataset (a
+        procedural task's name is replaced by the data source, since such tasks read no data)."""
+        if not self.trainer.eval_data:
+            return self.task
+        name = self.trainer.eval_data if self.task.name in GENERATED_TASKS else self.task.name
+        return dataclasses.replace(self.task, name=name, data=self.trainer.eval_data, split="test")
 
     def validate(self) -> None:
         """Cross-section checks (each section checks its own fields)."""
@@ -436,14 +458,13 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value.strip())
-            except ValueError:
-                raise bad from None
-        raise bad
+        try:
+            number = float(value.strip() if isinstance(value, str) else value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if math.isnan(number):  # no setting means anything with NaN; it would pass every `<` check silently
+            raise ConfigError(f"{key}={value!r} is not a number")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -539,6 +560,8 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
             if tp is not AlgoSection and f.default_factory is not dataclasses.MISSING:
                 # start from this config's default for the section (e.g. kv defaults to R-KV), then override
                 base = f.default_factory()
+                if tp is TaskConfig and section.get("data") and "name" not in section:
+                    section = {**section, "name": section["data"]}  # a data path selects the dataset task
                 if tp is TaskConfig and section.get("name", base.name) != base.name:
                     base = (
                         TaskConfig()
@@ -591,6 +614,20 @@ def _yaml_lines(text: str, source: str, where: _Where) -> None:
         walk(root, "")
 
 
+DATA_PATH_KEYS = (("task", "data"), ("trainer", "eval_data"))
+
+
+def _resolve_data_paths(data: dict[str, Any], config_file: Path) -> None:
+    """Make relative local data paths of a YAML file relative to that file, not to the working directory, so
+    a config (and the presets in configs/) works from anywhere. Hugging Face dataset names are left alone."""
+    from sparserl.tasks.dataset import is_local_source
+
+    for section, key in DATA_PATH_KEYS:
+        value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
+        if isinstance(value, str) and value and is_local_source(value) and not os.path.isabs(value):
+            data[section][key] = os.path.normpath(config_file.resolve().parent / os.path.expanduser(value))
+
+
 def resolve_config_path(name: str | Path) -> Path:
     """A YAML path, or the name of a run preset in configs/ ('default' -> configs/default.yaml)."""
     path = Path(name)
@@ -627,7 +664,12 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     data: dict[str, Any] = {}
     if path is not None:
         path = resolve_config_path(path)
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r})"
+            ) from None
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -638,6 +680,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             raise ConfigError(f"{path}: the top level must be a mapping of sections (model, task, ...)")
         data = loaded
         _yaml_lines(text, str(path), where)
+        _resolve_data_paths(data, path)
     for text in overrides:
         parts, value = parse_override(text)
         node = data

@@ -144,7 +144,7 @@ def test_resume_drops_steps_logged_after_the_checkpoint(tmp_path: Path) -> None:
 
 
 def test_nan_loss_is_skipped_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sparserl.trainer.loop as loop
+    import sparserl.trainer.update as loop
 
     real = loop.policy_loss
     calls = {"n": 0}

@@ -3,13 +3,14 @@
 Typical use per batch of rollouts (mask = response mask, [B, T]):
 
     adv = grpo_advantages(rewards, cfg.group_size, cfg.adv_estimator)       # before any rejection
-    w, keep, m1 = correction_weights(logp_old, logp_sampler, mask, cfg, adv)
+    ref = correction_reference(logp_old, logp, cfg)                           # pi_old; the learner's in bypass
+    w, keep, m1 = correction_weights(ref, logp_sampler, mask, cfg, adv)
     loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, keep, w, cfg, logp_ref)
 """
 
 from sparserl.algo.advantages import advantages_from_config, grpo_advantages
 from sparserl.algo.config import AlgoConfig
-from sparserl.algo.corrections import correction_weights, ppo_anchor
+from sparserl.algo.corrections import correction_reference, correction_weights, ppo_anchor
 from sparserl.algo.loss import aggregate, kl_penalty, loss_denominator, policy_loss
 from sparserl.algo.presets import PRESETS, algo_config
 
@@ -19,6 +20,7 @@ __all__ = [
     "advantages_from_config",
     "aggregate",
     "algo_config",
+    "correction_reference",
     "correction_weights",
     "grpo_advantages",
     "kl_penalty",

@@ -51,6 +51,17 @@ def ppo_anchor(logp_old: Tensor | None, logp_sampler: Tensor, cfg: AlgoConfig) -
     return logp_old
 
 
+def correction_reference(logp_old: Tensor | None, logp_learner: Tensor, cfg: AlgoConfig) -> Tensor:
+    """The log-probs the corrections compare with the sampler's: dense pi_old in decoupled mode; in bypass
+    mode (no pi_old) the learner's own, detached, as the field defines bypass (field.md). Comparing the
+    sampler with itself would make xi = 1 and switch every correction and mismatch metric off silently."""
+    if cfg.correction_mode == "bypass":
+        return logp_learner.detach()
+    if logp_old is None:
+        raise ValueError(f"algo.correction_mode={cfg.correction_mode!r} needs the recomputed dense logp_old")
+    return logp_old
+
+
 def correction_weights(
     logp_old: Tensor,
     logp_sampler: Tensor,
@@ -62,8 +73,7 @@ def correction_weights(
 
     Args:
         logp_old: [B, T] log pi_old of the sampled tokens from a dense teacher-forced pass (decoupled mode);
-            in bypass mode, whichever log-probs the corrections should compare to the sampler (e.g. the
-            learner's, detached).
+            in bypass mode the learner's own log-probs, detached (see `correction_reference`).
         logp_sampler: [B, T] log pi_sparse recorded while sampling, from the distribution sampled from.
         mask: [B, T] response mask (1 = a generated token that may be trained on; 0 = prompt or padding).
             Values at masked positions are ignored, even inf/NaN.

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
+import string
 from dataclasses import dataclass, field
+
+from sparserl.errors import UserError
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 BUILTIN_TASKS = ("arithmetic", "long_arithmetic", "gsm8k", "math")
+BUILTIN_REWARD = "builtin"  # in task.reward: the task's own verifiable reward
+GENERATED_TASKS = ("arithmetic", "long_arithmetic")  # procedural: they read no data
 
 
 @dataclass
@@ -56,6 +62,14 @@ class TaskConfig:
             "target/solution. '#### N' and \\boxed{} in it are reduced to the final answer."
         },
     )
+    prompt_template: str = field(
+        default="",
+        metadata={
+            "help": "Datasets: the question built from row fields, str.format style, e.g. '{context} "
+            "{question}' (dotted for nested fields; '{{' and '}}' for literal braces; a null field reads as "
+            "empty). Replaces task.question_key. Empty: the question field alone."
+        },
+    )
     max_examples: int = field(default=0, metadata={"help": "Datasets: keep only the first N rows (0 = all)."})
     num_examples: int = field(
         default=10000, metadata={"help": "Procedural tasks: number of distinct problems per split."}
@@ -97,6 +111,22 @@ class TaskConfig:
             "present]; 0 = correctness only."
         },
     )
+    reward: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Your own reward functions, TRL style: 'module:function' or 'path/to/file.py:function', "
+            "each called as fn(completions=[str], prompts=[chat messages], **row_fields) -> [float] (a "
+            "row's fields as keyword lists aligned with the completions; None for 'does not apply' scores 0). "
+            f"'{BUILTIN_REWARD}' is the task's own verifiable reward. Empty: the built-in reward only."
+        },
+    )
+    reward_weights: list[float] = field(
+        default_factory=list,
+        metadata={
+            "help": "Weight of each function in task.reward (the reward is their weighted sum); empty: 1.0 "
+            "each."
+        },
+    )
     reward_timeout: float = field(
         default=5.0,
         metadata={
@@ -118,36 +148,94 @@ class TaskConfig:
         },
     )
 
+    on_long_prompt: str = field(
+        default="skip",
+        metadata={
+            "help": "A data row whose prompt leaves no room for rollout.max_new_tokens in the model's context: "
+            "'skip' it with a warning naming its file:line (checked once, when the data is loaded), or "
+            "'error' to stop before training."
+        },
+    )
+
     def __post_init__(self) -> None:
+        if self.on_long_prompt not in ("skip", "error"):
+            raise UserError(f"task.on_long_prompt={self.on_long_prompt!r} must be 'skip' or 'error'")
+        if self.data and self.name in GENERATED_TASKS:
+            raise UserError(
+                f"task.data={self.data!r} is set but task.name={self.name!r} generates its problems and reads "
+                "no data: leave task.name unset (the data then selects the dataset task) or set it to a "
+                "label of yours, or unset task.data"
+            )
         if not self.name:
-            raise ValueError(f"task.name is empty; choose one of {', '.join(BUILTIN_TASKS)} or a data path")
+            raise UserError(f"task.name is empty; choose one of {', '.join(BUILTIN_TASKS)} or a data path")
         bad_ops = set(self.operators) - set("+-*")
         if not self.operators or bad_ops:
-            raise ValueError(f"task.operators={self.operators!r} must be a non-empty string of '+', '-', '*'")
+            raise UserError(f"task.operators={self.operators!r} must be a non-empty string of '+', '-', '*'")
         if self.num_operands < 2:
-            raise ValueError(f"task.num_operands={self.num_operands} must be >= 2")
+            raise UserError(f"task.num_operands={self.num_operands} must be >= 2")
         if not 1 <= self.min_digits <= self.max_digits:
-            raise ValueError(
+            raise UserError(
                 f"task.min_digits={self.min_digits} and task.max_digits={self.max_digits} need "
                 "1 <= min_digits <= max_digits"
             )
         if self.max_digits > 18:
-            raise ValueError(f"task.max_digits={self.max_digits} must be <= 18")
+            raise UserError(f"task.max_digits={self.max_digits} must be <= 18")
         if not 1 <= self.num_query <= self.num_facts:
-            raise ValueError(
+            raise UserError(
                 f"task.num_query={self.num_query} must be between 1 and task.num_facts={self.num_facts}"
             )
         if self.num_facts > 26 or self.num_distractors < 0 or self.num_distractors > 10000:
-            raise ValueError(
+            raise UserError(
                 f"task.num_facts={self.num_facts} must be <= 26 and task.num_distractors="
                 f"{self.num_distractors} between 0 and 10000"
             )
         if self.num_examples < 1 or self.max_examples < 0:
-            raise ValueError(
+            raise UserError(
                 f"task.num_examples={self.num_examples} must be >= 1 and task.max_examples="
                 f"{self.max_examples} >= 0"
             )
         if not 0.0 <= self.format_weight <= 1.0:
-            raise ValueError(f"task.format_weight={self.format_weight} must be in [0, 1]")
+            raise UserError(f"task.format_weight={self.format_weight} must be in [0, 1]")
         if not self.reward_timeout > 0:
-            raise ValueError(f"task.reward_timeout={self.reward_timeout} must be > 0 seconds")
+            raise UserError(f"task.reward_timeout={self.reward_timeout} must be > 0 seconds")
+        self._check_rewards()
+        self._check_prompt_template()
+
+    def _check_rewards(self) -> None:
+        """Reward specs look like 'module:function' or 'builtin'; weights are finite, one per function."""
+        for spec in self.reward:
+            if spec != BUILTIN_REWARD and (":" not in spec or not all(spec.rsplit(":", 1))):
+                raise UserError(
+                    f"task.reward entry {spec!r} must be 'module:function', 'path/to/file.py:function' or "
+                    f"'{BUILTIN_REWARD}'"
+                )
+        if self.reward_weights and len(self.reward_weights) != len(self.reward):
+            raise UserError(
+                f"task.reward_weights has {len(self.reward_weights)} weights for {len(self.reward)} "
+                "functions in task.reward; give one per function (or none: 1.0 each)"
+            )
+        if not all(math.isfinite(w) for w in self.reward_weights):
+            raise UserError(f"task.reward_weights={self.reward_weights} must be finite numbers")
+
+    def _check_prompt_template(self) -> None:
+        """The template parses, names at least one field, and is not combined with task.question_key."""
+        if not self.prompt_template:
+            return
+        if self.question_key:
+            raise UserError(
+                "task.prompt_template and task.question_key are exclusive: the template names the fields"
+            )
+        try:
+            names = [
+                name for _, name, _, _ in string.Formatter().parse(self.prompt_template) if name is not None
+            ]
+        except ValueError as e:
+            raise UserError(
+                f"task.prompt_template={self.prompt_template!r} is malformed ({e}); write '{{{{' and '}}}}' "
+                "for literal braces"
+            ) from None
+        if not names or "" in names or any(name.isdigit() for name in names):
+            raise UserError(
+                f"task.prompt_template={self.prompt_template!r} must name row fields, like '{{context}} "
+                "{question}' ('{}' and '{0}' are not fields; write '{{}}' for literal braces)"
+            )

@@ -3,12 +3,15 @@ position and step, written atomically (temp dir + rename) so a kill mid-write le
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,40 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temp dir beside `final` to write into; on success rename it to `final` (an existing `final` is
+    moved aside first and deleted after, so one complete copy exists at every moment); on any error or kill
+    the temp dir is removed (or left as a `.tmp-*` leftover that readers ignore). A full disk is reported as
+    such, with the path, whatever layer hit it (torch reports it as an opaque 'enforce fail')."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        yield tmp
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-old-", dir=final.parent))
+            os.rename(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(e):
+            raise OSError(errno.ENOSPC, f"No space left on device while writing {final}") from e
+        raise
+
+
+def _disk_full(e: BaseException) -> bool:
+    """True for ENOSPC however it surfaces: OSError, or torch's RuntimeError from its C++ file writer."""
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOSPC
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        sign in text for sign in ("No space left", "file write failed", "PytorchStreamWriter failed")
+    )
+
+
 def save_checkpoint(
     run_dir: str | Path,
     state: TrainerState,
@@ -102,8 +139,7 @@ def save_checkpoint(
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-    try:
+    with atomic_dir(final) as tmp:
         # safetensors refuses shared storage (tied embeddings): store contiguous, unshared copies.
         save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, tmp / weights_name)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -111,16 +147,6 @@ def save_checkpoint(
         torch.save(rng_state(), tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
         _fsync_tree(tmp)
-        if final.exists():  # re-saving a step: move the old one aside first, so one copy always exists
-            old = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-old-", dir=root))
-            os.rename(final, old / final.name)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     prune_checkpoints(run_dir, keep_last)
     return final
 

@@ -4,29 +4,21 @@ weights because the engine runs the very modules being trained."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
+import shutil
 import time
-import warnings
-from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from sparserl.algo import (
-    advantages_from_config,
-    correction_weights,
-    loss_denominator,
-    policy_loss,
-    ppo_anchor,
-)
+from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, load_config, save_config
+from sparserl.errors import DataError
 from sparserl.trainer.checkpoint import (
+    Checkpoint,
     TrainerState,
     latest_checkpoint,
     list_checkpoints,
@@ -36,67 +28,14 @@ from sparserl.trainer.checkpoint import (
 from sparserl.trainer.data import PromptSampler, derive_seed
 from sparserl.trainer.logging import METRICS_FILE, TB_DIR, MetricSinks, ProgressDisplay, check_backends
 from sparserl.trainer.policy import ModelLoader, Policy
+from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, check_resume_changes, new_run_dir
+from sparserl.trainer.update import Batch, Learner, pad
 
-CONFIG_FILE = "config.yaml"
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "final"
-# Seed "purposes", so that the prompt order, sampling, shuffling and evaluation draw independent streams.
-_ROLLOUT, _SHUFFLE, _EVAL = 1, 2, 3
-
-
-@dataclass
-class Batch:
-    """One step's rollouts, padded to [B, T] (right padding) for the learner."""
-
-    prompts: list[list[int]]
-    completions: list[list[int]]
-    mask: Tensor  # [B, T] bool response mask
-    logp_sampler: Tensor  # [B, T]
-    logp_old: Tensor | None  # [B, T] dense old policy (None: bypass mode, or taken from the learner's pass)
-    logp_ref: Tensor | None  # [B, T] reference policy (None when kl_coef == 0)
-    advantages: Tensor  # [B]
-
-
-def pad(rows: Sequence[Tensor | Sequence[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
-    """Right-pad 1-D rows into [B, T] float32 values and a bool mask."""
-    length = max((len(r) for r in rows), default=0) if length is None else length
-    out = torch.zeros(len(rows), length, dtype=torch.float32)
-    mask = torch.zeros(len(rows), length, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        n = len(r)
-        if n:
-            out[i, :n] = torch.as_tensor(r, dtype=torch.float32)[:length]
-            mask[i, :n] = True
-    return out, mask
-
-
-def new_run_dir(cfg: TrainConfig) -> Path:
-    """RUN_DIR for a fresh run: output_dir/run_name, or a name from preset, KV method and time."""
-    name = cfg.trainer.run_name
-    if not name:
-        kv = cfg.kv.method if cfg.sparse else "dense"
-        name = f"{cfg.algo.preset}-{kv}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    return Path(cfg.trainer.output_dir) / name
-
-
-def find_resumable(output_dir: str | Path) -> Path:
-    """The most recently written run under `output_dir` that has a checkpoint (for a bare `--resume`)."""
-    root = Path(output_dir)
-    runs = [p.parent.parent for p in root.glob("*/checkpoints/step-*")] if root.is_dir() else []
-    runs = [r for r in set(runs) if latest_checkpoint(r) is not None]
-    if not runs:
-        raise FileNotFoundError(f"--resume: no run with a checkpoint under {root}/; give the run directory")
-    return max(runs, key=lambda r: latest_checkpoint(r).stat().st_mtime)  # type: ignore[union-attr]
-
-
-def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
-    """The config a run was started with (RUN_DIR/config.yaml), plus `overrides` (e.g. trainer.steps=20)."""
-    path = Path(run_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"--resume {run_dir}: no {CONFIG_FILE} there; is it a sparserl run directory?"
-        )
-    return load_config(path, overrides)
+# Seed "purposes", so that the prompt order, sampling, shuffling (update.SHUFFLE = 2) and evaluation draw
+# independent streams.
+_ROLLOUT, _EVAL = 1, 3
 
 
 class Trainer:
@@ -115,21 +54,42 @@ class Trainer:
         task: Any = None,
         eval_task: Any = None,
         model_loader: ModelLoader | None = None,
+        reward_fn: Any = None,
         console: Any = None,
     ) -> None:
+        self._lock: RunLock | None = None
         cfg.validate()
         check_backends(cfg.logging)
         self.cfg = cfg
+        self.console = console
+        self.notes: list[str] = []  # said once the run starts (e.g. a damaged checkpoint skipped)
         self.run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
-        ckpt = latest_checkpoint(self.run_dir) if resume else None
-        if resume and ckpt is None:
-            raise FileNotFoundError(f"--resume: {self.run_dir} has no complete checkpoint to resume from")
-        if not resume and list_checkpoints(self.run_dir):
+        created = not self.run_dir.exists() or (run_dir is None and not any(self.run_dir.iterdir()))
+        if resume and not self.run_dir.is_dir():
+            raise FileNotFoundError(f"--resume: {self.run_dir} does not exist, so there is no complete checkpoint")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock = RunLock(self.run_dir)
+            self._setup(resume, task, eval_task, model_loader, reward_fn)
+        except BaseException:
+            self.close()
+            if created:  # a failed start leaves no empty run directory behind
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+
+    def _setup(self, resume: bool, task: Any, eval_task: Any, model_loader: Any, reward_fn: Any) -> None:
+        """Everything after the run directory is locked: checks, task, policy, engines, learner, resume."""
+        cfg = self.cfg
+        if resume:
+            saved = self.run_dir / CONFIG_FILE
+            if saved.is_file():
+                check_resume_changes(load_config(saved), cfg)
+        elif list_checkpoints(self.run_dir):
             raise FileExistsError(
                 f"{self.run_dir} already holds checkpoints: resume it with `sparserl train --resume {self.run_dir}` "
                 "or choose another trainer.run_name"
             )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt = self._load_latest_intact() if resume else None
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
 
@@ -138,80 +98,77 @@ class Trainer:
         seed = cfg.trainer.seed
         torch.manual_seed(seed)
         self.task = task if task is not None else make_task(cfg.task, "train")
+        if reward_fn is not None:
+            from sparserl.tasks import with_reward_fns
+
+            self.task = with_reward_fns(self.task, reward_fn)
         self.eval_task = eval_task
         if self.eval_task is None and cfg.trainer.eval_prompts > 0:
-            eval_cfg = cfg.task
-            if cfg.trainer.eval_data:
-                eval_cfg = dataclasses.replace(cfg.task, data=cfg.trainer.eval_data, split="test")
-            self.eval_task = make_task(eval_cfg, "test")
-        need_ref = cfg.algo.kl_coef > 0
-        self.policy = Policy(cfg.model, model_loader, need_ref=need_ref, seed=seed)
+            self.eval_task = make_task(cfg.eval_task_config(), "test")
+        if reward_fn is not None and self.eval_task is not None:
+            self.eval_task = with_reward_fns(self.eval_task, reward_fn)
+        self.policy = Policy(cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed)
         self.tokenizer = self.policy.tokenizer
 
         from sparserl.engine import RolloutEngine
 
         self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.kv if cfg.sparse else None)
-        self.reuse_learner_logprobs = cfg.trainer.reuse_learner_logprobs and self._single_update()
-        self.optimizer = self._make_optimizer()
-        self.scheduler = self._make_scheduler()
+        self.dense_engine = (
+            self.engine if not cfg.sparse else RolloutEngine(self.policy.module, self.tokenizer)
+        )
+        self.learner = Learner(cfg, self.policy.module, self.policy.trainable_parameters())
+        self.reuse_learner_logprobs = cfg.trainer.reuse_learner_logprobs and self.learner.single_update()
         self.state = TrainerState()
-        self.sampler = PromptSampler(len(self.task), seed)
         self._prompt_cache: dict[tuple[int, int], list[int]] = {}
+        self.train_rows = self._usable_rows(self.task, 0)
+        self.sampler = PromptSampler(len(self.train_rows), seed)
 
         if ckpt is not None:
-            loaded = load_checkpoint(ckpt)
-            self.policy.load_weights(loaded.weights)
-            self.optimizer.load_state_dict(loaded.optimizer)
-            self.scheduler.load_state_dict(loaded.scheduler)
-            self.state = loaded.state
+            self.policy.load_weights(ckpt.weights)
+            self.learner.optimizer.load_state_dict(ckpt.optimizer)
+            self.learner.scheduler.load_state_dict(ckpt.scheduler)
+            self.state = ckpt.state
             self.sampler.position = self.state.data_position
-            loaded.restore_rng()
-            self.resumed_from: Path | None = ckpt
-        else:
-            self.resumed_from = None
-            save_config(cfg, self.run_dir / CONFIG_FILE)
-        self.console = console
+            ckpt.restore_rng()
+        self.resumed_from: Path | None = ckpt.path if ckpt is not None else None
+        save_config(cfg, self.run_dir / CONFIG_FILE)  # a resume writes the settings it was allowed to change
 
-    # ------------------------------------------------------------------------------------------- setup
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        o = self.cfg.optim
-        params = self.policy.trainable_parameters()
-        if not params:
-            raise ValueError(f"model {self.cfg.model.spec!r} has no trainable parameters")
-        decay = [p for p in params if p.dim() >= 2]
-        no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
-        groups = [{"params": decay, "weight_decay": o.weight_decay}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
-        return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
-
-    def _single_update(self) -> bool:
-        """True when pi_old can come from the learner's pass: one update per rollout batch, decoupled (or
-        none) mode, a rejection-independent loss denominator, and no dropout (train mode == eval mode)."""
-        cfg, module = self.cfg, self.policy.module
-        dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules())
-        dropout = dropout or bool(getattr(getattr(module, "config", None), "attention_dropout", 0.0))
-        return (
-            self.optimizer_steps_per_rollout == 1
-            and cfg.algo.needs_recompute
-            and cfg.algo.rejected_in_denominator
-            and not dropout
+    def _load_latest_intact(self) -> Checkpoint:
+        """The newest checkpoint that reads back whole; damaged newer ones are skipped and said so."""
+        ckpts = list_checkpoints(self.run_dir)
+        if not ckpts:
+            raise FileNotFoundError(f"--resume: {self.run_dir} has no complete checkpoint to resume from")
+        for path in reversed(ckpts):
+            try:
+                return load_checkpoint(path)
+            except (RuntimeError, FileNotFoundError) as e:
+                self.notes.append(f"[yellow]skipping damaged checkpoint[/yellow] {path.name}: {e}")
+        raise FileNotFoundError(
+            f"--resume: every checkpoint in {self.run_dir} is damaged ({', '.join(p.name for p in ckpts)})"
         )
 
+    def close(self) -> None:
+        """Release the run directory (the lock); the Trainer should not be used afterwards."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     @property
-    def optimizer_steps_per_rollout(self) -> int:
-        """Optimizer steps taken per training step: K epochs x mini-batches per rollout batch."""
-        mini = self.cfg.optim.mini_batch_size or self.cfg.rollout_batch
-        return self.cfg.optim.ppo_epochs * (self.cfg.rollout_batch // mini)
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.learner.optimizer
 
-    def _make_scheduler(self) -> Any:
-        from transformers import get_scheduler
-
-        o = self.cfg.optim
-        name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.schedule]
-        total = max(1, self.cfg.trainer.steps * self.optimizer_steps_per_rollout)
-        return get_scheduler(name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total)
+    @property
+    def scheduler(self) -> Any:
+        return self.learner.scheduler
 
     # ------------------------------------------------------------------------------------------- pieces
 
@@ -239,9 +196,42 @@ class Trainer:
             out.append(float(r) if math.isfinite(float(r)) else 0.0)
         return torch.tensor(out, dtype=torch.float32)
 
-    def _generate(self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int) -> Any:
+    def _usable_rows(self, task: Any, split: int) -> list[int]:
+        """Indices of the rows whose prompt fits the model with rollout.max_new_tokens, checked once when the
+        data is loaded. Rows from data files are checked (generated tasks are short by construction); a row
+        that does not fit is skipped with a warning naming its file:line (task.on_long_prompt=skip) or stops
+        the start (=error), rather than crashing the run when it is drawn."""
+        from sparserl.tasks.dataset import DatasetTask
+
+        rows = list(range(len(task)))
+        limit = self.engine.decoder.max_positions
+        if not isinstance(task, DatasetTask) or not limit:
+            return rows
+        budget = limit - self.cfg.rollout.max_new_tokens
+        long = [i for i in rows if len(self._prompt_ids(task, i, split)) > budget]
+        if not long:
+            return rows
+        where = ", ".join(str(task[i].meta.get("source", f"row {i}")) for i in long[:3])
+        more = f" and {len(long) - 3} more" if len(long) > 3 else ""
+        what = (
+            f"{len(long)} prompt(s) longer than {budget} tokens (the model's {limit} positions minus "
+            f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens}): {where}{more}"
+        )
+        if self.cfg.task.on_long_prompt == "error":
+            raise DataError(
+                f"{what}; shorten them, lower rollout.max_new_tokens, or set task.on_long_prompt=skip"
+            )
+        self.notes.append(f"[yellow]skipped[/yellow] {what}")
+        keep = [i for i in rows if i not in set(long)]
+        if not keep:
+            raise DataError(f"every prompt is too long: {what}")
+        return keep
+
+    def _generate(
+        self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, engine: Any = None
+    ) -> Any:
         r = self.cfg.rollout
-        return self.engine.generate(
+        return (engine or self.engine).generate(
             prompt_ids,
             n=n,
             max_new_tokens=r.max_new_tokens,
@@ -267,7 +257,7 @@ class Trainer:
         cfg = self.cfg
         metrics: dict[str, float] = {}
         t0 = time.perf_counter()
-        indices = self.sampler.take(cfg.rollout.prompts_per_step)
+        indices = [self.train_rows[i] for i in self.sampler.take(cfg.rollout.prompts_per_step)]
         examples = [self.task[i] for i in indices]
         prompt_ids = [self._prompt_ids(self.task, i, 0) for i in indices]
         self.state.engine_seed = derive_seed(cfg.trainer.seed, step, _ROLLOUT)
@@ -321,148 +311,42 @@ class Trainer:
         return batch, metrics
 
     def learn(self, step: int, batch: Batch) -> dict[str, float]:
-        """Steps 6-7: corrections, then K passes over shuffled mini-batches with gradient accumulation,
-        clipping, AdamW and the lr schedule. Returns the step's loss, optimizer and correction metrics.
-
-        Corrections are computed per micro-batch (the TIS batch normalisation is over the micro-batch's valid
-        tokens, as in the reference code); their logged metrics are over the whole rollout batch. When
-        `batch.logp_old` is None outside bypass mode, pi_old is the learner's own first forward pass (exact:
-        one update per rollout, so the weights have not moved yet). A mini-batch whose loss or gradient is
-        NaN/inf is skipped (no update) and counted.
-        """
-        from sparserl.engine import completion_logprobs
-
-        cfg = self.cfg
-        algo = cfg.algo
-        module = self.policy.module
-        module.train()
-        params = self.policy.trainable_parameters()
-        B = len(batch.prompts)
-        mini = cfg.optim.mini_batch_size or B
-        from_learner = batch.logp_old is None and algo.needs_recompute
-        old_full = (
-            batch.logp_sampler.clone()
-            if from_learner
-            else ppo_anchor(batch.logp_old, batch.logp_sampler, algo)
-        )
-        sums: dict[str, float] = {}
-        skipped = 0
-        for epoch in range(cfg.optim.ppo_epochs):
-            gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, _SHUFFLE))
-            order = torch.randperm(B, generator=gen)
-            for start in range(0, B, mini):
-                mb = order[start : start + mini]
-                if (
-                    from_learner
-                ):  # rejected_in_denominator holds: the denominator does not depend on rejection
-                    denom = loss_denominator(batch.mask[mb], algo, batch.mask[mb])
-                else:  # rejection is per token / sequence, so the mini-batch's keep mask is known up front
-                    _, keep_mb, _ = correction_weights(
-                        old_full[mb], batch.logp_sampler[mb], batch.mask[mb], algo, batch.advantages[mb]
-                    )
-                    denom = loss_denominator(batch.mask[mb] & keep_mb, algo, batch.mask[mb])
-                self.optimizer.zero_grad(set_to_none=True)
-                finite = True
-                for micro in torch.tensor_split(mb, cfg.optim.grad_accum):
-                    if len(micro) == 0:
-                        continue
-                    idx = micro.tolist()
-                    out = completion_logprobs(
-                        module,
-                        [batch.prompts[i] for i in idx],
-                        [batch.completions[i] for i in idx],
-                        temperature=cfg.rollout.temperature,
-                        with_entropy=algo.entropy_coef > 0,
-                    )
-                    logp = out[0]
-                    entropy = out[2] if len(out) > 2 else None
-                    T = logp.shape[1]
-                    if from_learner:
-                        old_full[micro, :T] = logp.detach()
-                    old = old_full[micro, :T]
-                    mask = batch.mask[micro, :T]
-                    weights, keep, _ = correction_weights(
-                        old, batch.logp_sampler[micro, :T], mask, algo, batch.advantages[micro]
-                    )
-                    loss, m = policy_loss(
-                        logp,
-                        old,
-                        batch.advantages[micro],
-                        mask & keep,
-                        weights,
-                        algo,
-                        logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
-                        entropy=entropy,
-                        response_mask=mask,
-                        denominator=denom,
-                    )
-                    if not finite or not torch.isfinite(loss):
-                        finite = (
-                            False  # keep going without backward: pi_old of the later micro-batches is needed
-                        )
-                        continue
-                    loss.backward()
-                    for k, v in m.items():
-                        if k in ("actor/loss", "actor/pg_loss", "actor/kl_ref", "actor/entropy"):
-                            sums[k] = sums.get(k, 0.0) + v  # partial losses add up to the mini-batch's
-                        else:
-                            sums[k] = sums.get(k, 0.0) + v * len(idx) / len(mb)
-                if finite:
-                    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
-                    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-                    finite = bool(torch.isfinite(norm))
-                if finite:
-                    self.optimizer.step()
-                    sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(norm)
-                else:
-                    skipped += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                with warnings.catch_warnings():  # the schedule advances even when an update was skipped
-                    warnings.filterwarnings(
-                        "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
-                    )
-                    self.scheduler.step()
-        module.eval()
-        n_updates = self.optimizer_steps_per_rollout
-        out = {k: v / n_updates for k, v in sums.items()}
-        if n_updates - skipped > 0 and "actor/grad_norm" in sums:
-            out["actor/grad_norm"] = sums["actor/grad_norm"] / (n_updates - skipped)
-        self.state.counters["train/nonfinite_skips"] = (
-            self.state.counters.get("train/nonfinite_skips", 0) + skipped
-        )
-        out["train/nonfinite_skipped_updates"] = float(skipped)
-        out["actor/lr"] = self.scheduler.get_last_lr()[0]
-        # whole-batch correction metrics (the rejection decisions are per token / sequence, so they match
-        # the ones applied above; only the batch-normalisation factor is the whole batch's here)
-        _, _, corr = correction_weights(old_full, batch.logp_sampler, batch.mask, algo, batch.advantages)
-        out.update(corr)
-        out["rejection_rate"] = corr.get("rollout_corr/seq_rejection_rate", 0.0)
+        """Steps 6-7: corrections and K passes of AdamW (trainer/update.py); skipped updates are counted."""
+        out = self.learner.update(step, batch)
+        skips = self.state.counters.get("train/nonfinite_skips", 0) + out["train/nonfinite_skipped_updates"]
+        self.state.counters["train/nonfinite_skips"] = skips
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Mean reward of one sample on each held-out prompt, same seed every time (comparable over the run)."""
+        """Mean reward and length of one sample on each held-out prompt, same seed every time (comparable
+        over the run and across arms): with a dense cache, and also with the training KV policy when
+        trainer.eval_sparse is on (metrics eval/dense/*, eval/sparse/*)."""
         if self.eval_task is None or self.cfg.trainer.eval_prompts == 0:
             return {}
-        t0 = time.perf_counter()
         count = min(self.cfg.trainer.eval_prompts, len(self.eval_task))
         prompt_ids = [self._prompt_ids(self.eval_task, i, 1) for i in range(count)]
+        modes = {"dense": self.dense_engine}
+        if self.cfg.trainer.eval_sparse and self.cfg.sparse:
+            modes["sparse"] = self.engine
         self.policy.module.eval()
-        with torch.no_grad():
-            rollouts = self._generate(
-                prompt_ids, 1, self.cfg.trainer.eval_temperature, derive_seed(self.cfg.trainer.seed, _EVAL)
+        out: dict[str, float] = {}
+        for mode, engine in modes.items():
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                seed = derive_seed(self.cfg.trainer.seed, _EVAL)
+                rollouts = self._generate(prompt_ids, 1, self.cfg.trainer.eval_temperature, seed, engine)
+            samples = list(rollouts.samples)
+            texts = self.tokenizer.batch_decode(
+                [list(s.completion_ids) for s in samples], skip_special_tokens=True
             )
-        samples = list(rollouts.samples)
-        texts = self.tokenizer.batch_decode(
-            [list(s.completion_ids) for s in samples], skip_special_tokens=True
-        )
-        examples = [self.eval_task[s.prompt_index] for s in samples]
-        rewards = self._rewards(self.eval_task, texts, examples)
-        self._eval_samples = list(zip(texts, examples, rewards.tolist(), strict=True))
-        return {
-            "eval/reward": rewards.mean().item(),
-            "eval/length": float(sum(len(s.completion_ids) for s in samples) / max(1, len(samples))),
-            "time/eval": time.perf_counter() - t0,
-        }
+            examples = [self.eval_task[s.prompt_index] for s in samples]
+            rewards = self._rewards(self.eval_task, texts, examples)
+            if mode == "dense":
+                self._eval_samples = list(zip(texts, examples, rewards.tolist(), strict=True))
+            out[f"eval/{mode}/reward"] = rewards.mean().item()
+            out[f"eval/{mode}/length"] = sum(len(s.completion_ids) for s in samples) / max(1, len(samples))
+            out[f"time/eval_{mode}"] = time.perf_counter() - t0
+        return out
 
     # ------------------------------------------------------------------------------------------- the run
 
@@ -503,11 +387,14 @@ class Trainer:
         hist = self.state.history
         started = time.perf_counter()
         try:
+            for note in self.notes:
+                progress.print(note)
             if self.resumed_from is not None:
                 progress.print(f"resumed from {self.resumed_from} (step {self.state.step}/{total})")
             elif "eval_before" not in hist and cfg.trainer.eval_prompts > 0:
                 before = self.evaluate(0)
-                hist["eval_before"] = before.get("eval/reward")
+                hist["eval_before"] = before.get("eval/dense/reward")
+                hist["eval_sparse_before"] = before.get("eval/sparse/reward")
                 sinks.log(0, before)
                 self._print_samples(progress, "before training")
             while self.state.step < stop:
@@ -531,7 +418,8 @@ class Trainer:
             if self.state.step >= total:
                 if cfg.trainer.eval_prompts > 0:
                     after = self.evaluate(total)
-                    hist["eval_after"] = after.get("eval/reward")
+                    hist["eval_after"] = after.get("eval/dense/reward")
+                    hist["eval_sparse_after"] = after.get("eval/sparse/reward")
                     sinks.log(total, after)
                     self._print_samples(progress, "after training")
                 hist["export"] = str(self.policy.export(self.run_dir / EXPORT_DIR))
@@ -572,6 +460,8 @@ class Trainer:
             "steps": self.state.step,
             "eval_reward_before": h.get("eval_before"),
             "eval_reward_after": h.get("eval_after"),
+            "eval_sparse_reward_before": h.get("eval_sparse_before"),
+            "eval_sparse_reward_after": h.get("eval_sparse_after"),
             "train_reward_first_step": h.get("first_reward"),
             "train_reward_last_step": h.get("last_reward"),
             "rollouts": f"sparse ({self.cfg.kv.method}, budget {self.cfg.kv.budget})"

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from sparserl.config import ConfigError, ModelConfig
+from sparserl.models import ModelLoadError
+from sparserl.trainer.checkpoint import atomic_dir
 
 ModelLoader = Callable[[ModelConfig], tuple[Any, Any]]
 
@@ -94,30 +96,48 @@ class Policy:
         """File name of the checkpointed weights."""
         return "adapter.safetensors" if self.peft is not None else "model.safetensors"
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Inverse of `weights` (strict: a mismatch names the missing/unexpected keys)."""
+    def load_weights(self, state: dict[str, torch.Tensor], source: str | Path = "checkpoint") -> None:
+        """Inverse of `weights`, strict: missing, unexpected or differently shaped tensors are an error that
+        names them and `source` (e.g. a resume whose model or LoRA settings differ from the run's)."""
+        own = self.weights()
+        tied = set(getattr(self.module, "_tied_weights_keys", None) or [])
+        missing = [k for k in own if k not in state and k not in tied]
+        unexpected = [k for k in state if k not in own]
+        shapes = [
+            f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}"
+            for k in state
+            if k in own and state[k].shape != own[k].shape
+        ]
+        if missing or unexpected or shapes:
+            parts = [
+                f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"
+                for label, items in (("missing", missing), ("unexpected", unexpected), ("shape", shapes))
+                if items
+            ]
+            raise ModelLoadError(
+                f"{source}: the saved weights do not fit model {self.cfg.spec!r} (lora={self.cfg.lora}, "
+                f"lora_r={self.cfg.lora_r}): {'; '.join(parts)}"
+            )
         if self.peft is not None:
             from peft import set_peft_model_state_dict
 
-            result = set_peft_model_state_dict(self.peft, state)
-            unexpected = getattr(result, "unexpected_keys", [])
-            if unexpected:
-                raise RuntimeError(f"checkpoint adapter has unexpected keys: {unexpected[:5]}")
-            return
-        missing, unexpected = self.module.load_state_dict(state, strict=False)
-        tied = set(getattr(self.module, "_tied_weights_keys", None) or [])
-        missing = [k for k in missing if k not in tied]
-        if missing or unexpected:
-            raise RuntimeError(
-                f"checkpoint weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+            set_peft_model_state_dict(self.peft, state)
+        else:
+            self.module.load_state_dict(state, strict=False)
 
     def export(self, path: str | Path) -> Path:
+        """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer,
+        atomically: it is written beside `path` and renamed into place, so a kill never leaves a half folder
+        that `sparserl eval` cannot read (an existing one is replaced only once the new one is complete)."""
+        path = Path(path)
+        with atomic_dir(path) as tmp:
+            self._save_pretrained(tmp)
+        return path
+
+    def _save_pretrained(self, path: Path) -> None:
         """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer."""
         from transformers.utils import logging as hf_logging
 
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # its bar would tear the live training bar
         try:
@@ -131,4 +151,3 @@ class Policy:
             if was_enabled:
                 hf_logging.enable_progress_bar()
         self.tokenizer.save_pretrained(path)
-        return path

@@ -1,0 +1,133 @@
+"""A run directory: its unique name, the exclusive lock a live run holds on it, finding one to resume, and
+which settings may change when a run is resumed."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sparserl.config import ConfigError, TrainConfig, load_config
+from sparserl.trainer.checkpoint import latest_checkpoint
+
+CONFIG_FILE = "config.yaml"
+LOCK_FILE = ".lock"
+# Settings a resume may change (run length, checkpoints, evaluation, logging, threads): they do not change
+# what was trained so far. `output_dir`/`run_name` only locate the run. Everything else is fixed for a run.
+RESUMABLE_KEYS = (
+    "trainer.steps",
+    "trainer.save_every",
+    "trainer.keep_last",
+    "trainer.eval_every",
+    "trainer.eval_prompts",
+    "trainer.eval_data",
+    "trainer.eval_sparse",
+    "trainer.eval_temperature",
+    "trainer.threads",
+    "logging.",
+)
+LOCATION_KEYS = ("trainer.output_dir", "trainer.run_name")
+
+
+class RunDirBusy(ConfigError):
+    """Another live process holds the run directory."""
+
+
+def new_run_dir(cfg: TrainConfig) -> Path:
+    """RUN_DIR for a fresh run: output_dir/run_name, or a new unique '<preset>-<kv>-<time>-<random>' that no
+    other run (even one started in the same second) can get: the directory is created here, exclusively."""
+    root = Path(cfg.trainer.output_dir)
+    if cfg.trainer.run_name:
+        return root / cfg.trainer.run_name
+    kv = cfg.kv.method if cfg.sparse else "dense"
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = (
+            root / f"{cfg.algo.preset}-{kv}-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        )
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+
+
+class RunLock:
+    """An exclusive advisory lock (flock) on RUN_DIR/.lock, held while a Trainer owns the run, so a second
+    run or resume into the same directory fails at once instead of mixing configs, metrics and checkpoints.
+    The kernel drops it when the process dies, so a killed run never leaves a stale lock."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "?"
+            self.release()
+            raise RunDirBusy(
+                f"{run_dir} is in use by another sparserl run (pid {holder}); wait for it to finish, or "
+                "choose another trainer.run_name"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        """Drop the lock (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def find_resumable(output_dir: str | Path) -> Path:
+    """The most recently written run under `output_dir` that has a checkpoint (for a bare `--resume`)."""
+    root = Path(output_dir)
+    runs = [p.parent.parent for p in root.glob("*/checkpoints/step-*")] if root.is_dir() else []
+    runs = [r for r in set(runs) if latest_checkpoint(r) is not None]
+    if not runs:
+        raise FileNotFoundError(f"--resume: no run with a checkpoint under {root}/; give the run directory")
+    return max(runs, key=lambda r: latest_checkpoint(r).stat().st_mtime)  # type: ignore[union-attr]
+
+
+def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
+    """The config a run was started with (RUN_DIR/config.yaml), plus `overrides` (e.g. trainer.steps=20);
+    an override of a setting that is fixed for a run is an error naming it."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"--resume {run_dir}: no {CONFIG_FILE} there; is it a sparserl run directory?"
+        )
+    cfg = load_config(path, overrides)
+    check_resume_changes(load_config(path), cfg)
+    return cfg
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_resume_changes(saved: TrainConfig, new: TrainConfig) -> None:
+    """Raise ConfigError if `new` differs from the run's `saved` config outside RESUMABLE_KEYS."""
+    old, cur = _flat(saved.to_dict()), _flat(new.to_dict())
+    fixed = [
+        f"{k} (run: {old.get(k)!r}, now: {cur.get(k)!r})"
+        for k in sorted(set(old) | set(cur))
+        if old.get(k) != cur.get(k) and not k.startswith(RESUMABLE_KEYS + LOCATION_KEYS)
+    ]
+    if fixed:
+        raise ConfigError(
+            f"--resume cannot change settings that shaped the run so far: {'; '.join(fixed)}. A resume may "
+            f"change only {', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE_KEYS)}"
+            "; start a new run for the others"
+        )
