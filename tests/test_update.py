@@ -122,7 +122,7 @@ def test_weights_that_turn_non_finite_stop_the_run_and_save_nothing(
 ) -> None:
     trainer = make_trainer(tiny_cfg(tmp_path, "trainer.steps=3", "optim.mini_batch_size=0"))
     trainer.train(until_step=1)
-    real, calls = trainer.optimizer.step, {"n": 0}
+    real = trainer.optimizer.step
 
     def poisoned(*a, **kw):
         out = real(*a, **kw)
