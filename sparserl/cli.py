@@ -5,12 +5,15 @@
         from sparserl.plot import main   # import heavy modules inside, so `sparserl --help` stays fast
         return main(args.run_dir, args.out)
 
-Bad input (a config error, a missing file or model) prints one clear `error:` line and exits non-zero.
+Bad input (a `sparserl.errors.UserError`: config, data, model; or an OSError about the user's files: missing,
+not writable, disk full) prints one clear `error:` line and exits non-zero; anything else is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -111,19 +114,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     from sparserl.config import ConfigError
-    from sparserl.models import ModelLoadError
+    from sparserl.errors import UserError
 
     try:
         return int(args._run(args) or 0)
     except ConfigError as e:
         print(f"sparserl {args.command}: config error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (FileNotFoundError, FileExistsError, ModelLoadError) as e:
+    except UserError as e:
         print(f"sparserl {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as e:
+        if not is_user_file_error(e):
+            raise
+        print(f"sparserl {args.command}: error: {describe_os_error(e)}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"sparserl {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+# A file or directory the user named (or the disk it lives on) cannot be used: say so in one line.
+USER_FILE_ERRORS = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+USER_FILE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+
+
+def is_user_file_error(e: OSError) -> bool:
+    """An OSError about the user's files or disk (missing, not writable, full), not a bug."""
+    return isinstance(e, USER_FILE_ERRORS) or e.errno in USER_FILE_ERRNOS
+
+
+def describe_os_error(e: OSError) -> str:
+    """'No space left on device: PATH' for an error from the OS; the message alone for our own raises."""
+    if e.strerror is None:
+        return str(e)
+    paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+    return f"{e.strerror}: {paths}" if paths else e.strerror
 
 
 # ---------------------------------------------------------------------------------------------- train
@@ -209,10 +241,23 @@ def train(args: argparse.Namespace) -> int:
     try:
         summary = trainer.train()
     except KeyboardInterrupt:
-        console.print(f"interrupted; continue with: sparserl train --resume {trainer.run_dir}")
+        console.print(interrupted_hint(trainer.run_dir), highlight=False, soft_wrap=True)
         raise
     render_summary(summary, console)
     return 0
+
+
+def interrupted_hint(run_dir: str | os.PathLike[str]) -> str:
+    """How to go on after Ctrl-C: --resume from the latest checkpoint, or (none written yet) start again."""
+    from sparserl.trainer import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return (
+            f"interrupted before the first checkpoint: nothing was saved to {run_dir}; "
+            "run the same command to start again"
+        )
+    return f"interrupted; {checkpoint.name} was saved; continue with: sparserl train --resume {run_dir}"
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -227,7 +272,8 @@ def _eval_epilog() -> str:
         "  math500, aime24, amc23, gaokao2023en, minerva_math, olympiadbench (the shared eval files),\n"
         "  arithmetic, long_arithmetic (procedural), or a Hugging Face dataset name; omitted with a run\n"
         "  directory: the run's own task.\n\n"
-        "Dense and sparse inference sample the same prompts with the same seeds. The JSON report (stdout)\n"
+        "Without --kv only dense inference runs; with --kv METHOD, dense and sparse inference sample the\n"
+        "same prompts with the same seeds (--no-dense: sparse only). The JSON report (stdout)\n"
         "holds mean@k, pass@k for k = 1, 2, 4, ..., samples (unbiased estimator), mean completion length,\n"
         "truncated share and KV stats per inference mode, and their sparse - dense differences; --out also\n"
         "stores per-prompt rewards.\n\n"
@@ -240,17 +286,30 @@ def _eval_epilog() -> str:
 
 @command(
     "eval",
-    "Evaluate a model under dense and sparse inference: mean@k and pass@k as JSON.",
+    "Evaluate a model under dense (and, with --kv, sparse) inference: mean@k and pass@k as JSON.",
     arg("--model", "-m", default="smollm2-135m", help="run directory, HF id/folder, .gguf or smollm2-135m"),
     arg("--data", "-d", default=None, help="eval file, gsm8k, an eval set name, or a built-in task"),
     arg(
         "--kv",
-        default="rkv",
-        help="KV method of sparse inference (rkv, snapkv, h2o, streaming_llm, random; dense: dense only)",
+        default=None,
+        help="also evaluate sparse inference with this KV method (rkv, snapkv, h2o, streaming_llm, random); "
+        "default: dense only",
     ),
-    arg("--budget", type=int, default=512, help="retained KV positions per sequence (default 512)"),
-    arg("--window", type=int, default=None, help="always-kept recent positions (default: KVConfig's)"),
-    arg("--interval", type=int, default=None, help="decode steps between compressions (default: KVConfig's)"),
+    arg(
+        "--budget", type=int, default=None, help="with --kv: retained KV positions per sequence (default 512)"
+    ),
+    arg(
+        "--window",
+        type=int,
+        default=None,
+        help="with --kv: always-kept recent positions (default: KVConfig's)",
+    ),
+    arg(
+        "--interval",
+        type=int,
+        default=None,
+        help="with --kv: decode steps between compressions (default: KVConfig's)",
+    ),
     arg(
         "--samples", "-k", type=int, default=4, help="completions per prompt, k of mean@k/pass@k (default 4)"
     ),
@@ -269,7 +328,7 @@ def _eval_epilog() -> str:
     arg("--split", default="test", help="dataset split for Hugging Face datasets and procedural tasks"),
     arg("--question-key", default="", help="row field of the question (default: auto-detect)"),
     arg("--answer-key", default="", help="row field of the reference answer (default: auto-detect)"),
-    arg("--no-dense", action="store_true", help="skip dense inference (sparse only)"),
+    arg("--no-dense", action="store_true", help="with --kv: skip dense inference (sparse only)"),
     arg(
         "--checkpoint",
         action="store_true",
@@ -296,6 +355,12 @@ def eval_(args: argparse.Namespace) -> int:
     "Demo of the rollout engine: sample a few completions, show tokens/s and KV memory vs a dense cache.",
     arg("--model", "-m", default="smollm2-135m", help="HF id/folder, .gguf, run directory or smollm2-135m"),
     arg("--task", default="arithmetic", help="prompts: arithmetic, long_arithmetic, gsm8k, or a data file"),
+    arg(
+        "--question-key",
+        default="",
+        help="with a data file: row field of the question (default: auto-detect)",
+    ),
+    arg("--answer-key", default="", help="with a data file: row field of the answer (default: auto-detect)"),
     arg(
         "--kv", default="rkv", help="KV method: dense, rkv, snapkv, h2o, streaming_llm, random (default rkv)"
     ),

@@ -3,22 +3,25 @@ line naming the culprit, no traceback, and (for `train`) no empty run directory 
 
 Adding a case is one line above the end marker of CASES:
 
-    case("eval-missing-data", ["eval", *EVAL, "--data", "{tmp}/missing.jsonl"], 1, r"missing\\.jsonl"),
+    case("eval-missing-data", [*EVAL, "--data", "{tmp}/missing.jsonl"], EXIT_FAILURE, r"missing\\.jsonl"),
 
-`{tmp}` in argv is replaced by the test's tmp_path (also the working directory). `setup(tmp)` may write files
-first (see the `write` helpers). `message` is a regex searched in the `sparserl <command>: ...` error line.
+`{tmp}` in argv is replaced by the test's tmp_path (also the working directory). `setup(tmp, monkeypatch)`
+may write files or patch a failure in first (see `write`, `trained`, `full_disk`, `read_only`). `message` is a regex searched in the `sparserl <command>: ...` error line.
 `xfail="needs <file> fix"` marks a case waiting for a library-side change (strict: it must fail until then).
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from sparserl.cli import EXIT_FAILURE, EXIT_USAGE, main
 
@@ -43,10 +46,18 @@ EVAL = ["eval", "--model", "tiny-llama", "--limit", "1", "--samples", "1", "--ma
 ROLLOUT = ["rollout", "--model", "tiny-llama", "--prompts", "1", "--n", "1", "--max-new-tokens", "4"]
 
 
-def write(name: str, content: str | bytes) -> Callable[[Path], None]:
+Setup = Callable[[Path, pytest.MonkeyPatch], None]
+
+
+def fill(argv: list[str], tmp: Path) -> list[str]:
+    """`argv` with `{tmp}` replaced by the test's directory."""
+    return [a.replace("{tmp}", str(tmp)) for a in argv]
+
+
+def write(name: str, content: str | bytes) -> Setup:
     """A setup writing `content` (text or raw bytes) to tmp/`name`."""
 
-    def setup(tmp: Path) -> None:
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         path = tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, bytes):
@@ -57,18 +68,74 @@ def write(name: str, content: str | bytes) -> Callable[[Path], None]:
     return setup
 
 
-def write_jsonl(name: str, rows: list[dict[str, Any]]) -> Callable[[Path], None]:
+def write_jsonl(name: str, rows: list[dict[str, Any]]) -> Setup:
     """A setup writing `rows` as a .jsonl file tmp/`name`."""
     return write(name, "".join(json.dumps(r) + "\n" for r in rows))
 
 
+def trained(*overrides: str) -> Setup:
+    """A setup training the tiny run {tmp}/runs/r for one step (with `overrides`), to resume from."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        assert main(fill([*TRAIN, *overrides], tmp)) == 0
+
+    return setup
+
+
+def edit(name: str, old: str, new: str) -> Setup:
+    """A setup replacing `old` by `new` in the file tmp/`name` (a hand-edited run config, say)."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        path = tmp / name
+        assert old in path.read_text()
+        path.write_text(path.read_text().replace(old, new))
+
+    return setup
+
+
+def chain(*setups: Setup) -> Setup:
+    """A setup running `setups` in order."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        for step in setups:
+            step(tmp, monkeypatch)
+
+    return setup
+
+
+def full_disk(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save fails as on a full disk: torch's own error for a path (its C++ writer drops the errno),
+    OSError(ENOSPC) for a Python file object."""
+
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(f, (str, os.PathLike)):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def read_only(name: str) -> Setup:
+    """A setup making tmp/`name` a read-only file system (tests may run as root, where chmod does not stop
+    writes): creating anything under it fails with EROFS, as on a read-only mount."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        root = tmp / name
+        root.mkdir(parents=True, exist_ok=True)
+        real_mkdir = os.mkdir
+
+        def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+            if Path(path).is_relative_to(root):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            real_mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "mkdir", mkdir)
+
+    return setup
+
+
 def case(
-    id: str,
-    argv: list[str],
-    code: int,
-    message: str,
-    setup: Callable[[Path], None] | None = None,
-    xfail: str = "",
+    id: str, argv: list[str], code: int, message: str, setup: Setup | None = None, xfail: str = ""
 ) -> Any:
     """One row of the table (a pytest.param with its id)."""
     marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
@@ -80,11 +147,48 @@ def run_dirs(output_dir: Path) -> set[Path]:
     return {p for p in output_dir.rglob("*") if p.is_dir()} if output_dir.is_dir() else set()
 
 
+QA = [{"question": "What is 1 + 1?", "answer": "#### 2"}, {"question": "What is 2 + 2?", "answer": "#### 4"}]
+BAD_JSON_LINE_2 = '{"question": "1+1?", "answer": "2"}\n{"question": "2+2?", "answer": 4\n'
+NOT_UTF8_LINE_2 = b'{"question": "1+1?", "answer": "2"}\n{"question": "\xff+1?", "answer": "2"}\n'
+
+
 # ------------------------------------------------------------------------------------------------ the table
 
 CASES = [
     case("train-unknown-key", [*TRAIN, "optim.learning_rate=1"], EXIT_USAGE, r"unknown config key 'optim\.learning_rate'"),
+    case("train-misspelled-task", [*TRAIN, "task.name=arithmetc"], EXIT_FAILURE, r"task\.name='arithmetc' is unknown"),
+    case("train-data-bad-json", [*TRAIN, "task.name={tmp}/bad.jsonl"], EXIT_FAILURE, r"bad\.jsonl:2: not valid JSON", write("bad.jsonl", BAD_JSON_LINE_2)),
+    case("train-data-not-utf8", [*TRAIN, "task.name={tmp}/bad.jsonl"], EXIT_FAILURE, r"bad\.jsonl.*UTF-8", write("bad.jsonl", NOT_UTF8_LINE_2)),
+    case("train-data-no-question", [*TRAIN, "task.name={tmp}/q.jsonl"], EXIT_FAILURE, r"q\.jsonl:1: no question field.*task\.question_key", write_jsonl("q.jsonl", [{"text": "1+1?", "answer": "2"}])),
+    case("train-config-not-utf8", [*TRAIN[:1], "--config", "{tmp}/c.yaml"], EXIT_USAGE, r"c\.yaml.*UTF-8", write("c.yaml", b"optim:\n  lr: 1e-5 # \xe9\n")),
+    case("train-lora-resume-mismatch", ["train", "--resume", "{tmp}/runs/r", "model.lora_r=8", "trainer.steps=2"], EXIT_USAGE, r"lora_r", trained("model.lora=true", "model.lora_r=4")),
+    case("train-lora-resume-edited-config", ["train", "--resume", "{tmp}/runs/r", "trainer.steps=2"], EXIT_FAILURE, r"checkpoint.*lora_r=8", chain(trained("model.lora=true", "model.lora_r=4"), edit("runs/r/config.yaml", "lora_r: 4", "lora_r: 8"))),
+    case("train-full-disk", TRAIN, EXIT_FAILURE, r"No space left on device.*runs/r/checkpoints", full_disk, xfail="needs sparserl/trainer/checkpoint.py fix: ENOSPC and the path"),
+    case("train-read-only-output", TRAIN, EXIT_FAILURE, r"Read-only file system.*runs", read_only("runs")),
     case("eval-missing-data", [*EVAL, "--data", "{tmp}/missing.jsonl"], EXIT_FAILURE, r"missing\.jsonl"),
+    case("eval-bad-dtype", [*EVAL, "--data", "arithmetic", "--dtype", "float33"], EXIT_USAGE, r"--dtype.*float33.*float32, bfloat16, float16"),
+    case("eval-bad-device", [*EVAL, "--data", "arithmetic", "--device", "gpu0"], EXIT_USAGE, r"--device.*gpu0"),
+    case("eval-out-is-a-dir", [*EVAL, "--data", "arithmetic", "--out", "{tmp}"], EXIT_USAGE, r"--out.*is a directory"),
+    case("eval-out-read-only", [*EVAL, "--data", "arithmetic", "--out", "{tmp}/ro/sub/r.json"], EXIT_FAILURE, r"Read-only file system.*ro/sub", read_only("ro")),
+    case("eval-budget-without-kv", [*EVAL, "--data", "arithmetic", "--budget", "64"], EXIT_USAGE, r"--budget.*--kv"),
+    case("eval-no-dense-without-kv", [*EVAL, "--data", "arithmetic", "--no-dense"], EXIT_USAGE, r"--no-dense leaves nothing.*--kv"),
+    case("eval-no-question-names-the-flag", [*EVAL, "--data", "{tmp}/q.jsonl"], EXIT_FAILURE, r"q\.jsonl:1: no question field.*--question-key", write_jsonl("q.jsonl", [{"text": "1+1?", "answer": "2"}])),
+    case("eval-no-answer-names-the-flag", [*EVAL, "--data", "{tmp}/q.jsonl"], EXIT_FAILURE, r"q\.jsonl:1: no answer field.*--answer-key", write_jsonl("q.jsonl", [{"question": "1+1?", "result": "2"}])),
+    case("eval-data-not-utf8", [*EVAL, "--data", "{tmp}/bad.jsonl"], EXIT_FAILURE, r"bad\.jsonl.*UTF-8", write("bad.jsonl", NOT_UTF8_LINE_2)),
+    case("rollout-unknown-task", [*ROLLOUT, "--task", "arithmetc"], EXIT_USAGE, r"--task 'arithmetc' is unknown"),
+    case("rollout-missing-task-file", [*ROLLOUT, "--task", "{tmp}/missing.jsonl"], EXIT_FAILURE, r"--task .*missing\.jsonl"),
+    case("rollout-negative-temperature", [*ROLLOUT, "--temperature", "-1"], EXIT_USAGE, r"--temperature=-1\.0 must be a finite number >= 0"),
+    case("eval-missing-model-path", [*EVAL, "--model", "./nope", "--data", "arithmetic"], EXIT_FAILURE, r"the path \./nope does not exist"),
+    case("train-missing-model-path", [*TRAIN, "model.spec=./missing_dir"], EXIT_FAILURE, r"the path \./missing_dir does not exist"),
+    case("eval-prompt-longer-than-context", [*EVAL, "--data", "{tmp}/long.jsonl"], EXIT_FAILURE, r"longer than 4092 tokens.*long\.jsonl:1.*--max-new-tokens", write_jsonl("long.jsonl", [{"question": "1 + " * 5000 + "1?", "answer": "5001"}])),
+    case("eval-max-new-tokens-past-context", [*EVAL, "--data", "{tmp}/qa.jsonl", "--max-new-tokens", "5000"], EXIT_FAILURE, r"--max-new-tokens=5000 leaves no room", write_jsonl("qa.jsonl", QA)),
+    case("eval-negative-top-k", [*EVAL, "--data", "arithmetic", "--top-k", "-1"], EXIT_USAGE, r"--top-k=-1 must be >= 0"),
+    case("eval-temperature-nan", [*EVAL, "--data", "arithmetic", "--temperature", "nan"], EXIT_USAGE, r"--temperature=nan must be a finite number"),
+    case("train-reward-module-missing", [*TRAIN, "task.reward=no_such_reward_mod:f"], EXIT_FAILURE, r"task\.reward='no_such_reward_mod:f': cannot import module 'no_such_reward_mod': ModuleNotFoundError"),
+    case("train-reward-no-function", [*TRAIN, "task.reward={tmp}/rw.py:f"], EXIT_FAILURE, r"rw\.py has no function 'f' \(it defines: g\)", write("rw.py", "def g(completions, **kwargs):\n    return [0.0] * len(completions)\n")),
+    case("train-reward-not-a-spec", [*TRAIN, "task.reward=nocolon"], EXIT_USAGE, r"task\.reward entry 'nocolon' must be 'module:function'"),
+    case("train-reward-weights-count", [*TRAIN, "task.reward=[builtin, m:f]", "task.reward_weights=[1.0]"], EXIT_USAGE, r"task\.reward_weights has 1 weights for 2"),
+    case("train-prompt-template-unknown-field", [*TRAIN, "task.name={tmp}/q.jsonl", "task.prompt_template={body} {question}"], EXIT_FAILURE, r"q\.jsonl:1: task\.prompt_template names field 'body'.*question, answer", write_jsonl("q.jsonl", QA)),
     # --- add new cases above this line ---
 ]  # fmt: skip
 
@@ -94,18 +198,19 @@ def test_bad_input_is_one_clear_line(
     argv: list[str],
     code: int,
     message: str,
-    setup: Callable[[Path], None] | None,
+    setup: Setup | None,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.chdir(tmp_path)
     if setup is not None:
-        setup(tmp_path)
+        setup(tmp_path, monkeypatch)
+        capsys.readouterr()
     output_dir = tmp_path / "runs"
     dirs_before = run_dirs(output_dir)
     try:
-        rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+        rc = main(fill(argv, tmp_path))
     except SystemExit as e:  # argparse's usage errors: 'sparserl eval: error: ...' after the usage lines
         rc = e.code
     captured = capsys.readouterr()

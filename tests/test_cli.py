@@ -146,3 +146,41 @@ def test_kill_9_then_resume(tmp_path: Path) -> None:
     assert f"resumed from {run / 'checkpoints'}" in out.stderr
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == killed_at + 1 and len(steps) == len(set(steps))
+
+
+def interrupt_at_step(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """Make training stop with Ctrl-C (KeyboardInterrupt) when it starts rollout step `step`."""
+    from sparserl.trainer import Trainer
+
+    rollout = Trainer.rollout
+
+    def interrupted(self, at: int, *args, **kwargs):
+        if at == step:
+            raise KeyboardInterrupt
+        return rollout(self, at, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "rollout", interrupted)
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No checkpoint yet: no `--resume` hint (it would fail); the same command starts again."""
+    args = ["train", *TINY, "trainer.steps=1", f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]
+    with monkeypatch.context() as patch:
+        interrupt_at_step(patch, 1)
+        assert cli.main(args) == cli.EXIT_INTERRUPTED
+    err = " ".join(capsys.readouterr().err.split())
+    assert "nothing was saved" in err and "run the same command to start again" in err
+    assert "--resume" not in err
+    assert cli.main(args) == 0, capsys.readouterr().err
+
+
+def test_ctrl_c_after_a_checkpoint_names_the_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", *TINY, "trainer.steps=3", "trainer.save_every=1", "trainer.eval_prompts=0"]
+    interrupt_at_step(monkeypatch, 2)
+    assert cli.main([*args, f"trainer.output_dir={tmp_path}", "trainer.run_name=r"]) == cli.EXIT_INTERRUPTED
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"step-000001 was saved; continue with: sparserl train --resume {tmp_path / 'r'}" in err

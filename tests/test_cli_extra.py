@@ -79,6 +79,18 @@ def test_eval_cli_builtin_task_dense_only(tiny_dir: Path, capsys: pytest.Capture
     assert err == ""  # --quiet
 
 
+def test_eval_cli_without_kv_is_dense_only(
+    tiny_dir: Path, qa_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No --kv: no sparse pass with some default budget, only the dense one the user asked for."""
+    rc, out, err = run_cli(
+        capsys, "eval", "-m", str(tiny_dir), "-d", str(qa_file), "-k", "1", "--max-new-tokens", "4", "-q"
+    )
+    assert rc == 0, err
+    result = json.loads(out)
+    assert "dense" in result and "sparse" not in result and result["kv"] is None
+
+
 def test_eval_cli_run_dir_uses_its_model_and_task(
     tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,39 +5,104 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
+import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
 from sparserl.config import ConfigError
+from sparserl.errors import UserError
 
 
-def kv_config(method: str, budget: int, window: int | None = None, interval: int | None = None) -> Any:
-    """KVConfig from command-line flags (window/interval None: KVConfig's defaults); a bad method or budget
-    is a ConfigError naming the flags."""
+def kv_config(
+    method: str, budget: int | None = None, window: int | None = None, interval: int | None = None
+) -> Any:
+    """KVConfig from command-line flags (None: KVConfig's default); a bad method or budget is a ConfigError
+    naming the flags."""
     from sparserl.engine import KVConfig
 
-    extra = {k: v for k, v in (("window", window), ("interval", interval)) if v is not None}
+    given = {
+        k: v for k, v in (("budget", budget), ("window", window), ("interval", interval)) if v is not None
+    }
     try:
-        return KVConfig(method=method, budget=budget, **extra)
+        return KVConfig(method=method, **given)
     except ValueError as e:
-        raise ConfigError(f"--kv {method} --budget {budget}: {e}") from None
+        flags = "".join(f" --{k} {v}" for k, v in given.items())
+        raise ConfigError(f"--kv {method}{flags}: {e}") from None
 
 
 def _device(name: str | None) -> str:
-    if name:
-        return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The torch device `--device` names (default: cuda when available, else cpu); an unknown or absent
+    device is a ConfigError before any model is loaded."""
+    if not name:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
+    if device.type in available and not available[device.type]():
+        raise ConfigError(f"--device {name}: no {device.type} device on this machine; use --device cpu")
+    return name
+
+
+def _check_dtype(name: str | None) -> None:
+    """`--dtype` is one of the model dtypes sparserl loads (None: the default)."""
+    from sparserl.config import DTYPES
+
+    if name is not None and name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r} is unknown; choose one of {', '.join(DTYPES)}")
 
 
 def _check_positive(**values: int) -> None:
+    """Each flag `--name` (given as name=value) is >= 1."""
     for name, v in values.items():
         if v < 1:
             raise ConfigError(f"--{name.replace('_', '-')}={v} must be >= 1")
+
+
+def _check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
+    """Sampling flags the engine accepts: --temperature >= 0 (0: greedy), --top-p in (0, 1], --top-k >= 0."""
+    if not 0 <= temperature < math.inf:
+        raise ConfigError(f"--temperature={temperature} must be a finite number >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p={top_p} must be in (0, 1]")
+    if top_k < 0:
+        raise ConfigError(f"--top-k={top_k} must be >= 0 (0: off)")
+
+
+def _prepare_out(out: str | None) -> None:
+    """Check `--out` and create its directory now, so that a directory name or an unwritable place fails
+    before the (long) evaluation rather than after it."""
+    if not out:
+        return
+    path = Path(out)
+    if path.is_dir():
+        raise ConfigError(f"--out {out} is a directory; give a file name, e.g. --out {path / 'eval.json'}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def _flag_names(renames: dict[str, str]) -> Iterator[None]:
+    """Re-raise bad-input errors of shared code (tasks, eval loading) with this command's flag names in
+    place of the names that code knows (e.g. 'task.question_key' -> '--question-key'), so that the message
+    names what the user can actually change."""
+    try:
+        yield
+    except (UserError, FileNotFoundError) as e:
+        text = str(e)
+        for old, new in renames.items():
+            text = text.replace(old, new)
+        if text == str(e):
+            raise
+        raise type(e)(text) from e
+
+
+DATA_KEY_FLAGS = {"task.question_key": "--question-key", "task.answer_key": "--answer-key"}
 
 
 @contextlib.contextmanager
@@ -98,21 +163,25 @@ def render_eval(result: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
+def _sparse_kv(args: argparse.Namespace) -> Any:
+    """The KV policy of sparse inference: None (dense only) without `--kv` or with `--kv dense`. The
+    cache-shape flags without `--kv` are an error, not silently ignored."""
+    if args.kv is None:
+        given = [f"--{k}" for k in ("budget", "window", "interval") if getattr(args, k) is not None]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} without --kv: sparse inference is off (dense only); add --kv METHOD "
+                "(e.g. --kv rkv) to evaluate it beside dense inference"
+            )
+        return None
+    kv = kv_config(args.kv, args.budget, args.window, args.interval)
+    return kv if kv.evicting else None
+
+
 def eval_command(args: argparse.Namespace) -> int:
-    """`sparserl eval`: load model and prompts, evaluate dense and sparse, print JSON, write --out. Bad input
-    (a malformed data row, a prompt longer than the model's context) prints one `error:` line."""
-    from sparserl.models import ModelLoadError
-
-    try:
-        return _eval(args)
-    except (ConfigError, ModelLoadError):
-        raise
-    except ValueError as e:
-        print(f"sparserl eval: error: {e}", file=sys.stderr)
-        return 1
-
-
-def _eval(args: argparse.Namespace) -> int:
+    """`sparserl eval`: load model and prompts, evaluate dense (and with --kv sparse), print JSON, write
+    --out. Bad input (a flag, a data row, a prompt longer than the model's context) raises a UserError that
+    `sparserl.cli.main` prints as one line."""
     from sparserl.eval.evaluate import evaluate, write_json
     from sparserl.eval.loading import default_limit, load_eval_model, load_eval_task
 
@@ -121,17 +190,20 @@ def _eval(args: argparse.Namespace) -> int:
     )
     if args.limit is not None and args.limit < 0:
         raise ConfigError(f"--limit={args.limit} must be >= 0 (0: all prompts)")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise ConfigError(f"--temperature={args.temperature} must be >= 0 and --top-p={args.top_p} in (0, 1]")
-    kv = kv_config(args.kv, args.budget, args.window, args.interval)
-    if not kv.evicting and args.no_dense:
-        raise ConfigError("--no-dense with --kv dense leaves nothing to evaluate")
+    _check_sampling(args.temperature, args.top_p, args.top_k)
+    _check_dtype(args.dtype)
+    device = _device(args.device)
+    kv = _sparse_kv(args)
+    if kv is None and args.no_dense:
+        raise ConfigError("--no-dense leaves nothing to evaluate: add --kv METHOD for sparse inference")
+    _prepare_out(args.out)
     console = Console(stderr=True, quiet=args.quiet)
-    task = load_eval_task(args.data, args.split, args.model, args.question_key, args.answer_key)
+    with _flag_names(DATA_KEY_FLAGS):
+        task = load_eval_task(args.data, args.split, args.model, args.question_key, args.answer_key)
     limit = default_limit(task) if args.limit is None else args.limit
     console.print(f"loading model {args.model} ...", highlight=False)
     with _quiet_loading(args.quiet):
-        loaded = load_eval_model(args.model, args.dtype, _device(args.device), use_checkpoint=args.checkpoint)
+        loaded = load_eval_model(args.model, args.dtype, device, use_checkpoint=args.checkpoint)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -139,23 +211,24 @@ def _eval(args: argparse.Namespace) -> int:
         console.print(f"  {mode}: {done}/{total} prompts", highlight=False)
 
     t0 = time.perf_counter()
-    result = evaluate(
-        loaded.model,
-        loaded.tokenizer,
-        task,
-        kv=kv,
-        samples=args.samples,
-        limit=limit,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        batch_prompts=args.batch_prompts,
-        dense=not args.no_dense,
-        details=bool(args.out),
-        progress=progress,
-    )
+    with _flag_names({"max_new_tokens": "--max-new-tokens"}):
+        result = evaluate(
+            loaded.model,
+            loaded.tokenizer,
+            task,
+            kv=kv,
+            samples=args.samples,
+            limit=limit,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            batch_prompts=args.batch_prompts,
+            dense=not args.no_dense,
+            details=bool(args.out),
+            progress=progress,
+        )
     header = {
         "model": args.model,
         "model_loaded_from": loaded.path,
@@ -185,15 +258,19 @@ def rollout_command(args: argparse.Namespace) -> int:
     from sparserl.tasks import make_task
 
     _check_positive(prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens)
+    _check_sampling(args.temperature, args.top_p)
     kv = kv_config(args.kv, args.budget, args.window, args.interval)
+    device = _device(args.device)
     console = Console()
     if args.threads:
         torch.set_num_threads(args.threads)
-    task = make_task(eval_task_config(args.task, "test"), "test")
+    # eval_task_config speaks of --data, the eval flag; here the prompts come from --task.
+    with _flag_names({"--data": "--task", **DATA_KEY_FLAGS}):
+        task = make_task(eval_task_config(args.task, "test", args.question_key, args.answer_key), "test")
     count = min(args.prompts, len(task))
     examples = [task[i] for i in range(count)]
     console.print(f"loading model {args.model} ...", highlight=False)
-    loaded = load_eval_model(args.model, None, _device(args.device))
+    loaded = load_eval_model(args.model, None, device)
     engine = RolloutEngine(loaded.model, loaded.tokenizer, kv if kv.evicting else None)
     prompts = [encode_prompt(loaded.tokenizer, ex.messages) for ex in examples]
     out = engine.generate(

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from sparserl.engine import KVConfig, RolloutEngine
+from sparserl.errors import DataError, UserError
 from sparserl.eval.metrics import summarize_rewards
 from sparserl.tasks import Example, Task
 from sparserl.tasks.rewards import math_reward
@@ -49,6 +50,28 @@ class ExamplesTask(Task):
 def chunk_seed(seed: int, start: int) -> int:
     """Sampling seed of the prompt chunk beginning at `start` (the same for dense and sparse inference)."""
     return int(np.random.SeedSequence([abs(int(seed)), int(start)]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def check_prompt_lengths(
+    model: torch.nn.Module, task: Task, indices: list[int], prompt_ids: list[list[int]], max_new_tokens: int
+) -> None:
+    """Every prompt leaves room for `max_new_tokens` in the model's context; otherwise a DataError naming
+    the rows (file:line), before any sampling rather than midway through the evaluation."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not limit:
+        return
+    if max_new_tokens >= limit:
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's {limit} positions"
+        )
+    long = [i for i in indices if len(prompt_ids[i]) + max_new_tokens > limit]
+    if long:
+        where = ", ".join(str(task[i].meta.get("source") or f"prompt {i}") for i in long[:3])
+        more = f" and {len(long) - 3} more" if len(long) > 3 else ""
+        raise DataError(
+            f"{len(long)} prompt(s) longer than {limit - max_new_tokens} tokens (the model's {limit} positions "
+            f"minus max_new_tokens={max_new_tokens}): {where}{more}; lower max_new_tokens or drop those rows"
+        )
 
 
 def _run_mode(
@@ -172,6 +195,7 @@ def evaluate(
         raise ValueError("nothing to evaluate: dense=False and kv is not an evicting method")
     indices = list(range(count))
     prompt_ids = [encode_prompt(tokenizer, task[i].messages) for i in indices]
+    check_prompt_lengths(model, task, indices, prompt_ids, max_new_tokens)
     gen_kwargs = {
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
