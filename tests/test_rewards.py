@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -192,6 +194,28 @@ def test_worker_restarts_after_dying() -> None:
     finally:
         verifier.close()
     assert verifier._proc is None
+
+
+def test_worker_outlives_the_thread_that_started_it() -> None:
+    """Linux signals PR_SET_PDEATHSIG when the *thread* that forked the worker ends; the worker must stay
+    tied to the process: a custom task that first verifies from a short-lived thread keeps its worker."""
+    verifier = MathVerifier()
+    try:
+        starter = threading.Thread(target=verifier.start)
+        starter.start()
+        starter.join(60)
+        proc = verifier._proc
+        assert proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.5)  # a worker killed with its thread is gone by now
+        assert proc.poll() is None, "the worker died with the thread that started it"
+        stats = RewardStats()
+        assert (
+            safe_call(answers_match, "\\frac{1}{2}", "0.5", 5.0, verifier, timeout=None, stats=stats) == 1.0
+        )
+        assert verifier._proc is proc and (stats.errors, stats.timeouts) == (0, 0)
+    finally:
+        verifier.close()
 
 
 def test_worker_timeout_from_a_thread_counts_as_timeout() -> None:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
+from sparserl.errors import DataError, UserError
 from sparserl.tasks import BOXED_INSTRUCTION, Example, TaskConfig, make_task
 from sparserl.tasks.arithmetic import evaluate
 from sparserl.tasks.dataset import DatasetTask
 from sparserl.tasks.long_arithmetic import FACT_NAMES
+from sparserl.tasks.rewards import reference_answer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
@@ -281,3 +284,132 @@ def test_hugging_face_names_go_through_load_dataset(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(datasets, "load_dataset", failing)
     with pytest.raises(ValueError, match="'someone/other'.*offline"):
         make_task(TaskConfig(name="someone/other"))
+
+
+# ------------------------------------------------------------------------ prompt templates, gold answers
+
+
+def test_prompt_template_joins_context_and_question(tmp_path: Path) -> None:
+    rows = [
+        {
+            "body": "Tom has 3 apples and buys 6 more.",
+            "question": "How many?",
+            "answer": "9 (apples)",
+            "n": {"k": 1},
+        },
+        {"body": "A rod is 10 cm.", "question": "How long are 1.5 rods?", "answer": "15 cm", "n": {"k": 2}},
+    ]
+    path = write_jsonl(tmp_path / "wp.jsonl", rows)
+    task = make_task(TaskConfig(name=str(path), prompt_template="{body} {question}"))
+    assert user_text(task[0]) == f"{rows[0]['body']} {rows[0]['question']}\n{BOXED_INSTRUCTION}"
+    assert [ex.answer for ex in task] == ["9", "15"]
+    assert task.score("So \\boxed{9}.", task[0]) == 1.0 and task.score("\\boxed{15}", task[1]) == 1.0
+    assert task[1].where == f"{path}:2" and task[1].row == rows[1]
+    nested = make_task(TaskConfig(name=str(path), prompt_template="{question} (x{n.k})"))
+    assert user_text(nested[1]).startswith("How long are 1.5 rods? (x2)\n")
+
+
+def test_prompt_template_unknown_field_names_file_line_and_fields(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "wp.jsonl", [{"question": "q?", "answer": "1"}, {"question": "r?", "answer": "2"}]
+    )
+    with pytest.raises(DataError, match=re.escape(f"{path}:1") + r".*'body'.*question, answer"):
+        make_task(TaskConfig(name=str(path), prompt_template="{body} {question}"))
+    with pytest.raises(DataError, match=re.escape(f"{path}:1") + r".*'extra\.n'"):
+        make_task(TaskConfig(name=str(path), prompt_template="{question} {extra.n}"))
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{body", "malformed"),
+        ("no fields", "must name row fields"),
+        ("{} {question}", "must name row fields"),
+    ],
+)
+def test_malformed_prompt_template_names_the_key(template: str, message: str) -> None:
+    with pytest.raises(UserError, match=r"task\.prompt_template.*" + message):
+        TaskConfig(name="x.jsonl", prompt_template=template)
+
+
+def test_auto_detection_reports_ignored_text_fields_once_per_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    rows = [
+        {"question": "How many apples?", "context": None, "answer": "9"},
+        {
+            "question": "How long?",
+            "context": "A rod is 10 cm long.",
+            "answer": "10",
+            "id": "r-2",
+            "topic": "Plane Geometry",
+        },
+    ]
+    path = write_jsonl(tmp_path / "ctx.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="sparserl.tasks.dataset"):
+        make_task(TaskConfig(name=str(path)))
+        make_task(TaskConfig(name=str(path)), split="test")
+    notes = [r.getMessage() for r in caplog.records if str(path) in r.getMessage()]
+    assert len(notes) == 1, notes
+    assert "'question'" in notes[0] and "'answer'" in notes[0] and "'context'" in notes[0]
+    assert "'id'" not in notes[0] and "'topic'" not in notes[0] and "task.prompt_template" in notes[0]
+    caplog.clear()
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"question": "q?", "answer": "1", "solution": "it is 1"}])
+    with caplog.at_level(logging.WARNING, logger="sparserl.tasks.dataset"):
+        make_task(TaskConfig(name=str(plain)))
+    assert not caplog.records  # nothing unused but another reference field
+
+
+@pytest.mark.parametrize(
+    ("gold", "expected"),
+    [
+        ("9 (apples)", "9"),
+        ("15 cm", "15"),
+        ("$1,200.50", "1200.50"),
+        ("\\$18", "18"),
+        ("12 km/h", "12"),
+        ("3.5 hours.", "3.5"),
+        ("-4 degrees", "-4"),
+        ("3/4 cup", "3/4"),
+        ("1,000 people", "1000"),
+        # real math stays intact
+        ("\\frac{1}{2}", "\\frac{1}{2}"),
+        ("x^2+1", "x^2+1"),
+        ("(1, 2)", "(1, 2)"),
+        ("[1, 2)", "[1, 2)"),
+        ("1, 2", "1, 2"),
+        ("1,200", "1,200"),
+        ("2 \\sqrt{3}", "2 \\sqrt{3}"),
+        ("3 pi", "3 pi"),
+        ("2 x", "2 x"),
+        ("2x", "2x"),
+        ("10\\%", "10\\%"),
+        ("5 \\text{ cm}", "5 \\text{ cm}"),
+        ("12 dollars and 50 cents", "12 dollars and 50 cents"),
+        ("9 (2)", "9 (2)"),
+        ("$5$", "5"),
+        ("B", "B"),
+    ],
+)
+def test_gold_answer_drops_units_and_keeps_math(gold: str, expected: str) -> None:
+    assert reference_answer(gold) == expected
+    assert reference_answer(f"so the answer is \\boxed{{{gold}}}") == expected
+
+
+def test_eval_task_config_takes_the_prompt_template_and_drops_reward_shaping(tmp_path: Path) -> None:
+    from sparserl.eval.loading import eval_task_config
+
+    path = write_jsonl(
+        tmp_path / "wp.jsonl", [{"body": "Tom has 9 apples.", "question": "How many?", "answer": "9"}]
+    )
+    run_task = TaskConfig(reward=["builtin", "mod:f"], reward_weights=[1.0, 0.1], format_weight=0.2)
+    cfg = eval_task_config(str(path), prompt_template="{body} {question}", base=run_task)
+    assert (cfg.prompt_template, cfg.reward, cfg.reward_weights, cfg.format_weight) == (
+        "{body} {question}",
+        [],
+        [],
+        0.0,
+    )
+    task = make_task(cfg, "test")
+    assert user_text(task[0]).startswith("Tom has 9 apples. How many?\n")
+    assert task.score("\\boxed{9}", task[0]) == 1.0

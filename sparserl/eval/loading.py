@@ -130,22 +130,28 @@ def eval_task_config(
     question_key: str = "",
     answer_key: str = "",
     base: Any = None,
+    prompt_template: str = "",
 ) -> Any:
     """The TaskConfig for `--data`: a local .jsonl/.json/.parquet file, 'gsm8k' (the shared test file when
     present, else openai/gsm8k), an eval set name (math500, aime24, ...: the shared files), 'math', a built-in
     procedural task (arithmetic, long_arithmetic) or a Hugging Face dataset name. `base` (a run's TaskConfig)
     supplies the prompt format (instruction, system prompt) and the procedural settings; the data source and
-    field mapping come from `data` and the keys given. The format reward is off: eval scores correctness."""
+    field mapping (question/answer keys, `prompt_template` over row fields) come from `data` and the
+    arguments. Eval scores correctness: the format reward and the run's own reward functions are off."""
     from sparserl.tasks import TaskConfig
     from sparserl.tasks.dataset import is_local_source
 
     base = base if base is not None else TaskConfig()
-    # From a run's task keep the prompt format and procedural settings, not its data source or field mapping.
+    # From a run's task keep the prompt format and procedural settings, not its data source, field mapping
+    # or reward shaping.
     common = {
         "format_weight": 0.0,
+        "reward": [],
+        "reward_weights": [],
         "split": split,
         "question_key": question_key,
         "answer_key": answer_key,
+        "prompt_template": prompt_template,
         "max_examples": 0,
     }
     if is_local_source(data):

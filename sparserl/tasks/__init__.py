@@ -1,20 +1,26 @@
-"""Tasks: prompts (chat messages with the \\boxed{} instruction), datasets and verifiable rewards."""
+"""Tasks: prompts (chat messages with the \\boxed{} instruction), datasets, verifiable rewards and users'
+own reward functions."""
 
 from __future__ import annotations
 
 from sparserl.tasks.base import TASKS, Example, Task, make_task, register_task
-from sparserl.tasks.config import BOXED_INSTRUCTION, BUILTIN_TASKS, TaskConfig
+from sparserl.tasks.config import BOXED_INSTRUCTION, BUILTIN_REWARD, BUILTIN_TASKS, TaskConfig
+from sparserl.tasks.reward_fns import RewardFnTask, load_reward_function, with_reward_fns
 from sparserl.tasks.rewards import RewardStats, RewardTimeout
 
 __all__ = [
     "BOXED_INSTRUCTION",
+    "BUILTIN_REWARD",
     "BUILTIN_TASKS",
     "TASKS",
     "Example",
+    "RewardFnTask",
     "RewardStats",
     "RewardTimeout",
     "Task",
     "TaskConfig",
+    "load_reward_function",
     "make_task",
     "register_task",
+    "with_reward_fns",
 ]

@@ -10,8 +10,10 @@ import os
 import sys
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this worker when its parent dies (even mid-computation)."""
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Ask Linux to kill this worker when the thread that started it dies (even mid-computation; the
+    parent starts it from a thread that lives as long as its process), and exit at once if the parent
+    `parent_pid` is already gone (it may die before the request is made)."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
@@ -20,11 +22,13 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        sys.exit(0)
 
 
 def main() -> None:
-    """Serve requests until stdin closes."""
-    _die_with_parent()
+    """Serve requests until stdin closes (the parent pid, when given, is the first argument)."""
+    _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else None)
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the reply stream
     sys.stdout = sys.stderr

@@ -6,18 +6,26 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from sparserl.errors import UserError
 from sparserl.tasks.config import BUILTIN_TASKS, TaskConfig
 from sparserl.tasks.rewards import RewardStats, safe_call
 
 
 @dataclass
 class Example:
-    """One prompt: chat `messages` ending with the \\boxed{} instruction, the reference `answer`, and `meta`
-    (provenance such as source file and line, or the generator's parameters)."""
+    """One prompt: chat `messages` ending with the \\boxed{} instruction, the reference `answer`, `meta`
+    (provenance such as source file and line, or the generator's parameters) and, for data files, the
+    source `row` as read (its fields go to users' reward functions)."""
 
     messages: list[dict]
     answer: str
     meta: dict = field(default_factory=dict)
+    row: dict = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        """Where the example comes from ('file.jsonl:LINE', 'name[split] row N'); '' for generated ones."""
+        return str(self.meta.get("source", ""))
 
 
 class Task:
@@ -83,16 +91,24 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 
 def make_task(cfg: TaskConfig, split: str = "train") -> Task:
     """Build the task `cfg.name` for `split` (`cfg.split` wins when set). A name that is not registered is
-    a label for the dataset in `cfg.data` or, without it, a local data file or Hugging Face dataset name."""
+    a label for the dataset in `cfg.data` or, without it, a local data file or Hugging Face dataset name.
+    With `cfg.reward` set, the rewards come from those functions (see `reward_fns.with_reward_fns`)."""
     import sparserl.tasks.builtin  # noqa: F401  (registers the built-in tasks)
     from sparserl.tasks.dataset import is_local_source, make_dataset_task
 
     split = cfg.split or split
     if cfg.name in TASKS:
-        return TASKS[cfg.name](cfg, split)
-    if cfg.data or is_local_source(cfg.name) or "/" in cfg.name:
-        return make_dataset_task(cfg, split)
-    raise ValueError(
-        f"task.name={cfg.name!r} is unknown; choose one of {', '.join(sorted(set(TASKS) | set(BUILTIN_TASKS)))}, "
-        "a .jsonl/.json/.parquet path or a Hugging Face dataset name"
-    )
+        task = TASKS[cfg.name](cfg, split)
+    elif cfg.data or is_local_source(cfg.name) or "/" in cfg.name:
+        task = make_dataset_task(cfg, split)
+    else:
+        raise UserError(
+            f"task.name={cfg.name!r} is unknown; choose one of "
+            f"{', '.join(sorted(set(TASKS) | set(BUILTIN_TASKS)))}, a .jsonl/.json/.parquet path or a Hugging "
+            "Face dataset name"
+        )
+    if cfg.reward:
+        from sparserl.tasks.reward_fns import with_reward_fns
+
+        task = with_reward_fns(task, cfg.reward, cfg.reward_weights, cfg.reward_timeout)
+    return task

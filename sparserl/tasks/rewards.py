@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import select
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -129,7 +131,8 @@ def extract_answer(text: str) -> str | None:
 
 def reference_answer(value: Any) -> str:
     """Normalize a dataset's reference to the bare final answer: lists are joined with ', ', floats that are
-    integers lose '.0', and a rationale ending in `#### N` or containing `\\boxed{}` is reduced to it."""
+    integers lose '.0', a rationale ending in `#### N` or containing `\\boxed{}` is reduced to it, and units
+    after a plain number are dropped (`drop_units`)."""
     if isinstance(value, (list, tuple)):
         return ", ".join(reference_answer(v) for v in value)
     if isinstance(value, bool) or value is None:
@@ -140,12 +143,39 @@ def reference_answer(value: Any) -> str:
         return str(value)
     text = str(value).strip()
     if "####" in text:
-        return extract_hash_answer(text) or ""
+        return drop_units(extract_hash_answer(text) or "")
     if any(cmd in text for cmd in _BOX_COMMANDS):
         boxed = extract_boxed(text)
         if boxed is not None:
-            return boxed
-    return _strip_dollars(text)
+            return drop_units(boxed)
+    return drop_units(text)
+
+
+_CURRENCY = r"(?:\\?\$|€|£|¥)"
+_PLAIN_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"  # 1,200.50  -3  0.5  3/4
+_UNIT_WORD = r"[^\W\d_]+\.?(?:\^[23]|[²³])?"  # cm  apples  ft.  cm^2  m²
+_UNITS = rf"(?:\s+{_UNIT_WORD}(?:/{_UNIT_WORD})*|\s*\([^()\d\\$]*\))*"  # ' km/h', ' (apples)': spaced out
+_NUMBER_WITH_UNITS = re.compile(
+    rf"(?P<currency>{_CURRENCY})?\s*(?P<number>{_PLAIN_NUMBER})(?P<units>{_UNITS})\s*\.?"
+)
+# Words that make `3 pi` or `2 sqrt` an expression, not a number with a unit.
+_MATH_WORDS = {"pi", "sqrt", "sin", "cos", "tan", "log", "ln", "exp", "inf", "infinity", "mod", "deg"}
+
+
+def drop_units(answer: str) -> str:
+    """A reference answer without its currency sign or units: a plain number followed only by words or a
+    parenthesised phrase (`9 (apples)`, `15 cm`, `12 km/h`, `$1,200.50`) becomes the number (`9`, `15`,
+    `12`, `1200.50`). Anything else is kept as written (`\\frac{1}{2}`, `x^2+1`, `(1, 2)`, `2 \\sqrt{3}`,
+    `3 pi`, `2x`, `2 x`, `10\\%`, `5 \\text{ cm}`: math-verify reads LaTeX units itself): a one-letter word
+    may be a variable. Without it a correct `\\boxed{9}` scored 0 against `9 (apples)`."""
+    text = _strip_dollars(answer)
+    m = _NUMBER_WITH_UNITS.fullmatch(text)
+    if m is None or not (m["currency"] or m["units"]):
+        return text
+    words = [w.lower() for w in re.findall(r"[^\W\d_]+", m["units"])]
+    if m["units"] and (sum(map(len, words)) < 2 or _MATH_WORDS.intersection(words)):
+        return text
+    return m["number"].replace(",", "")
 
 
 def format_reward(completion_text: str) -> float:
@@ -208,6 +238,43 @@ def numeric_match(gold: str, pred: str) -> bool | None:
 # ------------------------------------------------------------------------------------------ math-verify
 
 
+class _Spawner:
+    """Starts worker processes from one daemon thread that lives as long as the process.
+
+    The worker asks Linux to SIGKILL it when its parent dies (PR_SET_PDEATHSIG), the only way to reap it
+    while it is stuck in C code that holds its GIL. Linux counts the *thread* that forked it as the parent,
+    so a worker started by a short-lived thread (a custom task verifying from a thread pool) was killed when
+    that thread ended. Forking from this thread ties the worker's life to the process instead."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[tuple[Future, tuple, dict]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        """`subprocess.Popen(*args, **kwargs)`, run on the spawner thread (started on first use, and again
+        in a forked child, where the parent's threads do not exist)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="sparserl-spawner", daemon=True)
+                self._thread.start()
+        future: Future = Future()
+        self._requests.put((future, args, kwargs))
+        return future.result()
+
+    def _serve(self) -> None:
+        """Run Popen requests until the process exits (the thread never returns)."""
+        while True:
+            future, args, kwargs = self._requests.get()
+            try:
+                future.set_result(subprocess.Popen(*args, **kwargs))
+            except BaseException as e:  # re-raised in the caller
+                future.set_exception(e)
+
+
+_SPAWNER = _Spawner()
+
+
 class MathVerifier:
     """math-verify `parse` + `verify` in a worker process, killable at a per-call deadline; thread-safe."""
 
@@ -228,8 +295,8 @@ class MathVerifier:
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "sparserl.tasks._verify_worker"],
+        self._proc = _SPAWNER.popen(
+            [sys.executable, "-m", "sparserl.tasks._verify_worker", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -367,9 +434,11 @@ def numeric_reward(completion_text: str, gold: str, format_weight: float = 0.0) 
 _MAX_LOGGED_ERRORS = 5
 
 
-def _run_with_deadline(fn: Callable[..., Any], args: tuple, timeout: float) -> Any:
-    """`fn(*args)` in a daemon thread; RewardTimeout if it has not returned after `timeout` seconds (the
-    thread is then abandoned: Python cannot kill it)."""
+def call_with_deadline(fn: Callable[..., Any], args: tuple, timeout: float | None) -> Any:
+    """`fn(*args)`; with `timeout`, in a daemon thread, raising RewardTimeout if it has not returned after
+    `timeout` seconds (the thread is then abandoned: Python cannot kill it)."""
+    if timeout is None:
+        return fn(*args)
     box: dict[str, Any] = {}
 
     def target() -> None:
@@ -388,26 +457,36 @@ def _run_with_deadline(fn: Callable[..., Any], args: tuple, timeout: float) -> A
     return box["value"]
 
 
+def finite_reward(value: Any) -> float:
+    """`float(value)`; ValueError when it is NaN or infinite (such a reward would poison the advantages)."""
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise ValueError(f"reward is {reward}")
+    return reward
+
+
+def record_failure(stats: RewardStats, error: Exception, count: int = 1, source: str = "reward") -> None:
+    """Count `count` completions that scored 0 because `source` failed with `error` (a RewardTimeout is a
+    timeout, anything else an error), and log the first few failures of each kind."""
+    if isinstance(error, RewardTimeout):
+        stats.timeouts += count
+        stats.last_error = f"{source}: {error}"
+        if stats.timeouts - count < _MAX_LOGGED_ERRORS:
+            logger.warning("%s timed out (scored 0): %s", source, error)
+    else:
+        stats.errors += count
+        stats.last_error = f"{source}: {type(error).__name__}: {error}"
+        if stats.errors - count < _MAX_LOGGED_ERRORS:
+            logger.warning("%s raised (scored 0): %s: %s", source, type(error).__name__, error)
+
+
 def safe_call(fn: Callable[..., Any], *args: Any, timeout: float | None, stats: RewardStats) -> float:
     """`float(fn(*args))`, or 0.0 when it raises, returns a non-finite value, or (with `timeout`) runs past
     `timeout` seconds; each failure is counted in `stats` (a RewardTimeout raised inside counts as a
     timeout)."""
     stats.calls += 1
     try:
-        value = fn(*args) if timeout is None else _run_with_deadline(fn, args, timeout)
-        value = float(value)
-        if not math.isfinite(value):
-            raise ValueError(f"reward is {value}")
-        return value
-    except RewardTimeout as e:
-        stats.timeouts += 1
-        stats.last_error = str(e)
-        if stats.timeouts <= _MAX_LOGGED_ERRORS:
-            logger.warning("reward timed out (scored 0): %s", e)
-        return 0.0
+        return finite_reward(call_with_deadline(fn, args, timeout))
     except Exception as e:
-        stats.errors += 1
-        stats.last_error = f"{type(e).__name__}: {e}"
-        if stats.errors <= _MAX_LOGGED_ERRORS:
-            logger.warning("reward raised (scored 0): %s", stats.last_error)
+        record_failure(stats, e)
         return 0.0

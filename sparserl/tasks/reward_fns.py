@@ -1,0 +1,262 @@
+"""Users' own reward functions, called the way TRL's GRPOTrainer calls its `reward_funcs`.
+
+A reward function scores a batch of completions at once:
+
+    def my_reward(completions: list[str], prompts: list[list[dict]], **kwargs) -> list[float | None]
+
+`completions` are the decoded completion texts, `prompts` the chat messages they answer, and every field of
+the examples' data rows comes as a keyword argument holding one value per completion (a row without the
+field gives None; TRL's reserved 'prompt' and 'completion' columns are left out). Generated tasks
+(arithmetic, long_arithmetic) pass `answer` and their problem parameters. Unused fields land in `**kwargs`.
+A None reward means "does not apply" and scores 0, as TRL's NaN-sum does.
+
+Functions are named in `task.reward` as 'module:function' or 'path/to/file.py:function', or given as
+callables from Python; 'builtin' stands for the task's own verifiable reward, so a format or length bonus can
+be added to correctness. The reward of a completion is the weighted sum over the functions. Each call runs
+under `task.reward_timeout` like the built-in rewards: a function that raises, overruns, returns the wrong
+number of rewards, or a NaN/inf or non-number, scores 0 for the completions affected, which are counted in
+`reward/errors` and `reward/timeouts`; training goes on.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sparserl.errors import UserError
+from sparserl.tasks.base import Example, Task
+from sparserl.tasks.config import BUILTIN_REWARD
+from sparserl.tasks.rewards import (
+    RewardStats,
+    RewardTimeout,
+    call_with_deadline,
+    finite_reward,
+    record_failure,
+)
+
+RewardFn = Callable[..., Sequence[Any]]
+RESERVED_COLUMNS = ("prompt", "completion")  # as in TRL: the prompt comes as `prompts`
+
+
+# -------------------------------------------------------------------------------------------------- loading
+
+
+def _import_file(path: Path, spec: str) -> Any:
+    """The module in the Python file `path`, imported once per file."""
+    if not path.is_file():
+        raise UserError(f"task.reward={spec!r}: no such file {path}")
+    resolved = path.resolve()
+    name = f"sparserl_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, resolved)
+    if module_spec is None or module_spec.loader is None:
+        raise UserError(f"task.reward={spec!r}: {path} cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise UserError(f"task.reward={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+    return module
+
+
+def _import_module(module_name: str, spec: str) -> Any:
+    """The module `module_name`, looked up on sys.path and, like `python -m`, in the working directory."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(module_name)
+    except Exception as e:
+        raise UserError(
+            f"task.reward={spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """The callable named by 'module:function' (dotted attributes allowed, 'module:Class.method') or
+    'path/to/file.py:function'. Raises UserError naming the spec when it cannot be found or called."""
+    location, sep, attr = spec.rpartition(":")
+    if not sep or not location or not attr:
+        raise UserError(
+            f"task.reward={spec!r} must be 'module:function', 'path/to/file.py:function' or '{BUILTIN_REWARD}'"
+        )
+    is_file = location.endswith(".py") or "/" in location or os.sep in location
+    module = _import_file(Path(location), spec) if is_file else _import_module(location, spec)
+    value: Any = module
+    for part in attr.split("."):
+        if not hasattr(value, part):
+            defined = sorted(
+                n
+                for n, v in vars(module).items()
+                if callable(v) and getattr(v, "__module__", None) == module.__name__
+            )
+            raise UserError(
+                f"task.reward={spec!r}: {location} has no function {attr!r} "
+                f"(it defines: {', '.join(defined) or 'no functions'})"
+            )
+        value = getattr(value, part)
+    if not callable(value):
+        raise UserError(f"task.reward={spec!r}: {attr} is a {type(value).__name__}, not a function")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------- calling
+
+
+def _row_fields(example: Example) -> dict[str, Any]:
+    """The fields a reward function sees for `example`: its data row, or for a generated problem the answer
+    and the generator's parameters."""
+    return example.row or {"answer": example.answer, **example.meta}
+
+
+def reward_kwargs(completions: Sequence[str], examples: Sequence[Example]) -> dict[str, list]:
+    """TRL's keyword arguments for one call: `completions`, `prompts` and each row field as a list aligned
+    with the completions."""
+    rows = [_row_fields(e) for e in examples]
+    keys = dict.fromkeys(k for row in rows for k in row if k not in RESERVED_COLUMNS)
+    kwargs: dict[str, list] = {k: [row.get(k) for row in rows] for k in keys}
+    kwargs["prompts"] = [e.messages for e in examples]
+    kwargs["completions"] = list(completions)
+    return kwargs
+
+
+def _reward_count(values: Any) -> int | None:
+    """How many rewards `values` holds (a list, tuple, array or tensor), or None when it is not a sequence."""
+    if isinstance(values, (str, bytes, dict)):
+        return None
+    try:
+        return len(values)
+    except TypeError:
+        return None
+
+
+def _function_name(fn: Any) -> str:
+    """How a callable is named in logs and `reward/...` error messages."""
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+class RewardFnTask(Task):
+    """`task`'s prompts, rewarded by the weighted sum of reward functions (see the module docstring). Counts
+    failures in the wrapped task's `stats`, so the trainer's reward/errors and reward/timeouts cover the
+    built-in reward and the user's functions alike."""
+
+    self_guarded = True
+
+    def __init__(
+        self,
+        task: Task,
+        rewards: Sequence[RewardFn | str],
+        weights: Sequence[float] = (),
+        timeout: float | None = None,
+    ) -> None:
+        if not rewards:
+            raise UserError("no reward functions given")
+        if weights and len(weights) != len(rewards):
+            raise UserError(f"{len(weights)} reward weights for {len(rewards)} reward functions")
+        self.task = task
+        self.name = task.name
+        self.reward_timeout = timeout if timeout is not None else task.reward_timeout
+        self.rewards = [r if callable(r) or r == BUILTIN_REWARD else load_reward_function(r) for r in rewards]
+        self.names = [r if isinstance(r, str) else _function_name(r) for r in rewards]
+        self.weights = [float(w) for w in weights] if weights else [1.0] * len(rewards)
+
+    @property
+    def stats(self) -> RewardStats:
+        """The wrapped task's failure counters, shared with its built-in reward."""
+        return self.task.stats
+
+    def __len__(self) -> int:
+        return len(self.task)
+
+    def __getitem__(self, i: int) -> Example:
+        return self.task[i]
+
+    def warmup(self) -> None:
+        """The wrapped task's warmup (e.g. the math-verify worker of the built-in reward)."""
+        self.task.warmup()
+
+    def reward(self, completion_text: str, example: Example) -> float:
+        """The weighted reward of one completion (already guarded: failures score 0 and are counted)."""
+        return self.score_batch([completion_text], [example])[0]
+
+    def score(self, completion_text: str, example: Example) -> float:
+        """Same as `reward`: every function call is guarded."""
+        return self.reward(completion_text, example)
+
+    def score_batch(self, completions: list[str], examples: list[Example]) -> list[float]:
+        """Weighted sum of each function's rewards; one call per function for the whole batch."""
+        if len(completions) != len(examples):
+            raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
+        total = [0.0] * len(completions)
+        for fn, name, weight in zip(self.rewards, self.names, self.weights, strict=True):
+            if isinstance(fn, str):  # BUILTIN_REWARD
+                scores = self.task.score_batch(completions, examples)
+            else:
+                scores = self._guarded_scores(fn, name, completions, examples)
+            total = [t + weight * s for t, s in zip(total, scores, strict=True)]
+        return total
+
+    def _guarded_scores(
+        self, fn: RewardFn, name: str, completions: list[str], examples: list[Example]
+    ) -> list[float]:
+        """`fn`'s reward of each completion, 0 for those it fails on (counted). A batch call that raises is
+        retried one completion at a time, so only the completions it raises on score 0; an overrun is not
+        retried (it would cost the timeout again per completion), nor a wrong number of rewards (a bug)."""
+        n = len(completions)
+        try:
+            call = functools.partial(fn, **reward_kwargs(completions, examples))
+            values = call_with_deadline(call, (), self.reward_timeout)
+        except Exception as e:
+            if n > 1 and not isinstance(e, RewardTimeout):
+                return [
+                    s
+                    for c, ex in zip(completions, examples, strict=True)
+                    for s in self._guarded_scores(fn, name, [c], [ex])
+                ]
+            return self._failed(e, n, name)
+        count = _reward_count(values)
+        if count != n:
+            got = f"a {type(values).__name__}" if count is None else f"{count} rewards"
+            return self._failed(ValueError(f"returned {got} for {n} completions"), n, name)
+        self.stats.calls += n
+        return [self._one_value(v, name) for v in values]
+
+    def _failed(self, error: Exception, n: int, name: str) -> list[float]:
+        """Zeros for `n` completions a call of function `name` failed on, counted in the stats."""
+        self.stats.calls += n
+        record_failure(self.stats, error, n, source=f"reward function {name}")
+        return [0.0] * n
+
+    def _one_value(self, value: Any, name: str) -> float:
+        """A returned reward as a float: None (does not apply) is 0; NaN, inf or a non-number is 0, counted."""
+        if value is None:
+            return 0.0
+        try:
+            return finite_reward(value)
+        except (TypeError, ValueError) as e:
+            record_failure(self.stats, e, source=f"reward function {name}")
+            return 0.0
+
+
+def with_reward_fns(
+    task: Task,
+    rewards: RewardFn | str | Sequence[RewardFn | str],
+    weights: Sequence[float] = (),
+    timeout: float | None = None,
+) -> RewardFnTask:
+    """`task` rewarded by `rewards` (one or several callables, 'module:function' specs or 'builtin'),
+    weighted by `weights` (default 1.0 each), each call bounded by `timeout` seconds (default: the task's
+    reward_timeout). Specs are imported now, so a bad one fails before training starts."""
+    if callable(rewards) or isinstance(rewards, str):
+        rewards = [rewards]
+    return RewardFnTask(task, list(rewards), weights, timeout)
