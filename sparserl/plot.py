@@ -45,7 +45,11 @@ FIGURES: list[Figure] = [
         [
             Panel("train reward (mean over rollouts)", [("reward/mean", "mean"), ("reward/max", "max")]),
             Panel("reward std within the batch", [("reward/std", "std")]),
-            Panel("held-out eval reward", [("eval/reward", "eval")], markers=True),
+            Panel(
+                "held-out eval reward",
+                [("eval/dense/reward", "dense cache"), ("eval/sparse/reward", "sparse cache")],
+                markers=True,
+            ),
         ],
     ),
     Figure(
@@ -54,7 +58,12 @@ FIGURES: list[Figure] = [
         [
             Panel("completion length (tokens)", [("length/mean", "mean"), ("length/max", "max")], "tokens"),
             Panel("truncated share (hit max_new_tokens)", [("length/truncated_frac", "truncated")]),
-            Panel("held-out eval length", [("eval/length", "eval")], "tokens", markers=True),
+            Panel(
+                "held-out eval length",
+                [("eval/dense/length", "dense cache"), ("eval/sparse/length", "sparse cache")],
+                "tokens",
+                markers=True,
+            ),
         ],
     ),
     Figure(
@@ -137,7 +146,7 @@ OVERVIEW = Figure(
     "overview",
     "Overview",
     [
-        Panel("reward", [("reward/mean", "train"), ("eval/reward", "eval")]),
+        Panel("reward", [("reward/mean", "train"), ("eval/dense/reward", "eval")]),
         Panel("completion length", [("length/mean", "mean")], "tokens"),
         Panel("mismatch KL", [(_REJECT + "kl", "k1"), (_REJECT + "k3_kl", "k3")]),
         Panel("sequence rejection rate", [("rejection_rate", "rejected")]),

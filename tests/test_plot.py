@@ -16,7 +16,7 @@ def write_run(root: Path, name: str, steps: int = 12, sparse: bool = True, extra
     """A run directory with the metric names the trainer logs (sparserl/trainer/loop.py)."""
     run = root / name
     run.mkdir(parents=True)
-    lines = [json.dumps({"step": 0, "time": 0.0, "eval/reward": 0.2, "eval/length": 80.0})]
+    lines = [json.dumps({"step": 0, "time": 0.0, "eval/dense/reward": 0.2, "eval/dense/length": 80.0})]
     for s in range(1, steps + 1):
         row = {
             "step": s,
@@ -41,7 +41,9 @@ def write_run(root: Path, name: str, steps: int = 12, sparse: bool = True, extra
             "actor/loss": 0.1 / s,
         }
         lines.append(json.dumps(row))
-    lines.append(json.dumps({"step": steps, "time": 99.0, "eval/reward": 0.6, "eval/length": 70.0}))
+    lines.append(
+        json.dumps({"step": steps, "time": 99.0, "eval/dense/reward": 0.6, "eval/dense/length": 70.0})
+    )
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n" + extra_lines)
     return run
 
@@ -52,7 +54,7 @@ def test_read_run_series(tmp_path: Path) -> None:
     assert r.label == "a" and r.bad_lines == 1
     steps, values = r.series["reward/mean"]
     assert steps == [1, 2, 3, 4, 5] and values[0] == pytest.approx(0.25)
-    assert r.series["eval/reward"] == ([0, 5], [0.2, 0.6])
+    assert r.series["eval/dense/reward"] == ([0, 5], [0.2, 0.6])
     assert math.isnan(r.series["rollout_corr/chi2_seq"][1][2])
     assert "time" not in r.series
 
