@@ -328,6 +328,11 @@ def _eval_epilog() -> str:
     arg("--split", default="test", help="dataset split for Hugging Face datasets and procedural tasks"),
     arg("--question-key", default="", help="row field of the question (default: auto-detect)"),
     arg("--answer-key", default="", help="row field of the reference answer (default: auto-detect)"),
+    arg(
+        "--prompt-template",
+        default="",
+        help="build the question from row fields, e.g. '{body} {question}' (default: the question field)",
+    ),
     arg("--no-dense", action="store_true", help="with --kv: skip dense inference (sparse only)"),
     arg(
         "--checkpoint",

@@ -163,7 +163,7 @@ CASES = [
     case("train-config-not-utf8", [*TRAIN[:1], "--config", "{tmp}/c.yaml"], EXIT_USAGE, r"c\.yaml.*UTF-8", write("c.yaml", b"optim:\n  lr: 1e-5 # \xe9\n")),
     case("train-lora-resume-mismatch", ["train", "--resume", "{tmp}/runs/r", "model.lora_r=8", "trainer.steps=2"], EXIT_USAGE, r"lora_r", trained("model.lora=true", "model.lora_r=4")),
     case("train-lora-resume-edited-config", ["train", "--resume", "{tmp}/runs/r", "trainer.steps=2"], EXIT_FAILURE, r"checkpoint.*lora_r=8", chain(trained("model.lora=true", "model.lora_r=4"), edit("runs/r/config.yaml", "lora_r: 4", "lora_r: 8"))),
-    case("train-full-disk", TRAIN, EXIT_FAILURE, r"No space left on device.*runs/r/checkpoints", full_disk, xfail="needs sparserl/trainer/checkpoint.py fix: ENOSPC and the path"),
+    case("train-full-disk", TRAIN, EXIT_FAILURE, r"No space left on device.*runs/r/checkpoints", full_disk),
     case("train-read-only-output", TRAIN, EXIT_FAILURE, r"Read-only file system.*runs", read_only("runs")),
     case("eval-missing-data", [*EVAL, "--data", "{tmp}/missing.jsonl"], EXIT_FAILURE, r"missing\.jsonl"),
     case("eval-bad-dtype", [*EVAL, "--data", "arithmetic", "--dtype", "float33"], EXIT_USAGE, r"--dtype.*float33.*float32, bfloat16, float16"),
@@ -189,6 +189,7 @@ CASES = [
     case("train-reward-not-a-spec", [*TRAIN, "task.reward=nocolon"], EXIT_USAGE, r"task\.reward entry 'nocolon' must be 'module:function'"),
     case("train-reward-weights-count", [*TRAIN, "task.reward=[builtin, m:f]", "task.reward_weights=[1.0]"], EXIT_USAGE, r"task\.reward_weights has 1 weights for 2"),
     case("train-prompt-template-unknown-field", [*TRAIN, "task.name={tmp}/q.jsonl", "task.prompt_template={body} {question}"], EXIT_FAILURE, r"q\.jsonl:1: task\.prompt_template names field 'body'.*question, answer", write_jsonl("q.jsonl", QA)),
+    case("eval-prompt-template-unknown-field", [*EVAL, "--data", "{tmp}/q.jsonl", "--prompt-template", "{body} {question}"], EXIT_FAILURE, r"q\.jsonl:1: .*'body'.*question, answer", write_jsonl("q.jsonl", QA)),
     # --- add new cases above this line ---
 ]  # fmt: skip
 

@@ -110,7 +110,7 @@ def test_unknown_key_lists_valid_keys(tmp_path: Path) -> None:
         ("trainer.steps=2.5", "trainer.steps='2.5' is not a valid int"),
         ("model.lora=maybe", "model.lora='maybe' is not a valid bool"),
         ("optim.betas=[0.9]", "optim.betas=[0.9] must be two numbers"),
-        ("rollout.temperature=0", "rollout.temperature=0.0 must be > 0"),
+        ("rollout.temperature=0", "rollout.temperature=0.0 must be a finite number > 0"),
         ("kv.method=lru", "kv.method='lru' is unknown"),
         ("task.operators=/", "task.operators='/'"),
         ("trainer", "must look like section.key=value"),

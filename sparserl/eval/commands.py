@@ -102,7 +102,11 @@ def _flag_names(renames: dict[str, str]) -> Iterator[None]:
         raise type(e)(text) from e
 
 
-DATA_KEY_FLAGS = {"task.question_key": "--question-key", "task.answer_key": "--answer-key"}
+DATA_KEY_FLAGS = {
+    "task.question_key": "--question-key",
+    "task.answer_key": "--answer-key",
+    "task.prompt_template": "--prompt-template",
+}
 
 
 @contextlib.contextmanager
@@ -199,7 +203,9 @@ def eval_command(args: argparse.Namespace) -> int:
     _prepare_out(args.out)
     console = Console(stderr=True, quiet=args.quiet)
     with _flag_names(DATA_KEY_FLAGS):
-        task = load_eval_task(args.data, args.split, args.model, args.question_key, args.answer_key)
+        task = load_eval_task(
+            args.data, args.split, args.model, args.question_key, args.answer_key, args.prompt_template
+        )
     limit = default_limit(task) if args.limit is None else args.limit
     console.print(f"loading model {args.model} ...", highlight=False)
     with _quiet_loading(args.quiet):

@@ -183,6 +183,7 @@ def load_eval_task(
     model_spec: str | None = None,
     question_key: str = "",
     answer_key: str = "",
+    prompt_template: str = "",
 ) -> Any:
     """The task `--data` names; with no `--data` and a run directory as the model, the run's own task
     (its held-out split)."""
@@ -195,9 +196,9 @@ def load_eval_task(
                 "--data is required (an eval .jsonl file, gsm8k, math500, arithmetic, long_arithmetic, ...) "
                 "unless --model is a training run directory"
             )
-        cfg = replace(base, format_weight=0.0, split=split)
+        cfg = replace(base, format_weight=0.0, reward=[], reward_weights=[], split=split)
     else:
-        cfg = eval_task_config(data, split, question_key, answer_key, base)
+        cfg = eval_task_config(data, split, question_key, answer_key, base, prompt_template)
     return make_task(cfg, split)
 
 

@@ -94,6 +94,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     moved aside first and deleted after, so one complete copy exists at every moment); on any error or kill
     the temp dir is removed (or left as a `.tmp-*` leftover that readers ignore). A full disk is reported as
     such, with the path, whatever layer hit it (torch reports it as an opaque 'enforce fail')."""
+    new_parent = not final.parent.exists()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
     try:
@@ -107,19 +108,33 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             os.rename(tmp, final)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if new_parent:  # leave no empty folder behind (e.g. checkpoints/ when the first save fails)
+            with contextlib.suppress(OSError):
+                final.parent.rmdir()
         if _disk_full(e):
             raise OSError(errno.ENOSPC, f"No space left on device while writing {final}") from e
         raise
 
 
+def _save(obj: Any, path: Path) -> None:
+    """torch.save through a Python file object, so a full disk raises OSError(ENOSPC) rather than the C++
+    writer's opaque 'enforce fail ... unexpected pos'."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def _disk_full(e: BaseException) -> bool:
-    """True for ENOSPC however it surfaces: OSError, or torch's RuntimeError from its C++ file writer."""
+    """True for ENOSPC however it surfaces: OSError, torch's C++ writer, safetensors' Rust writer."""
     if isinstance(e, OSError):
         return e.errno == errno.ENOSPC
-    text = str(e)
-    return isinstance(e, RuntimeError) and any(
-        sign in text for sign in ("No space left", "file write failed", "PytorchStreamWriter failed")
+    signs = (
+        "No space left",
+        "os error 28",
+        "unexpected pos",
+        "file write failed",
+        "PytorchStreamWriter failed",
     )
+    return any(sign in str(e) for sign in signs)
 
 
 def save_checkpoint(
@@ -136,15 +151,13 @@ def save_checkpoint(
     Everything goes to a temp dir beside the final one; a rename publishes it. A kill before the rename
     leaves only a temp dir, which `list_checkpoints` ignores and the next save cleans up.
     """
-    root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state.step:06d}"
+    final = checkpoint_root(run_dir) / f"step-{state.step:06d}"
     with atomic_dir(final) as tmp:
         # safetensors refuses shared storage (tied embeddings): store contiguous, unshared copies.
         save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, tmp / weights_name)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
+        for name, obj in (("optimizer", optimizer.state_dict()), ("scheduler", scheduler.state_dict())):
+            _save(obj, tmp / f"{name}.pt")
+        _save(rng_state(), tmp / "rng.pt")
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
         _fsync_tree(tmp)
     prune_checkpoints(run_dir, keep_last)

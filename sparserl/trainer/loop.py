@@ -66,7 +66,9 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
         created = not self.run_dir.exists() or (run_dir is None and not any(self.run_dir.iterdir()))
         if resume and not self.run_dir.is_dir():
-            raise FileNotFoundError(f"--resume: {self.run_dir} does not exist, so there is no complete checkpoint")
+            raise FileNotFoundError(
+                f"--resume: {self.run_dir} does not exist, so there is no complete checkpoint"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._lock = RunLock(self.run_dir)
@@ -181,37 +183,35 @@ class Trainer:
         return self._prompt_cache[key]
 
     def _rewards(self, task: Any, texts: list[str], examples: list[Any]) -> Tensor:
-        """One reward per completion; a reward function that raises scores 0 and is counted."""
-        scorer = getattr(task, "score", None)
-        out = []
-        for text, ex in zip(texts, examples, strict=True):
-            if scorer is not None:
-                r = scorer(text, ex)
-            else:
+        """One reward per completion, scored as one batch (users' TRL-style reward functions see all of it);
+        a reward that raises, overruns or is not finite scores 0 and is counted. An object with only
+        `reward(text, example)` (not a `Task`) is called per completion under the same rule."""
+        if hasattr(task, "score_batch"):
+            scores = task.score_batch(texts, examples)
+        else:
+            scores = []
+            for text, ex in zip(texts, examples, strict=True):
                 try:
-                    r = float(task.reward(text, ex))
+                    scores.append(float(task.reward(text, ex)))
                 except Exception:  # noqa: BLE001 - a broken reward must not stop training
-                    r = 0.0
+                    scores.append(0.0)
                     self.state.counters["reward/errors"] = self.state.counters.get("reward/errors", 0) + 1
-            out.append(float(r) if math.isfinite(float(r)) else 0.0)
-        return torch.tensor(out, dtype=torch.float32)
+        return torch.tensor([s if math.isfinite(s) else 0.0 for s in scores], dtype=torch.float32)
 
     def _usable_rows(self, task: Any, split: int) -> list[int]:
         """Indices of the rows whose prompt fits the model with rollout.max_new_tokens, checked once when the
         data is loaded. Rows from data files are checked (generated tasks are short by construction); a row
         that does not fit is skipped with a warning naming its file:line (task.on_long_prompt=skip) or stops
         the start (=error), rather than crashing the run when it is drawn."""
-        from sparserl.tasks.dataset import DatasetTask
-
         rows = list(range(len(task)))
         limit = self.engine.decoder.max_positions
-        if not isinstance(task, DatasetTask) or not limit:
+        if not limit or not rows or not getattr(task[0], "where", ""):
             return rows
         budget = limit - self.cfg.rollout.max_new_tokens
         long = [i for i in rows if len(self._prompt_ids(task, i, split)) > budget]
         if not long:
             return rows
-        where = ", ".join(str(task[i].meta.get("source", f"row {i}")) for i in long[:3])
+        where = ", ".join(task[i].where for i in long[:3])
         more = f" and {len(long) - 3} more" if len(long) > 3 else ""
         what = (
             f"{len(long)} prompt(s) longer than {budget} tokens (the model's {limit} positions minus "
