@@ -20,7 +20,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from sparserl.config import ConfigError, LoggingConfig
+from sparserl.config import ConfigError, LoggingConfig, flatten
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -81,7 +81,7 @@ class MetricSinks:
 
             mlflow.set_experiment(cfg.mlflow_experiment)
             mlflow.start_run(run_name=self.run_dir.name)
-            mlflow.log_params(_flatten(config))
+            mlflow.log_params(flatten(config))
             self.mlflow = mlflow
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -124,17 +124,6 @@ def _truncate_after(path: Path, step: int) -> None:
         except json.JSONDecodeError:
             continue  # a line cut by a kill
     path.write_text("".join(line + "\n" for line in keep))
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, dict):
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
 
 
 class ProgressDisplay:
@@ -232,3 +221,32 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
     t.add_row("last checkpoint", str(summary.get("checkpoint")))
     t.add_row("trained model", str(summary.get("model")))
     console.print(t)
+
+
+def is_number(v: Any) -> bool:
+    """A real number or a one-element tensor (bools excluded): what a metric value may be."""
+    from torch import Tensor
+
+    return (
+        isinstance(v, (int, float)) and not isinstance(v, bool) or (isinstance(v, Tensor) and v.numel() == 1)
+    )
+
+
+def kv_saving_metrics(
+    stats: dict[str, Any], prompts: list[list[int]], completions: list[list[int]], max_new: int, sparse: bool
+) -> dict[str, float]:
+    """KV memory of the rollout versus a dense cache for the same batch (the engine preallocates, so both are
+    allocations: rows x positions x bytes per position), and peak positions held per sequence versus dense."""
+    out: dict[str, float] = {}
+    dense_peak = max((len(p) + len(c) for p, c in zip(prompts, completions, strict=True)), default=0)
+    per_pos, peak_bytes, peak = (
+        stats.get(k) for k in ("kv_bytes_per_position", "peak_kv_bytes", "peak_kv_positions")
+    )
+    if per_pos and peak_bytes and is_number(per_pos) and is_number(peak_bytes):
+        dense_bytes = float(per_pos) * len(prompts) * (max(len(p) for p in prompts) + max_new)
+        out["kv/dense_kv_bytes"] = dense_bytes
+        out["kv/saved_fraction"] = max(0.0, 1.0 - float(peak_bytes) / dense_bytes) if sparse else 0.0
+    if peak and is_number(peak) and dense_peak:
+        out["kv/dense_peak_positions"] = float(dense_peak)
+        out["kv/positions_saved_fraction"] = max(0.0, 1.0 - float(peak) / dense_peak) if sparse else 0.0
+    return out

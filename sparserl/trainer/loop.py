@@ -26,7 +26,15 @@ from sparserl.trainer.checkpoint import (
     save_checkpoint,
 )
 from sparserl.trainer.data import PromptSampler, derive_seed
-from sparserl.trainer.logging import METRICS_FILE, TB_DIR, MetricSinks, ProgressDisplay, check_backends
+from sparserl.trainer.logging import (
+    METRICS_FILE,
+    TB_DIR,
+    MetricSinks,
+    ProgressDisplay,
+    check_backends,
+    is_number,
+    kv_saving_metrics,
+)
 from sparserl.trainer.policy import ModelLoader, Policy
 from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, check_resume_changes, new_run_dir
 from sparserl.trainer.update import Batch, Learner, pad
@@ -303,9 +311,9 @@ class Trainer:
                 "time/score": t2 - t_reward,
             }
         )
-        metrics.update({f"rollout/{k}": float(v) for k, v in rollouts.stats.items() if _is_number(v)})
+        metrics.update({f"rollout/{k}": float(v) for k, v in rollouts.stats.items() if is_number(v)})
         metrics.update(
-            _kv_saving(rollouts.stats, prompts, completions, cfg.rollout.max_new_tokens, cfg.sparse)
+            kv_saving_metrics(rollouts.stats, prompts, completions, cfg.rollout.max_new_tokens, cfg.sparse)
         )
         batch = Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages)
         return batch, metrics
@@ -443,7 +451,7 @@ class Trainer:
             "kv/dense_kv_bytes",
             "time/step",
         ):
-            if key in metrics and _is_number(metrics[key]) and math.isfinite(metrics[key]):
+            if key in metrics and is_number(metrics[key]) and math.isfinite(metrics[key]):
                 h[f"sum:{key}"] = h.get(f"sum:{key}", 0.0) + metrics[key]
                 h[f"n:{key}"] = h.get(f"n:{key}", 0) + 1
 
@@ -491,29 +499,3 @@ class Trainer:
                 highlight=False,
                 markup=True,
             )
-
-
-def _is_number(v: Any) -> bool:
-    return (
-        isinstance(v, (int, float)) and not isinstance(v, bool) or (isinstance(v, Tensor) and v.numel() == 1)
-    )
-
-
-def _kv_saving(
-    stats: dict[str, Any], prompts: list[list[int]], completions: list[list[int]], max_new: int, sparse: bool
-) -> dict[str, float]:
-    """KV memory of the rollout versus a dense cache for the same batch (the engine preallocates, so both are
-    allocations: rows x positions x bytes per position), and peak positions held per sequence versus dense."""
-    out: dict[str, float] = {}
-    dense_peak = max((len(p) + len(c) for p, c in zip(prompts, completions, strict=True)), default=0)
-    per_pos, peak_bytes, peak = (
-        stats.get(k) for k in ("kv_bytes_per_position", "peak_kv_bytes", "peak_kv_positions")
-    )
-    if per_pos and peak_bytes and _is_number(per_pos) and _is_number(peak_bytes):
-        dense_bytes = float(per_pos) * len(prompts) * (max(len(p) for p in prompts) + max_new)
-        out["kv/dense_kv_bytes"] = dense_bytes
-        out["kv/saved_fraction"] = max(0.0, 1.0 - float(peak_bytes) / dense_bytes) if sparse else 0.0
-    if peak and _is_number(peak) and dense_peak:
-        out["kv/dense_peak_positions"] = float(dense_peak)
-        out["kv/positions_saved_fraction"] = max(0.0, 1.0 - float(peak) / dense_peak) if sparse else 0.0
-    return out

@@ -9,9 +9,8 @@ import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
-from sparserl.config import ConfigError, TrainConfig, load_config
+from sparserl.config import ConfigError, TrainConfig, flatten, load_config
 from sparserl.trainer.checkpoint import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
@@ -106,20 +105,9 @@ def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> TrainCo
     return cfg
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def check_resume_changes(saved: TrainConfig, new: TrainConfig) -> None:
     """Raise ConfigError if `new` differs from the run's `saved` config outside RESUMABLE_KEYS."""
-    old, cur = _flat(saved.to_dict()), _flat(new.to_dict())
+    old, cur = flatten(saved.to_dict()), flatten(new.to_dict())
     fixed = [
         f"{k} (run: {old.get(k)!r}, now: {cur.get(k)!r})"
         for k in sorted(set(old) | set(cur))

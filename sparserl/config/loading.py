@@ -1,0 +1,375 @@
+"""Reading a config: YAML file + `key.sub=value` overrides -> TrainConfig, strictly. An unknown key is an error
+listing the valid keys; a value that does not fit the field's type is an error naming the key (and the file and
+line when it came from YAML). Also writing it back, and the help text of every field."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sparserl.algo import PRESETS
+from sparserl.config.sections import (
+    CONFIG_DIR,
+    DEFAULT_PRESET,
+    AlgoSection,
+    ConfigError,
+    TrainConfig,
+)
+from sparserl.tasks import TaskConfig
+
+# ------------------------------------------------------------------------------------------------ typing
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return True, args[0]
+    return False, tp
+
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert `value` (typed YAML, or a command-line string) to the field type `tp`, or raise ConfigError."""
+    optional, inner = _is_optional(tp)
+    if optional:
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
+            return None
+        return coerce(value, inner, key)
+    bad = ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip().replace("_", ""))
+            except ValueError:
+                try:
+                    f = float(value)
+                except ValueError:
+                    raise bad from None
+                if f.is_integer():
+                    return int(f)
+        raise bad
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            number = float(value.strip() if isinstance(value, str) else value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if math.isnan(number):  # no setting means anything with NaN; it would pass every `<` check silently
+            raise ConfigError(f"{key}={value!r} is not a number")
+        return number
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = yaml.safe_load(text)
+                except yaml.YAMLError:
+                    raise bad from None
+            else:
+                value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        k_tp, v_tp = typing.get_args(tp) or (Any, Any)
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise bad from None
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise bad
+        return {coerce(k, k_tp, key): coerce(v, v_tp, f"{key}.{k}") for k, v in value.items()}
+    if tp is Any:
+        return value
+    raise ConfigError(f"{key}: fields of type {_type_name(tp)} are not supported by the config loader")
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+class _Where:
+    """Where each key path came from (file:line, or 'command line'), for error messages."""
+
+    def __init__(self) -> None:
+        self.places: dict[str, str] = {}
+
+    def __call__(self, key: str) -> str:
+        place = self.places.get(key)
+        return f"{place}: " if place else ""
+
+
+def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
+    name = key.rsplit(".", 1)[-1]
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    scope = f"under '{parent}'" if parent else "at the top level"
+    return ConfigError(f"{where}unknown config key '{key}'{hint}; valid keys {scope}: {', '.join(valid)}")
+
+
+def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where(prefix)}'{prefix}' must be a mapping of keys to values, got {data!r}")
+    hints = _field_types(cls)
+    valid = [f.name for f in fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if key not in valid:
+            raise _unknown_key_error(path, valid, where(path))
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            continue
+        if isinstance(value, dict) and typing.get_origin(_is_optional(tp)[1]) is not dict:
+            raise ConfigError(
+                f"{where(path)}'{path}' is not a section: it takes one {_type_name(tp)} value (e.g. {path}=...)"
+            )
+        try:
+            kwargs[key] = coerce(value, tp, path)
+        except ConfigError as e:
+            raise ConfigError(f"{where(path)}{e}") from None
+    for key in valid:
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            path = f"{prefix}.{key}" if prefix else key
+            section = data.get(key) or {}
+            if not isinstance(section, dict):
+                raise ConfigError(
+                    f"{where(path)}'{path}' must be a mapping of keys to values, got {section!r}"
+                )
+            f = next(f for f in fields(cls) if f.name == key)
+            if tp is not AlgoSection and f.default_factory is not dataclasses.MISSING:
+                # start from this config's default for the section (e.g. kv defaults to R-KV), then override
+                base = f.default_factory()
+                if tp is TaskConfig and section.get("data") and "name" not in section:
+                    section = {**section, "name": section["data"]}  # a data path selects the dataset task
+                if tp is TaskConfig and section.get("name", base.name) != base.name:
+                    base = (
+                        TaskConfig()
+                    )  # another task: the default run's arithmetic prompt does not carry over
+                section = {**{g.name: getattr(base, g.name) for g in fields(base)}, **section}
+            else:
+                section = dict(section)
+            if cls is TrainConfig and key == "algo" and "group_size" not in section:
+                section["group_size"] = kwargs["rollout"].n  # the group is rollout.n; set it once
+            kwargs[key] = _build(tp, section, path, where)
+    if cls is AlgoSection:
+        preset = kwargs.pop("preset", DEFAULT_PRESET)
+        if preset not in PRESETS:
+            key = f"{prefix}.preset"
+            raise ConfigError(f"{where(key)}{key}={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        return _construct(lambda: AlgoSection.from_preset(preset, **kwargs), prefix, where)
+    return _construct(lambda: cls(**kwargs), prefix, where)
+
+
+def _construct(make: Any, prefix: str, where: _Where) -> Any:
+    try:
+        return make()
+    except ConfigError as e:
+        raise ConfigError(f"{where(prefix)}{e}") from None
+    except (ValueError, TypeError) as e:
+        label = f"'{prefix}'" if prefix else "config"
+        raise ConfigError(f"{where(prefix)}invalid {label}: {e}") from None
+
+
+def config_from_dict(data: dict[str, Any], where: _Where | None = None) -> TrainConfig:
+    """Build a TrainConfig from a nested dict (missing keys keep their defaults; algo.preset applies first)."""
+    return _build(TrainConfig, data, "", where or _Where())
+
+
+def _yaml_lines(text: str, source: str, where: _Where) -> None:
+    """Record file:line for every key path of a YAML document."""
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = f"{prefix}.{k.value}" if prefix else str(k.value)
+                where.places[key] = f"{source}:{k.start_mark.line + 1}"
+                walk(v, key)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return
+    if root is not None:
+        walk(root, "")
+
+
+DATA_PATH_KEYS = (("task", "data"), ("trainer", "eval_data"))
+
+
+def _resolve_data_paths(data: dict[str, Any], config_file: Path) -> None:
+    """Make relative local data paths of a YAML file relative to that file, not to the working directory, so
+    a config (and the presets in configs/) works from anywhere. Hugging Face dataset names are left alone."""
+    from sparserl.tasks.dataset import is_local_source
+
+    for section, key in DATA_PATH_KEYS:
+        value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
+        if isinstance(value, str) and value and is_local_source(value) and not os.path.isabs(value):
+            data[section][key] = os.path.normpath(config_file.resolve().parent / os.path.expanduser(value))
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A YAML path, or the name of a run preset in configs/ ('default' -> configs/default.yaml)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    for candidate in (CONFIG_DIR / f"{name}.yaml", CONFIG_DIR / str(name)):
+        if candidate.is_file():
+            return candidate
+    presets = ", ".join(list_run_presets()) or "(none found)"
+    raise ConfigError(
+        f"config {str(name)!r} is neither a file nor a run preset in {CONFIG_DIR}; presets: {presets}"
+    )
+
+
+def list_run_presets() -> list[str]:
+    """Names of the YAML run presets shipped in configs/."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+
+
+def parse_override(text: str) -> tuple[list[str], str]:
+    """'optim.lr=1e-5' -> (['optim', 'lr'], '1e-5')."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. optim.lr=1e-5)")
+    key, value = text.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if not key.strip() or any(not p for p in parts):
+        raise ConfigError(f"override {text!r}: the key {key!r} is malformed (expected section.key=value)")
+    return parts, value
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    """Read a YAML config (None: the embedded default), apply `key.sub=value` overrides, check everything."""
+    where = _Where()
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = resolve_config_path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"{path}: not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r})"
+            ) from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections (model, task, ...)")
+        data = loaded
+        _yaml_lines(text, str(path), where)
+        _resolve_data_paths(data, path)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{'.'.join(parts[: i + 1])}' is not a section")
+            node = child
+        node[parts[-1]] = value
+        where.places[".".join(parts)] = f"command line '{text}'"
+    return config_from_dict(data, where)
+
+
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
+    """Write `cfg` as YAML that `load_config` reads back into an equal config."""
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ------------------------------------------------------------------------------------------------ help
+
+
+def iter_fields(cls: type = TrainConfig, prefix: str = "") -> typing.Iterator[tuple[str, str, str]]:
+    """(key path, type name, help) for every leaf field, in declaration order."""
+    hints = _field_types(cls)
+    for f in fields(cls):
+        tp = hints[f.name]
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(tp):
+            yield from iter_fields(tp, path)
+        else:
+            yield path, _type_name(tp), f.metadata.get("help", "")
+
+
+def format_help() -> str:
+    """Every config key with its type, default and help, grouped by section."""
+    lines: list[str] = []
+    section = None
+    default = TrainConfig()
+    for path, tp, help_text in iter_fields():
+        head = path.split(".", 1)[0]
+        if head != section:
+            section = head
+            sec_help = next(f for f in fields(TrainConfig) if f.name == head).metadata.get("help", "")
+            lines.append(f"\n{head}: {sec_help}")
+        value = default
+        for part in path.split("."):
+            value = getattr(value, part)
+        lines.append(f"  {path} ({tp}, default {value!r})\n      {help_text}")
+    return "\n".join(lines)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}: a nested config dict keyed by dotted paths."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
