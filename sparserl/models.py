@@ -129,10 +129,17 @@ def _from_pretrained(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Tokenizer and model through transformers, refusing weights that do not fit the architecture:
     transformers only logs them and initialises the missing layers at random, which would then be trained."""
+    from transformers.utils import logging as hf_logging
+
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model, info = AutoModelForCausalLM.from_pretrained(
-        source, dtype=dtype, output_loading_info=True, **kwargs
-    )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report of misfits would repeat the error raised below
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, output_loading_info=True, **kwargs
+        )
+    finally:
+        hf_logging.set_verbosity(verbosity)
     misfits = [
         f"{kind} {_listed(sorted(info[f'{kind}_keys']))}"
         for kind in ("missing", "unexpected")

@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,36 @@ def read_only(name: str) -> Setup:
     return setup
 
 
+def locked(name: str) -> Setup:
+    """A setup holding the run directory tmp/`name` as a live run would (its lock), until the test ends."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from sparserl.trainer.run_dir import RunLock
+
+        (tmp / name).mkdir(parents=True)
+        monkeypatch.setattr(sys.modules[__name__], "_held_lock", RunLock(tmp / name), raising=False)
+
+    return setup
+
+
+def model_missing_a_layer(name: str) -> Setup:
+    """A setup saving the tiny test model to tmp/`name` with the weights of its second layer left out."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        from safetensors.torch import load_file, save_file
+
+        from sparserl.models import tiny_model
+
+        model, tokenizer = tiny_model()
+        model.save_pretrained(tmp / name)
+        tokenizer.save_pretrained(tmp / name)
+        weights = tmp / name / "model.safetensors"
+        kept = {k: v for k, v in load_file(weights).items() if ".layers.1." not in k}
+        save_file(kept, weights, metadata={"format": "pt"})
+
+    return setup
+
+
 def case(
     id: str, argv: list[str], code: int, message: str, setup: Setup | None = None, xfail: str = ""
 ) -> Any:
@@ -190,6 +221,14 @@ CASES = [
     case("train-reward-weights-count", [*TRAIN, "task.reward=[builtin, m:f]", "task.reward_weights=[1.0]"], EXIT_USAGE, r"task\.reward_weights has 1 weights for 2"),
     case("train-prompt-template-unknown-field", [*TRAIN, "task.name={tmp}/q.jsonl", "task.prompt_template={body} {question}"], EXIT_FAILURE, r"q\.jsonl:1: task\.prompt_template names field 'body'.*question, answer", write_jsonl("q.jsonl", QA)),
     case("eval-prompt-template-unknown-field", [*EVAL, "--data", "{tmp}/q.jsonl", "--prompt-template", "{body} {question}"], EXIT_FAILURE, r"q\.jsonl:1: .*'body'.*question, answer", write_jsonl("q.jsonl", QA)),
+    case("train-data-missing-file", [*TRAIN, "task.data={tmp}/nope.jsonl"], EXIT_FAILURE, r"nope\.jsonl"),
+    case("train-generated-task-with-data", [*TRAIN, "task.name=arithmetic", "task.data={tmp}/q.jsonl"], EXIT_USAGE, r"task\.name='arithmetic' generates its problems and reads no data"),
+    case("train-lr-nan", [*TRAIN, "optim.lr=nan"], EXIT_USAGE, r"optim\.lr='nan' is not a number"),
+    case("train-lr-inf", [*TRAIN, "optim.lr=inf"], EXIT_USAGE, r"optim\.lr=inf must be a finite number"),
+    case("train-resume-other-model", ["train", "--resume", "{tmp}/runs/r", "model.spec=tiny-qwen3"], EXIT_USAGE, r"model\.spec \(run: 'tiny-llama', now: 'tiny-qwen3'\).*may change only", trained()),
+    case("train-run-dir-in-use", TRAIN, EXIT_FAILURE, r"runs/r is in use by another sparserl run", locked("runs/r")),
+    case("train-model-missing-a-layer", [*TRAIN, "model.spec={tmp}/m"], EXIT_FAILURE, r"missing .*layers\.1\.", model_missing_a_layer("m")),
+    case("train-long-prompt-error", [*TRAIN, "task.name={tmp}/long.jsonl", "task.on_long_prompt=error"], EXIT_FAILURE, r"long\.jsonl:1.*task\.on_long_prompt", write_jsonl("long.jsonl", [{"question": "1 + " * 5000 + "1?", "answer": "5001"}])),
     # --- add new cases above this line ---
 ]  # fmt: skip
 

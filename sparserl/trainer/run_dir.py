@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from sparserl.config import ConfigError, TrainConfig, flatten, load_config
+from sparserl.errors import UserError
 from sparserl.trainer.checkpoint import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
@@ -32,7 +33,7 @@ RESUMABLE_KEYS = (
 LOCATION_KEYS = ("trainer.output_dir", "trainer.run_name")
 
 
-class RunDirBusy(ConfigError):
+class RunDirBusy(UserError):
     """Another live process holds the run directory."""
 
 
@@ -80,6 +81,9 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def find_resumable(output_dir: str | Path) -> Path:
