@@ -183,3 +183,25 @@ def test_bad_specs_are_one_clear_user_error(tmp_path: Path, monkeypatch: pytest.
 def test_bad_reward_settings_name_the_key(overrides: dict, message: str) -> None:
     with pytest.raises(UserError, match=message):
         TaskConfig(**overrides)
+
+
+def test_trainer_takes_a_python_reward_function(tmp_path: Path) -> None:
+    """`Trainer(cfg, reward_fn=fn)` scores the rollouts with fn (batch call, TRL convention) in place of the
+    task's own reward; the held-out evaluation uses it too."""
+    from test_trainer import ParityTask, rows, tiny_cfg
+
+    from sparserl.trainer import Trainer
+
+    seen: list[int] = []
+
+    def always_one(completions, prompts, **kwargs):
+        seen.append(len(completions))
+        return [1.0] * len(completions)
+
+    cfg = tiny_cfg(tmp_path, "trainer.steps=1", "trainer.eval_prompts=2")
+    Trainer(cfg, task=ParityTask(), eval_task=ParityTask(), reward_fn=always_one).train()
+    step = [r for r in rows(tmp_path / "run") if "reward/mean" in r][0]
+    assert step["reward/mean"] == 1.0
+    assert 8 in seen  # one call for the whole rollout batch (2 prompts x 4)
+    evals = [r["eval/dense/reward"] for r in rows(tmp_path / "run") if "eval/dense/reward" in r]
+    assert evals == [1.0, 1.0]
