@@ -131,6 +131,9 @@ class Trainer:
         self.state = TrainerState()
         self._prompt_cache: dict[tuple[int, int], list[int]] = {}
         self.train_rows = self._usable_rows(self.task, 0)
+        self.eval_rows = (
+            self._usable_rows(self.eval_task, 1)[: cfg.trainer.eval_prompts] if self.eval_task else []
+        )
         self.sampler = PromptSampler(len(self.train_rows), seed)
 
         if ckpt is not None:
@@ -331,8 +334,7 @@ class Trainer:
         trainer.eval_sparse is on (metrics eval/dense/*, eval/sparse/*)."""
         if self.eval_task is None or self.cfg.trainer.eval_prompts == 0:
             return {}
-        count = min(self.cfg.trainer.eval_prompts, len(self.eval_task))
-        prompt_ids = [self._prompt_ids(self.eval_task, i, 1) for i in range(count)]
+        prompt_ids = [self._prompt_ids(self.eval_task, i, 1) for i in self.eval_rows]
         modes = {"dense": self.dense_engine}
         if self.cfg.trainer.eval_sparse and self.cfg.sparse:
             modes["sparse"] = self.engine
@@ -347,7 +349,7 @@ class Trainer:
             texts = self.tokenizer.batch_decode(
                 [list(s.completion_ids) for s in samples], skip_special_tokens=True
             )
-            examples = [self.eval_task[s.prompt_index] for s in samples]
+            examples = [self.eval_task[self.eval_rows[s.prompt_index]] for s in samples]
             rewards = self._rewards(self.eval_task, texts, examples)
             if mode == "dense":
                 self._eval_samples = list(zip(texts, examples, rewards.tolist(), strict=True))
