@@ -8,6 +8,13 @@ Typical use per batch of rollouts (mask = response mask, [B, T]):
     loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, keep, w, cfg, logp_ref)
 """
 
+from sparserl.algo.acceptance import (
+    AcceptanceBin,
+    acceptance_by_bin,
+    acceptance_exact,
+    acceptance_metrics,
+    acceptance_topk,
+)
 from sparserl.algo.advantages import advantages_from_config, grpo_advantages
 from sparserl.algo.config import AlgoConfig
 from sparserl.algo.corrections import correction_reference, correction_weights, ppo_anchor
@@ -16,7 +23,12 @@ from sparserl.algo.presets import PRESETS, algo_config
 
 __all__ = [
     "PRESETS",
+    "AcceptanceBin",
     "AlgoConfig",
+    "acceptance_by_bin",
+    "acceptance_exact",
+    "acceptance_metrics",
+    "acceptance_topk",
     "advantages_from_config",
     "aggregate",
     "algo_config",

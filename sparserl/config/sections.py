@@ -261,6 +261,38 @@ class TrainerConfig:
             "one forward pass less per step. False: always score pi_old separately."
         },
     )
+    log_acceptance: bool = field(
+        default=False,
+        metadata={
+            "help": "Log the acceptance rate alpha_t = sum_v min(p_sampler(v), p_dense(v)) of each rollout token "
+            "(the sampler against the dense policy on the same prefix, both after temperature/top-k/top-p): its "
+            "P5, P1, mean and fraction below acceptance_tau per bin of absolute position (alpha/* metrics). "
+            "Costs a dense scoring pass per step, and with acceptance_exact 4 bytes x vocabulary per token."
+        },
+    )
+    acceptance_top_k: int = field(
+        default=20,
+        metadata={"help": "Top-k log-probs each side records for alpha's top-k lower bound (Sparrow: 20)."},
+    )
+    acceptance_exact: bool = field(
+        default=True,
+        metadata={
+            "help": "Also log the exact alpha over the whole vocabulary: the sampler keeps its full "
+            "distribution per token (196 KB per token at SmolLM2's 49,152 ids) until the step's alpha is taken."
+        },
+    )
+    acceptance_bin: int = field(
+        default=512,
+        metadata={
+            "help": "Width in tokens of alpha's bins of absolute position (prompt + generated so far)."
+        },
+    )
+    acceptance_tau: float = field(
+        default=0.86,
+        metadata={
+            "help": "Acceptance threshold tau in (0, 1]: alpha/*/frac_below_tau counts tokens below it."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -268,6 +300,11 @@ class TrainerConfig:
         for key in ("save_every", "eval_every", "eval_prompts", "threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0")
+        for key in ("acceptance_top_k", "acceptance_bin"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 1")
+        if not 0.0 < self.acceptance_tau <= 1.0:
+            raise ConfigError(f"trainer.acceptance_tau={self.acceptance_tau} must be in (0, 1]")
         if self.keep_last < 1:
             raise ConfigError(f"trainer.keep_last={self.keep_last} must be >= 1")
         if not 0 < self.eval_temperature < math.inf:

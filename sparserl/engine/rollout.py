@@ -14,18 +14,25 @@ from sparserl.engine.cache import KVCache
 from sparserl.engine.compression import make_evictor
 from sparserl.engine.decoder import Decoder, decode_attention, prefill_attention
 from sparserl.engine.kv_config import KVConfig
-from sparserl.engine.sampling import sample_next
+from sparserl.engine.sampling import (
+    DistributionRecorder,
+    TokenDistributions,
+    check_distribution_request,
+    sample_next,
+)
 
 
 @dataclass
 class Sample:
-    """One sampled completion. `logprobs[t]` is log p_sampler(token t) under the processed distribution."""
+    """One sampled completion. `logprobs[t]` is log p_sampler(token t) under the processed distribution;
+    `distributions` holds that distribution's top-k (and all of it) per token when `generate` was asked."""
 
     prompt_index: int
     completion_ids: list[int]
     logprobs: Tensor
     finish_reason: str
     stats: dict[str, float] = field(default_factory=dict)
+    distributions: TokenDistributions | None = None
 
 
 @dataclass
@@ -125,23 +132,41 @@ class RolloutEngine:
         top_k: int = 0,
         stop: Sequence[str] | str | None = None,
         seed: int = 0,
+        top_logprobs: int = 0,
+        full_logprobs: bool = False,
     ) -> Rollouts:
-        """Sample `n` completions for each prompt (token ids, chat template already applied)."""
+        """Sample `n` completions for each prompt (token ids, chat template already applied).
+
+        `top_logprobs=k` (and `full_logprobs=True`) also return, per generated token, the k most likely ids and
+        their log-probs (and all V log-probs) of the processed distribution sampled from, in
+        `Sample.distributions`; off by default, nothing is computed then. The samples drawn do not change.
+        """
         stop = [stop] if isinstance(stop, str) else list(stop or [])  # one string is one stop, not its chars
         self._check(prompt_ids, n, max_new_tokens, (temperature, top_p, top_k, stop))
+        check_distribution_request(top_logprobs, self.decoder.model.lm_head.out_features, "generate")
+        recorder = DistributionRecorder.maybe(
+            len(prompt_ids) * n, max_new_tokens, top_logprobs, full_logprobs, self.decoder.device
+        )
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed)
+            rollouts = self._generate(
+                prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, recorder
+            )
         finally:
             self.model.train(was_training)
+        if recorder is not None:
+            recorder.attach(rollouts.samples)
+        return rollouts
 
     def _decode_capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
         if self.evictor is None:
             return longest_prompt + max_new_tokens
         return min(self.kv.budget + self.kv.interval - 1, longest_prompt + max_new_tokens)
 
-    def _generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed) -> Rollouts:
+    def _generate(
+        self, prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, recorder=None
+    ) -> Rollouts:
         dec, kv, dev = self.decoder, self.kv, self.decoder.device
         t0 = time.perf_counter()
         prompt_len = torch.tensor([len(p) for p in prompt_ids], device=dev)
@@ -179,8 +204,10 @@ class RolloutEngine:
         gen = torch.Generator(device=dev).manual_seed(seed)
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
-            tok, lp = sample_next(logits, gen, temperature, top_p, top_k)
+            tok, lp, dist = sample_next(logits, gen, temperature, top_p, top_k, recorder is not None)
             tokens[alive, step], logps[alive, step] = tok, lp
+            if recorder is not None:
+                recorder.record(step, alive, dist)
             length[alive] = step + 1
             done = self._finished(tok, alive, tokens, step, stop, finish)
             if step == max_new_tokens - 1:

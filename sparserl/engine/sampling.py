@@ -1,6 +1,10 @@
-"""Next-token sampling that reports the log-probability under the distribution actually sampled from."""
+"""Next-token sampling that reports the log-probability under the distribution actually sampled from, and, on
+request, that distribution itself (its top-k, or all of it) for the acceptance rate (sparserl.algo.acceptance)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -9,7 +13,10 @@ from torch import Tensor
 def processed_logprobs(
     logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
 ) -> Tensor:
-    """Log-probs [N, V] after temperature, top-k and top-p (removed tokens get -inf)."""
+    """Log-probs [N, V] after temperature, top-k and top-p (removed tokens get -inf); temperature 0 is greedy,
+    a point mass on the argmax (log-prob 0 there, -inf elsewhere)."""
+    if temperature <= 0:
+        return point_mass(logits.argmax(dim=-1), logits.shape[-1])
     logits = logits.float() / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
@@ -24,16 +31,96 @@ def processed_logprobs(
     return logits.log_softmax(dim=-1)
 
 
+def point_mass(tokens: Tensor, vocab: int) -> Tensor:
+    """Log-probs [N, V] of the distributions that put all their mass on `tokens` [N] (greedy decoding)."""
+    out = torch.full((tokens.shape[0], vocab), float("-inf"), device=tokens.device)
+    return out.scatter_(-1, tokens[:, None], 0.0)
+
+
 def sample_next(
     logits: Tensor,
     generator: torch.Generator,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
-) -> tuple[Tensor, Tensor]:
-    """Sampled tokens [N] and their log-probs [N]; temperature 0 is greedy (log-prob 0: a point mass)."""
+    with_distribution: bool = False,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Sampled tokens [N], their log-probs [N] and, with `with_distribution`, the processed log-probs [N, V]
+    they were drawn from (else None). Temperature 0 is greedy (log-prob 0: a point mass)."""
     if temperature <= 0:
-        return logits.argmax(dim=-1), torch.zeros(logits.shape[0], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        dist = point_mass(tokens, logits.shape[-1]) if with_distribution else None
+        return tokens, torch.zeros(logits.shape[0], device=logits.device), dist
     logp = processed_logprobs(logits, temperature, top_p, top_k)
     tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), logp if with_distribution else None
+
+
+@dataclass
+class TokenDistributions:
+    """The next-token distribution at each position of one completion: the `k` most likely ids and their
+    log-probs [T, k] (most likely first), and all log-probs [T, V] when asked (else None). Float32, CPU."""
+
+    top_ids: Tensor
+    top_logprobs: Tensor
+    full_logprobs: Tensor | None = None
+
+
+def check_distribution_request(top_logprobs: int, vocab: int, caller: str) -> None:
+    """Refuse a top-k size outside [0, vocab] before any work is done."""
+    if isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= vocab:
+        raise ValueError(
+            f"{caller}: top_logprobs={top_logprobs!r} must be an integer in [0, {vocab}] (0 = off)"
+        )
+
+
+def distributions_of(logp: Tensor, top_logprobs: int, full_logprobs: bool) -> TokenDistributions:
+    """Top-k (and optionally all) of the log-probs [..., V] as a TokenDistributions on the CPU."""
+    values, ids = logp.topk(top_logprobs, dim=-1)
+    return TokenDistributions(ids.cpu(), values.float().cpu(), logp.float().cpu() if full_logprobs else None)
+
+
+class DistributionRecorder:
+    """Keeps, decode step by decode step, the top-k (and optionally full) log-probs of the distribution each
+    row sampled from. Memory: 12 bytes x k per token, plus 4 bytes x V per token for the full distribution."""
+
+    def __init__(self, rows: int, steps: int, top_logprobs: int, full_logprobs: bool, device: torch.device):
+        self.k = top_logprobs
+        self.top_ids = torch.zeros(rows, steps, top_logprobs, dtype=torch.long, device=device)
+        self.top_logprobs = torch.zeros(rows, steps, top_logprobs, device=device)
+        self.full: list[tuple[Tensor, Tensor]] | None = [] if full_logprobs else None  # (rows, [rows, V])
+
+    @classmethod
+    def maybe(
+        cls, rows: int, steps: int, top_logprobs: int, full_logprobs: bool, device: torch.device
+    ) -> DistributionRecorder | None:
+        """A recorder when anything is asked for, else None (nothing is computed or kept)."""
+        return (
+            cls(rows, steps, top_logprobs, full_logprobs, device) if top_logprobs or full_logprobs else None
+        )
+
+    def record(self, step: int, rows: Tensor, logp: Tensor) -> None:
+        """Keep step `step`'s distributions `logp` [len(rows), V] of the sample rows `rows`."""
+        values, ids = logp.topk(self.k, dim=-1)
+        self.top_ids[rows, step], self.top_logprobs[rows, step] = ids, values
+        if self.full is not None:
+            self.full.append((rows.cpu(), logp.float().cpu()))
+
+    def attach(self, samples: Sequence) -> None:
+        """Set `distributions` on each sample (row i of the recorder is `samples[i]`), trimmed to its length."""
+        full = self._full_by_row([len(s.completion_ids) for s in samples]) if self.full is not None else None
+        for i, s in enumerate(samples):
+            t = len(s.completion_ids)
+            s.distributions = TokenDistributions(
+                self.top_ids[i, :t].cpu(),
+                self.top_logprobs[i, :t].float().cpu(),
+                full[i] if full is not None else None,
+            )
+
+    def _full_by_row(self, lengths: list[int]) -> list[Tensor]:
+        """The recorded full distributions regrouped per row ([length, V] each), in step order."""
+        rows = torch.cat([r for r, _ in self.full])
+        logp = torch.cat([lp for _, lp in self.full])
+        self.full = []
+        order = torch.sort(rows, stable=True).indices  # steps were appended in order: stable keeps it per row
+        return list(logp[order].split(lengths))

@@ -17,6 +17,7 @@ from torch import Tensor
 from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, load_config, save_config
 from sparserl.errors import DataError
+from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics
 from sparserl.trainer.checkpoint import (
     Checkpoint,
     TrainerState,
@@ -239,7 +240,7 @@ class Trainer:
         return keep
 
     def _generate(
-        self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, engine: Any = None
+        self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, engine: Any = None, **kw
     ) -> Any:
         r = self.cfg.rollout
         return (engine or self.engine).generate(
@@ -251,6 +252,7 @@ class Trainer:
             top_k=r.top_k,
             stop=list(r.stop) or None,
             seed=seed,
+            **kw,
         )
 
     def _score(
@@ -273,9 +275,10 @@ class Trainer:
         prompt_ids = [self._prompt_ids(self.task, i, 0) for i in indices]
         self.state.engine_seed = derive_seed(cfg.trainer.seed, step, _ROLLOUT)
         self.policy.module.eval()
+        record = acceptance_request(cfg)  # the sampler's distributions, when alpha is logged
         with torch.no_grad():
             rollouts = self._generate(
-                prompt_ids, cfg.rollout.n, cfg.rollout.temperature, self.state.engine_seed
+                prompt_ids, cfg.rollout.n, cfg.rollout.temperature, self.state.engine_seed, **record
             )
         samples = list(rollouts.samples)
         t1 = time.perf_counter()
@@ -297,6 +300,7 @@ class Trainer:
                 with self.policy.reference() as ref:
                     logp_ref = self._score(ref, prompts, completions, length)
         t2 = time.perf_counter()
+        metrics.update(acceptance_step_metrics(cfg, self.policy.module, prompts, samples))
 
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
