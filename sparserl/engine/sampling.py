@@ -82,13 +82,15 @@ def distributions_of(logp: Tensor, top_logprobs: int, full_logprobs: bool) -> To
 
 class DistributionRecorder:
     """Keeps, decode step by decode step, the top-k (and optionally full) log-probs of the distribution each
-    row sampled from. Memory: 12 bytes x k per token, plus 4 bytes x V per token for the full distribution."""
+    row sampled from. Memory: 12 bytes x k per token; the full distributions go to one CPU buffer per row of
+    `steps` x V floats, allocated when first written (the OS commits only the pages a row's tokens fill), and
+    are handed to the samples without a copy unless the row finished early."""
 
     def __init__(self, rows: int, steps: int, top_logprobs: int, full_logprobs: bool, device: torch.device):
-        self.k = top_logprobs
+        self.k, self.steps, self.full_logprobs = top_logprobs, steps, full_logprobs
         self.top_ids = torch.zeros(rows, steps, top_logprobs, dtype=torch.long, device=device)
         self.top_logprobs = torch.zeros(rows, steps, top_logprobs, device=device)
-        self.full: list[tuple[Tensor, Tensor]] | None = [] if full_logprobs else None  # (rows, [rows, V])
+        self.full: list[Tensor | None] = []  # per row [steps, V], from the first step on
 
     @classmethod
     def maybe(
@@ -103,24 +105,21 @@ class DistributionRecorder:
         """Keep step `step`'s distributions `logp` [len(rows), V] of the sample rows `rows`."""
         values, ids = logp.topk(self.k, dim=-1)
         self.top_ids[rows, step], self.top_logprobs[rows, step] = ids, values
-        if self.full is not None:
-            self.full.append((rows.cpu(), logp.float().cpu()))
+        if self.full_logprobs:
+            if not self.full:
+                self.full = [torch.empty(self.steps, logp.shape[-1]) for _ in range(len(self.top_ids))]
+            for row, row_logp in zip(rows.tolist(), logp.float().cpu(), strict=True):
+                self.full[row][step] = row_logp
 
     def attach(self, samples: Sequence) -> None:
-        """Set `distributions` on each sample (row i of the recorder is `samples[i]`), trimmed to its length."""
-        full = self._full_by_row([len(s.completion_ids) for s in samples]) if self.full is not None else None
+        """Set `distributions` on each sample (row i of the recorder is `samples[i]`), trimmed to its length;
+        each row's full buffer is released as it is handed over."""
         for i, s in enumerate(samples):
             t = len(s.completion_ids)
+            full = None
+            if self.full_logprobs:
+                full = self.full[i] if t == self.steps else self.full[i][:t].clone()
+                self.full[i] = None
             s.distributions = TokenDistributions(
-                self.top_ids[i, :t].cpu(),
-                self.top_logprobs[i, :t].float().cpu(),
-                full[i] if full is not None else None,
+                self.top_ids[i, :t].cpu(), self.top_logprobs[i, :t].float().cpu(), full
             )
-
-    def _full_by_row(self, lengths: list[int]) -> list[Tensor]:
-        """The recorded full distributions regrouped per row ([length, V] each), in step order."""
-        rows = torch.cat([r for r, _ in self.full])
-        logp = torch.cat([lp for _, lp in self.full])
-        self.full = []
-        order = torch.sort(rows, stable=True).indices  # steps were appended in order: stable keeps it per row
-        return list(logp[order].split(lengths))
