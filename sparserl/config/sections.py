@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.algo import PRESETS, AlgoConfig
-from sparserl.engine.kv_config import KVConfig
+from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
 from sparserl.errors import UserError
 from sparserl.tasks import TaskConfig
 from sparserl.tasks.config import GENERATED_TASKS
@@ -402,11 +402,11 @@ class TrainConfig:
                 f"optim.grad_accum={self.optim.grad_accum} exceeds the mini-batch size {mini}: "
                 "each micro-batch needs at least one sequence"
             )
-        if self.algo.sparse_rollout and not self.kv.evicting:
+        if self.algo.sparse_rollout and not self.kv.sparse:
             raise ConfigError(
                 f"algo.preset={self.algo.preset!r} samples sparse rollouts but kv.method={self.kv.method!r}; "
-                "set kv.method to an evicting method (rkv, snapkv, h2o, streaming_llm, random) "
-                "or use algo.preset=dense"
+                f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
+                f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
             )
 
     @property
@@ -416,8 +416,8 @@ class TrainConfig:
 
     @property
     def sparse(self) -> bool:
-        """True when rollouts are sampled on the evicting KV cache."""
-        return bool(self.algo.sparse_rollout) and self.kv.evicting
+        """True when rollouts are sampled sparse: on an evicting KV cache, or reading only some of its pages."""
+        return bool(self.algo.sparse_rollout) and self.kv.sparse
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (YAML-safe) that `config_from_dict` turns back into an equal config."""

@@ -1,14 +1,16 @@
-"""The rollout engine: our decoder forward, a preallocated (optionally evicting) KV cache, sampling, scoring."""
+"""The rollout engine: our decoder forward, a preallocated KV cache (dense, evicting, or read block-sparse),
+sampling, scoring."""
 
 from __future__ import annotations
 
-from sparserl.engine.kv_config import EVICTION_METHODS, KV_METHODS, KVConfig
+from sparserl.engine.kv_config import EVICTION_METHODS, KV_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
 from sparserl.engine.rollout import RolloutEngine, Rollouts, Sample
 from sparserl.engine.scoring import completion_logprobs, score
 
 __all__ = [
     "EVICTION_METHODS",
     "KV_METHODS",
+    "SPARSE_ATTENTION_METHODS",
     "KVConfig",
     "RolloutEngine",
     "Rollouts",

@@ -16,7 +16,8 @@ class KVCache:
     All heads and layers of a row hold the same number of slots (`length[row]`); which positions they hold
     may differ per layer and head after per-head eviction. Slots stay in chronological order.
     Per-slot extras (e.g. H2O's accumulated attention) and the last `window` queries of each layer travel with
-    their rows so that eviction methods can score at any step.
+    their rows so that eviction methods can score at any step; so does `row_state`, any tensors whose first
+    dimension is the row (e.g. block-sparse attention's page summaries), which their owner adds.
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class KVCache:
         ]
         self.query_count = torch.zeros(rows, dtype=torch.long, device=device)
         self.length = torch.zeros(rows, dtype=torch.long, device=device)
+        self.row_state: dict[str, Tensor] = {}
 
     @property
     def rows(self) -> int:
@@ -135,5 +137,6 @@ class KVCache:
             for i, t in enumerate(store):
                 store[i] = t[:, :, : self.capacity].index_select(0, rows)
         self.queries = [t.index_select(0, rows) for t in self.queries]
+        self.row_state = {name: t.index_select(0, rows) for name, t in self.row_state.items()}
         self.length = self.length.index_select(0, rows)
         self.query_count = self.query_count.index_select(0, rows)

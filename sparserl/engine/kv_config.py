@@ -1,26 +1,47 @@
-"""How the rollout engine keeps its KV cache: dense, or evicted down to a per-sequence budget."""
+"""How the rollout engine keeps and reads its KV cache: dense, evicted down to a per-sequence budget, or whole
+with each decode step reading only some pages (block-sparse attention)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from sparserl.engine.schedule import BudgetSchedule, parse_schedule
+from sparserl.errors import UserError
 
 EVICTION_METHODS = ("rkv", "snapkv", "h2o", "streaming_llm", "random")
-KV_METHODS = ("dense", *EVICTION_METHODS)
+SPARSE_ATTENTION_METHODS = ("block_topk",)
+KV_METHODS = ("dense", *EVICTION_METHODS, *SPARSE_ATTENTION_METHODS)
+ALWAYS_READ_PAGES = 3  # block-sparse attention reads the first page and the 2 most recent pages at every step
 
 
 @dataclass
 class KVConfig:
-    """KV-cache policy of the sampler. `method="dense"` keeps every position."""
+    """KV-cache policy of the sampler. `method="dense"` keeps and reads every position."""
 
     method: str = field(
         default="dense",
-        metadata={"help": f"KV policy while sampling: one of {', '.join(KV_METHODS)}."},
+        metadata={
+            "help": f"KV policy while sampling: one of {', '.join(KV_METHODS)}. Eviction methods "
+            f"({', '.join(EVICTION_METHODS)}) cut the cache to the budget; block_topk keeps it whole and "
+            "reads the budget's worth of pages per step."
+        },
     )
     budget: int = field(
         default=512,
         metadata={
-            "help": "Retained positions per sequence, prompt included. Between compressions a sequence "
-            "holds at most budget + interval - 1 positions per layer."
+            "help": "Per-sequence budget, prompt included. Eviction: retained positions (between compressions "
+            "a sequence holds at most budget + interval - 1 per layer). block_topk: positions read per step "
+            "(page_size x pages, the first and 2 most recent pages included). kv.schedule replaces it."
+        },
+    )
+    schedule: Any = field(
+        default=None,
+        metadata={
+            "help": "Length schedule replacing kv.budget: a table [[from_length, budget], ...] (first bin "
+            "from 0, starts increasing, budgets non-decreasing), inline (kv.schedule=[[0,256],[512,384]]) or "
+            "a JSON/YAML file holding it (or a mapping with a 'schedule' key). Each sequence's budget is "
+            "re-read at every decode step from its current length (prompt + generated); null: none."
         },
     )
     window: int = field(
@@ -36,6 +57,14 @@ class KVConfig:
             "help": "'per_head': each layer and KV head keeps its own set (the original methods); "
             "'shared': one set per sequence, chosen at layer 0 from head-summed scores, used by all layers."
         },
+    )
+    page_size: int = field(
+        default=16,
+        metadata={"help": "block_topk: tokens per page; a full page is summarised by the mean of its keys."},
+    )
+    dense_layers: list[int] = field(
+        default_factory=lambda: [0, 1],
+        metadata={"help": "block_topk: layers that always read every position (comma-separated)."},
     )
     rkv_lambda: float = field(
         default=0.1,
@@ -53,29 +82,82 @@ class KVConfig:
 
     def __post_init__(self) -> None:
         if self.method not in KV_METHODS:
-            raise ValueError(f"kv.method={self.method!r} is unknown; choose one of {', '.join(KV_METHODS)}")
+            raise UserError(f"kv.method={self.method!r} is unknown; choose one of {', '.join(KV_METHODS)}")
         if self.granularity not in ("per_head", "shared"):
-            raise ValueError(f"kv.granularity={self.granularity!r} must be 'per_head' or 'shared'")
+            raise UserError(f"kv.granularity={self.granularity!r} must be 'per_head' or 'shared'")
         if self.window < 1 or self.interval < 1:
-            raise ValueError(f"kv.window ({self.window}) and kv.interval ({self.interval}) must be >= 1")
+            raise UserError(f"kv.window ({self.window}) and kv.interval ({self.interval}) must be >= 1")
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            raise ValueError(
+            raise UserError(
                 f"kv.pool_kernel={self.pool_kernel} must be odd and >= 1 (it is centred on a slot)"
             )
         if not 0.0 <= self.rkv_lambda <= 1.0:
-            raise ValueError(f"kv.rkv_lambda={self.rkv_lambda} must be in [0, 1]")
+            raise UserError(f"kv.rkv_lambda={self.rkv_lambda} must be in [0, 1]")
         if self.n_sink < 0:
-            raise ValueError(f"kv.n_sink={self.n_sink} must be >= 0")
-        reserved = self.window + (self.n_sink if self.method == "streaming_llm" else 0)
-        if self.method != "dense" and self.budget <= reserved:
-            raise ValueError(
-                f"kv.budget={self.budget} must exceed the always-kept positions "
-                f"(window {self.window}"
-                + (f" + {self.n_sink} sinks" if self.method == "streaming_llm" else "")
+            raise UserError(f"kv.n_sink={self.n_sink} must be >= 0")
+        if self.page_size < 1:
+            raise UserError(f"kv.page_size={self.page_size} must be >= 1")
+        if any(layer < 0 for layer in self.dense_layers):
+            raise UserError(f"kv.dense_layers={self.dense_layers} must be layer indices >= 0")
+        self.schedule = parse_schedule(self.schedule)
+        if self.method != "dense":
+            for name, budget in self._budgets():
+                self._check_budget(name, budget)
+
+    def _budgets(self) -> list[tuple[str, int]]:
+        """(what to call it in an error, budget) for kv.budget, or for every bin of kv.schedule."""
+        if self.schedule is None:
+            return [(f"kv.budget={self.budget}", self.budget)]
+        return [
+            (f"kv.schedule bin {i} (from length {start}): budget {budget}", budget)
+            for i, (start, budget) in enumerate(self.schedule)
+        ]
+
+    def _check_budget(self, name: str, budget: int) -> None:
+        """A budget must exceed what the method always keeps (eviction) or fill whole pages, at least the
+        always-read ones (block_topk)."""
+        if self.sparse_attention:
+            if budget % self.page_size:
+                raise UserError(
+                    f"{name} is not a multiple of kv.page_size={self.page_size} (whole pages are read)"
+                )
+            if budget < ALWAYS_READ_PAGES * self.page_size:
+                raise UserError(
+                    f"{name} is below the always-read pages: the first and the 2 most recent, "
+                    f"{ALWAYS_READ_PAGES} x kv.page_size={self.page_size} = {ALWAYS_READ_PAGES * self.page_size}"
+                )
+            return
+        sinks = self.method == "streaming_llm"
+        if budget <= self.window + (self.n_sink if sinks else 0):
+            raise UserError(
+                f"{name} must exceed the always-kept positions (window {self.window}"
+                + (f" + {self.n_sink} sinks" if sinks else "")
                 + ")"
             )
 
     @property
     def evicting(self) -> bool:
-        """True when the cache is cut back to `budget` during decoding."""
+        """True when the cache is cut back to a budget during decoding."""
         return self.method in EVICTION_METHODS
+
+    @property
+    def sparse_attention(self) -> bool:
+        """True when the cache is kept whole and each decode step reads only some of its pages."""
+        return self.method in SPARSE_ATTENTION_METHODS
+
+    @property
+    def sparse(self) -> bool:
+        """True when sampling differs from dense attention (evicting, or reading only some pages)."""
+        return self.evicting or self.sparse_attention
+
+    @property
+    def budget_schedule(self) -> BudgetSchedule:
+        """The budget as a function of length: kv.schedule, or kv.budget at every length."""
+        if self.schedule is None:
+            return BudgetSchedule.constant(self.budget)
+        return BudgetSchedule.from_table(self.schedule)
+
+    @property
+    def max_budget(self) -> int:
+        """The largest budget any sequence gets (an evicting cache's bound is this + interval - 1)."""
+        return self.budget_schedule.largest

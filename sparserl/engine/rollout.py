@@ -1,4 +1,5 @@
-"""The rollout engine: batched sampling on our own KV cache, dense or evicted to a budget, with sampler log-probs."""
+"""The rollout engine: batched sampling on our own KV cache (dense, evicted to a budget, or read block-sparse),
+with sampler log-probs."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from sparserl.engine.cache import KVCache
 from sparserl.engine.compression import make_evictor
 from sparserl.engine.decoder import Decoder, decode_attention, prefill_attention
 from sparserl.engine.kv_config import KVConfig
+from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import (
     DistributionRecorder,
     TokenDistributions,
     check_distribution_request,
     sample_next,
 )
+from sparserl.engine.sparse_attention import make_sparse_attention
 
 
 @dataclass
@@ -68,6 +71,9 @@ class RolloutEngine:
     method, a prompt longer than `kv.budget` is cut to the budget right after prefill, and during decoding every
     `kv.interval` steps each sequence holding `budget` or more positions is cut back so that it holds exactly
     `budget` after the step's token is written: no row ever holds more than `budget + interval - 1` positions.
+    With `kv.method` a block-sparse method (block_topk) the cache is kept whole and each decode step reads, per
+    layer and KV head, only the budget's worth of pages. With `kv.schedule`, each sequence's budget is re-read at
+    every decode step from its current length (`step_budget` holds the last step's, per cache row).
 
     `on_step`, when set, is called after every decode step as `on_step(step, cache, samples)` (`samples[r]` is
     the sample index of cache row r): a read-only window on the cache for tests and instrumentation.
@@ -79,6 +85,11 @@ class RolloutEngine:
         self.decoder = Decoder(model)
         self.kv = kv or KVConfig()
         self.evictor = make_evictor(self.kv, self.decoder.scale) if self.kv.evicting else None
+        self.sparse = (
+            make_sparse_attention(self.kv, self.decoder.num_layers) if self.kv.sparse_attention else None
+        )
+        self.schedule = self.kv.budget_schedule
+        self.step_budget: Tensor | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.on_step: Callable[[int, KVCache, Tensor], None] | None = None
 
@@ -162,7 +173,7 @@ class RolloutEngine:
     def _decode_capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
         if self.evictor is None:
             return longest_prompt + max_new_tokens
-        return min(self.kv.budget + self.kv.interval - 1, longest_prompt + max_new_tokens)
+        return min(self.kv.max_budget + self.kv.interval - 1, longest_prompt + max_new_tokens)
 
     def _generate(
         self, prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, recorder=None
@@ -183,10 +194,13 @@ class RolloutEngine:
         if self.evictor is not None:
             c0 = time.perf_counter()
             self.evictor.method.start(seed)
-            long_rows = (cache.length > kv.budget).nonzero().squeeze(-1)
-            self.evictor.compress(cache, long_rows, kv.budget, kv.window)
+            budget = self.schedule.budget(prompt_len)
+            long_rows = (cache.length > budget).nonzero().squeeze(-1)
+            self.evictor.compress_to(cache, long_rows, budget[long_rows], kv.window)
             events[long_rows] += 1
             compress_s += time.perf_counter() - c0
+        if self.sparse is not None:
+            self.sparse.start(cache)
         expand = torch.arange(len(prompt_ids), device=dev).repeat_interleave(n)
         cache.select_rows(expand, capacity=capacity)
         logits, events, total = logits[expand], events[expand], prompt_len[expand].clone()
@@ -198,8 +212,7 @@ class RolloutEngine:
         logps = torch.zeros(rows, max_new_tokens, device=dev)
         length = torch.zeros(rows, dtype=torch.long, device=dev)
         finish = ["length"] * rows
-        peak = cache.length.clone()
-        retained_sum = torch.zeros(rows, device=dev)
+        positions = PositionStats(cache.length)
         peak_bytes = max(prefill_bytes, cache.nbytes())
         gen = torch.Generator(device=dev).manual_seed(seed)
         t1 = time.perf_counter()
@@ -218,22 +231,24 @@ class RolloutEngine:
                     break
                 alive, tok = alive[keep], tok[keep]
                 cache.select_rows(keep)
+            # each sequence's budget, from its length once this step's token is written
+            self.step_budget = self.schedule.budget(total[alive] + 1) if kv.sparse else None
             if self.evictor is not None and (step + 1) % kv.interval == 0:
                 c0 = time.perf_counter()
-                over = (cache.length >= kv.budget).nonzero().squeeze(-1)
-                self.evictor.compress(cache, over, kv.budget - 1, kv.window - 1)
+                over = (cache.length >= self.step_budget).nonzero().squeeze(-1)
+                self.evictor.compress_to(cache, over, self.step_budget[over] - 1, kv.window - 1)
                 events[alive[over]] += 1
                 compress_s += time.perf_counter() - c0
             logits = self._decode_step(tok, total[alive], cache)
             total[alive] += 1
-            peak[alive] = torch.maximum(peak[alive], cache.length)
-            retained_sum[alive] += cache.length / total[alive]
+            read = self.sparse.plan.read if self.sparse is not None else cache.length
+            positions.add(alive, cache.length, read, total[alive])
             peak_bytes = max(peak_bytes, cache.nbytes())
             if self.on_step is not None:
                 self.on_step(step, cache, alive)
         decode_s = time.perf_counter() - t1
         return self._collect(
-            expand, tokens, logps, length, finish, peak, events, retained_sum, cache,
+            expand, tokens, logps, length, finish, positions, events, cache,
             prefill_s=prefill_s, decode_s=decode_s, compress_s=compress_s, peak_bytes=peak_bytes,
         )  # fmt: skip
 
@@ -288,11 +303,16 @@ class RolloutEngine:
         rope = dec.rope(hidden, positions[:, None])
         span = int(cache.length.max()) + 1
         valid = cache.valid(span, extra=1)
+        if self.sparse is not None:
+            self.sparse.begin_step(cache.length + 1, self.step_budget)
         for layer in range(dec.num_layers):
             qkv = dec.qkv(layer, hidden, rope)
             cache.write(layer, qkv.k, qkv.v, positions)
             k, v = cache.view(layer, span)
-            out, probs = decode_attention(qkv.q, k, v, valid, dec.scale)
+            mask = valid
+            if self.sparse is not None:
+                k, v, mask = self.sparse.read(cache, layer, qkv.q, k, v, valid)
+            out, probs = decode_attention(qkv.q, k, v, mask, dec.scale)
             if self.evictor is not None:
                 cache.remember_queries(layer, qkv.q)
                 self.evictor.method.observe(cache, layer, probs, span)
@@ -301,11 +321,9 @@ class RolloutEngine:
         cache.query_count += 1
         return dec.logits(hidden[:, 0])
 
-    def _collect(
-        self, expand, tokens, logps, length, finish, peak, events, retained_sum, cache, **t
-    ) -> Rollouts:
+    def _collect(self, expand, tokens, logps, length, finish, positions, events, cache, **t) -> Rollouts:
         samples = []
-        steps = (length - 1).clamp(min=1).float()
+        position_stats = positions.sample_stats()
         for i in range(len(expand)):
             k = int(length[i])
             samples.append(
@@ -315,9 +333,8 @@ class RolloutEngine:
                     logprobs=logps[i, :k].float().cpu(),
                     finish_reason=finish[i],
                     stats={
-                        "kv_peak_positions": int(peak[i]),
+                        **position_stats[i],
                         "compression_events": int(events[i]),
-                        "retained_fraction": float(retained_sum[i] / steps[i]) if k > 1 else 1.0,
                     },
                 )
             )
@@ -326,10 +343,9 @@ class RolloutEngine:
         stats = {
             "tokens_per_s": generated / wall if wall > 0 else 0.0,
             "generated_tokens": float(generated),
-            "peak_kv_positions": float(peak.max()),
+            **positions.summary(),
             "peak_kv_bytes": float(t["peak_bytes"]),
             "kv_bytes_per_position": float(cache.bytes_per_position()),
-            "retained_fraction": sum(s.stats["retained_fraction"] for s in samples) / len(samples),
             "compression_events": float(events.sum()),
             "prefill_s": t["prefill_s"],
             "decode_s": t["decode_s"],

@@ -138,3 +138,9 @@ class Evictor:
         recent = (recent_start + torch.arange(keep_recent, device=keys.device)[None, :])[:, None, :]
         recent = recent.expand(-1, keys.shape[1], -1)
         return torch.cat([best, recent], dim=-1).sort(dim=-1).values
+
+    def compress_to(self, cache: KVCache, rows: Tensor, targets: Tensor, keep_recent: int) -> None:
+        """Cut each listed row to its own target (its budget under a length schedule): one `compress` per
+        distinct target, so a constant budget is one pass as before."""
+        for target in targets.unique().tolist():
+            self.compress(cache, rows[targets == target], target, keep_recent)

@@ -1,0 +1,168 @@
+"""The block-sparse attention interface: a `PageSelector` summarises full pages and scores them for a query;
+`PageSparseAttention` keeps the summaries, picks the pages each KV head reads at a decode step (the first page,
+the 2 most recent, the best-scored others up to the sequence's budget) and gathers them for `decode_attention`.
+
+The cache is never cut, so a slot's index is its position and page p holds positions [p * page_size, (p + 1) *
+page_size) in every row.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sparserl.engine.cache import KVCache
+from sparserl.engine.kv_config import ALWAYS_READ_PAGES, KVConfig
+from sparserl.errors import UserError
+
+
+class PageSelector(ABC):
+    """One page-selection rule: what a full page is summarised by, and how a query scores the summaries."""
+
+    @abstractmethod
+    def summarise(self, page_keys: Tensor) -> Tensor:
+        """Keys of full pages [..., page_size, D] -> their summaries [..., S, D] (S vectors per page)."""
+
+    @abstractmethod
+    def score(self, queries: Tensor, summaries: Tensor) -> Tensor:
+        """queries [rows, Hkv, G, D] (the G query heads of each KV head), summaries [rows, Hkv, P, S, D] ->
+        scores [rows, Hkv, P], higher = read."""
+
+
+@dataclass
+class StepPlan:
+    """What every sparse layer of one decode step reads, per row (decided once per step).
+
+    tokens: positions once the step's token is written; pages: the pages they fill, the partial current one
+    included; budget_pages: the budget in pages; read: positions a sparse layer reads; width: the most pages any
+    row reads (0 when every row's budget covers all its pages: dense); filled: rows whose token completes a page;
+    best: pages chosen by score besides the always-read ones (most_best: the largest of them).
+    """
+
+    tokens: Tensor
+    pages: Tensor
+    budget_pages: Tensor
+    read: Tensor
+    width: int
+    filled: Tensor
+    best: Tensor
+    most_best: int
+
+    @classmethod
+    def make(cls, tokens: Tensor, budget: Tensor, page_size: int) -> StepPlan:
+        """The plan for rows of `tokens` positions [rows] under budgets [rows] (in positions)."""
+        pages = (tokens + page_size - 1) // page_size
+        budget_pages = budget // page_size
+        sparse = pages > budget_pages
+        width = int(torch.minimum(pages, budget_pages).max()) if bool(sparse.any()) else 0
+        # a row over budget skips (pages - budget_pages) full pages; the current page is read whole-so-far
+        read = torch.where(sparse, tokens - (pages - budget_pages) * page_size, tokens)
+        filled = (tokens % page_size == 0).nonzero().squeeze(-1)
+        best = budget_pages - ALWAYS_READ_PAGES
+        return cls(tokens, pages, budget_pages, read, width, filled, best, int(best.max()) if width else 0)
+
+
+def summary_key(layer: int) -> str:
+    return f"page_summaries.{layer}"
+
+
+def gather_slots(store: Tensor, slots: Tensor) -> Tensor:
+    """store[r, h, slots[r, h, i]] for a whole cache layer [rows, Hkv, capacity, D] and slots [rows, Hkv, R]:
+    one index_select over the flattened layer (a third of the time of advanced indexing on a CPU)."""
+    rows, hkv, capacity, d = store.shape
+    base = torch.arange(rows * hkv, device=slots.device).view(rows, hkv, 1) * capacity
+    return store.view(-1, d).index_select(0, (base + slots).flatten()).view(rows, hkv, -1, d)
+
+
+class PageSparseAttention:
+    """Reads, per decode step, layer and KV head, only some pages of a whole cache, with one `PageSelector`.
+
+    Prefill is dense; the layers in `kv.dense_layers` and the rows whose budget covers all their pages read every
+    held position through the plain mask, so a covering budget is the dense engine bit for bit.
+    """
+
+    def __init__(self, selector: PageSelector, cfg: KVConfig, num_layers: int):
+        beyond = [layer for layer in cfg.dense_layers if layer >= num_layers]
+        if beyond:
+            raise UserError(
+                f"kv.dense_layers={cfg.dense_layers} names layer {beyond[0]}, but the model has {num_layers} "
+                f"layers (0..{num_layers - 1})"
+            )
+        self.selector = selector
+        self.page_size = cfg.page_size
+        self.sparse_layers = [layer for layer in range(num_layers) if layer not in cfg.dense_layers]
+        self.plan: StepPlan | None = None
+
+    def start(self, cache: KVCache) -> None:
+        """After prefill: summarise every full page of the prompts; the summaries travel with their rows."""
+        ps = self.page_size
+        rows, hkv, capacity, d = cache.k[0].shape
+        # whole pages of the longest prompt; a shorter row's pages past its prompt are summarised again when they fill
+        whole = int(cache.length.max()) // ps
+        for layer in self.sparse_layers:
+            summaries = self.selector.summarise(
+                cache.k[layer][:, :, : whole * ps].reshape(rows, hkv, whole, ps, d)
+            )
+            store = summaries.new_zeros(rows, hkv, -(-capacity // ps), *summaries.shape[3:])
+            store[:, :, :whole] = summaries
+            cache.row_state[summary_key(layer)] = store
+
+    def begin_step(self, tokens: Tensor, budget: Tensor) -> None:
+        """Plan a decode step for rows holding `tokens` positions once its token is written, under `budget`."""
+        self.plan = StepPlan.make(tokens, budget, self.page_size)
+
+    def read(
+        self, cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The keys, values [rows, Hkv, R, D] and mask [rows, (Hkv,) R] that one layer's queries q [rows, Hq, 1,
+        D] attend to, given the held slots k, v [rows, Hkv, span, D] and their mask `valid` [rows, span] (the
+        step's token already written). Dense layers and dense steps get k, v and valid back untouched."""
+        plan = self.plan
+        if layer not in self.sparse_layers:
+            return k, v, valid
+        if plan.filled.numel():
+            self._summarise_filled(cache, layer, plan)
+        if plan.width == 0:
+            return k, v, valid
+        ps, span = self.page_size, k.shape[2]
+        pages = self.select_pages(cache.row_state[summary_key(layer)], q, plan)  # [rows, Hkv, width]
+        slots = (pages[..., None] * ps + torch.arange(ps, device=k.device)).flatten(2)
+        mask = (pages >= 0).repeat_interleave(ps, dim=-1) & (slots < plan.tokens[:, None, None])
+        slots = slots.clamp(0, span - 1)
+        return gather_slots(cache.k[layer], slots), gather_slots(cache.v[layer], slots), mask
+
+    def select_pages(self, summaries: Tensor, q: Tensor, plan: StepPlan) -> Tensor:
+        """Page indices [rows, Hkv, plan.width] each KV head reads, in order (-1 pads a row that reads fewer):
+        page 0, the current page and the one before it, and the best-scored of the other (full) pages, as many
+        as the row's budget leaves. Ties go to the older page."""
+        rows, hkv = summaries.shape[:2]
+        n_pages = int(plan.pages.max())
+        scores = self.selector.score(q.reshape(rows, hkv, -1, q.shape[-1]), summaries[:, :, :n_pages]).float()
+        last = plan.pages - 1  # the current page, being written
+        page = torch.arange(n_pages, device=q.device)
+        candidate = (page > 0) & (page < (last - 1)[:, None])  # [rows, n_pages]
+        # a stable sort: equal scores rank the older page first, whatever else is in the batch
+        ranked = scores.masked_fill(~candidate[:, None], float("-inf")).sort(
+            dim=-1, descending=True, stable=True
+        )
+        n_best = min(plan.most_best, n_pages)
+        rank = torch.arange(n_best, device=q.device)
+        best_ok = (rank < plan.best[:, None, None]) & (ranked.values[..., :n_best] > float("-inf"))
+        always = torch.stack([torch.zeros_like(last), last - 1, last], dim=-1)  # [rows, 3]
+        always_ok = torch.stack([torch.ones_like(last, dtype=torch.bool), last > 1, last > 0], dim=-1)
+        pages = torch.cat([always[:, None].expand(-1, hkv, -1), ranked.indices[..., :n_best]], dim=-1)
+        ok = torch.cat([always_ok[:, None].expand(-1, hkv, -1), best_ok], dim=-1)
+        picked = torch.where(ok, pages, n_pages).sort(dim=-1).values[..., : plan.width]
+        return torch.where(picked < n_pages, picked, -1)
+
+    def _summarise_filled(self, cache: KVCache, layer: int, plan: StepPlan) -> None:
+        """Summarise the page that this step's token completed, in the rows where it did."""
+        ps, rows = self.page_size, plan.filled
+        first = plan.tokens[rows] - ps  # first slot of the completed page
+        slots = first[:, None] + torch.arange(ps, device=rows.device)  # [f, ps]
+        heads = torch.arange(cache.k[layer].shape[1], device=rows.device)[None, :, None]
+        keys = cache.k[layer][rows[:, None, None], heads, slots[:, None, :]]  # [f, Hkv, ps, D]
+        cache.row_state[summary_key(layer)][rows, :, first // ps] = self.selector.summarise(keys)
