@@ -335,3 +335,12 @@ def test_training_without_the_flag_records_nothing(tmp_path: Path, monkeypatch: 
 def test_bad_acceptance_config_names_the_key(tmp_path: Path, override: str, key: str):
     with pytest.raises(ConfigError, match=f"trainer.{key}="):
         tiny_cfg(tmp_path, override)
+
+
+def test_a_top_k_larger_than_the_vocabulary_is_refused_at_start(tmp_path) -> None:
+    from test_trainer import make_trainer, tiny_cfg
+
+    from sparserl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="acceptance_top_k=100000 exceeds the vocabulary"):
+        make_trainer(tiny_cfg(tmp_path, "trainer.log_acceptance=true", "trainer.acceptance_top_k=100000"))

@@ -159,6 +159,9 @@ def test_yaml_data_paths_are_relative_to_the_yaml_file(
     monkeypatch.chdir(tmp_path)
     assert load_config("cfg/run.yaml").task.data == str(tmp_path / "cfg" / "data" / "train.jsonl")
     assert load_config(None, ["task.data=data/x.jsonl"]).task.data == "data/x.jsonl"  # command line: as given
+    (tmp_path / "cfg" / "sched.yaml").write_text("[[0, 64], [128, 96]]\n")
+    (tmp_path / "cfg" / "sched_run.yaml").write_text("kv:\n  method: block_topk\n  schedule: sched.yaml\n")
+    assert load_config("cfg/sched_run.yaml").kv.schedule == [[0, 64], [128, 96]]
     shipped = load_config("gsm8k").task.data
     assert Path(shipped.replace("{split}", "train")).is_file(), shipped
 

@@ -243,17 +243,23 @@ def _yaml_lines(text: str, source: str, where: _Where) -> None:
         walk(root, "")
 
 
-DATA_PATH_KEYS = (("task", "data"), ("trainer", "eval_data"))
+def _is_local_file(value: str) -> bool:
+    """A data file or a schedule file (not a Hugging Face dataset name, not an inline table)."""
+    from sparserl.tasks.dataset import is_local_source
+
+    return is_local_source(value) or value.lower().endswith((".yaml", ".yml"))
+
+
+PATH_KEYS = (("task", "data"), ("trainer", "eval_data"), ("kv", "schedule"))
 
 
 def _resolve_data_paths(data: dict[str, Any], config_file: Path) -> None:
-    """Make relative local data paths of a YAML file relative to that file, not to the working directory, so
-    a config (and the presets in configs/) works from anywhere. Hugging Face dataset names are left alone."""
-    from sparserl.tasks.dataset import is_local_source
-
-    for section, key in DATA_PATH_KEYS:
+    """Make relative local file paths of a YAML file (data, eval data, a KV schedule file) relative to that
+    file, not to the working directory, so a config (and the presets in configs/) works from anywhere. Hugging
+    Face dataset names and inline schedules are left alone."""
+    for section, key in PATH_KEYS:
         value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
-        if isinstance(value, str) and value and is_local_source(value) and not os.path.isabs(value):
+        if isinstance(value, str) and value and _is_local_file(value) and not os.path.isabs(value):
             data[section][key] = os.path.normpath(config_file.resolve().parent / os.path.expanduser(value))
 
 

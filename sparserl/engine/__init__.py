@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from sparserl.engine.kv_config import EVICTION_METHODS, KV_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
 from sparserl.engine.rollout import RolloutEngine, Rollouts, Sample
-from sparserl.engine.scoring import completion_logprobs, score
+from sparserl.engine.sampling import TokenDistributions
+from sparserl.engine.scoring import completion_logprobs, score, score_distributions
 
 __all__ = [
     "EVICTION_METHODS",
@@ -15,6 +16,8 @@ __all__ = [
     "RolloutEngine",
     "Rollouts",
     "Sample",
+    "TokenDistributions",
     "completion_logprobs",
     "score",
+    "score_distributions",
 ]

@@ -179,7 +179,7 @@ def _sparse_kv(args: argparse.Namespace) -> Any:
             )
         return None
     kv = kv_config(args.kv, args.budget, args.window, args.interval)
-    return kv if kv.evicting else None
+    return kv if kv.sparse else None
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -277,7 +277,7 @@ def rollout_command(args: argparse.Namespace) -> int:
     examples = [task[i] for i in range(count)]
     console.print(f"loading model {args.model} ...", highlight=False)
     loaded = load_eval_model(args.model, None, device)
-    engine = RolloutEngine(loaded.model, loaded.tokenizer, kv if kv.evicting else None)
+    engine = RolloutEngine(loaded.model, loaded.tokenizer, kv if kv.sparse else None)
     prompts = [encode_prompt(loaded.tokenizer, ex.messages) for ex in examples]
     out = engine.generate(
         prompts,
@@ -305,7 +305,7 @@ def rollout_command(args: argparse.Namespace) -> int:
     rows = len(out)
     dense_bytes = st["kv_bytes_per_position"] * rows * (max(map(len, prompts)) + args.max_new_tokens)
     dense_positions = max(len(prompts[s.prompt_index]) + len(s.completion_ids) for s in out.samples)
-    mode = f"sparse {kv.method}, budget {kv.budget}, interval {kv.interval}" if kv.evicting else "dense"
+    mode = f"sparse {kv.method}, budget {kv.budget}, interval {kv.interval}" if kv.sparse else "dense"
     console.print(
         f"[bold]{rows} completions[/bold] ({count} prompts x {args.n}, {mode}): "
         f"{int(st['generated_tokens'])} tokens in {st['prefill_s'] + st['decode_s']:.2f}s = "

@@ -1,5 +1,5 @@
 """Evaluation under dense and sparse inference: the same prompts, sampled with the same seeds on a dense KV
-cache and on an evicting one, scored by the task's verifiable reward. Reports mean@k, pass@k (unbiased),
+cache and on a sparse one (evicting or block-sparse), scored by the task's verifiable reward. Reports mean@k, pass@k (unbiased),
 completion length, truncated share and KV memory for each, and the sparse-minus-dense differences."""
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def evaluate(
     progress: ProgressFn | None = None,
 ) -> dict[str, Any]:
     """mean@k and pass@k (k = `samples`) of `model` on the first `limit` prompts of `task` (a Task, or a list
-    of Examples scored by math-verify), under dense inference (`dense=True`) and, when `kv` is an evicting
+    of Examples scored by math-verify), under dense inference (`dense=True`) and, when `kv` is a sparse
     method, under sparse inference with that KV policy. Both modes use the same prompts and, per chunk of
     `batch_prompts` prompts, the same sampling seed, so they differ only by the cache. Returns a JSON-ready
     dict: {'dense': {...}, 'sparse': {...}, 'sparse_minus_dense': {...}, ...}; with `details`, also the
@@ -190,9 +190,9 @@ def evaluate(
     count = len(task) if not limit else min(limit, len(task))
     if count < 1:
         raise ValueError(f"task {getattr(task, 'name', '')!r} has no prompts to evaluate")
-    sparse = kv is not None and kv.evicting
+    sparse = kv is not None and kv.sparse
     if not dense and not sparse:
-        raise ValueError("nothing to evaluate: dense=False and kv is not an evicting method")
+        raise ValueError("nothing to evaluate: dense=False and kv is not a sparse method")
     indices = list(range(count))
     prompt_ids = [encode_prompt(tokenizer, task[i].messages) for i in indices]
     check_prompt_lengths(model, task, indices, prompt_ids, max_new_tokens)

@@ -11,8 +11,18 @@ from typing import Any
 from torch import nn
 
 from sparserl.algo.acceptance import acceptance_metrics
+from sparserl.config import ConfigError
 from sparserl.engine.rollout import Sample
 from sparserl.eval.acceptance import rollout_acceptance
+
+
+def check_acceptance(cfg: Any, vocab_size: int) -> None:
+    """Refuse at start-up, not at the first rollout, a top-k larger than the model's vocabulary."""
+    if cfg.trainer.log_acceptance and cfg.trainer.acceptance_top_k > vocab_size:
+        raise ConfigError(
+            f"trainer.acceptance_top_k={cfg.trainer.acceptance_top_k} exceeds the vocabulary of "
+            f"{cfg.model.spec!r} ({vocab_size} tokens)"
+        )
 
 
 def acceptance_request(cfg: Any) -> dict[str, Any]:

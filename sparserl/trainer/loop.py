@@ -17,7 +17,7 @@ from torch import Tensor
 from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, load_config, save_config
 from sparserl.errors import DataError
-from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics
+from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
 from sparserl.trainer.checkpoint import (
     Checkpoint,
     TrainerState,
@@ -120,6 +120,7 @@ class Trainer:
             self.eval_task = with_reward_fns(self.eval_task, reward_fn)
         self.policy = Policy(cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed)
         self.tokenizer = self.policy.tokenizer
+        check_acceptance(cfg, self.policy.module.get_input_embeddings().weight.shape[0])
 
         from sparserl.engine import RolloutEngine
 

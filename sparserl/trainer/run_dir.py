@@ -16,7 +16,7 @@ from sparserl.trainer.checkpoint import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
-# Settings a resume may change (run length, checkpoints, evaluation, logging, threads): they do not change
+# Settings a resume may change (run length, checkpoints, evaluation, logging and diagnostics, threads): they do not change
 # what was trained so far. `output_dir`/`run_name` only locate the run. Everything else is fixed for a run.
 RESUMABLE_KEYS = (
     "trainer.steps",
@@ -28,6 +28,8 @@ RESUMABLE_KEYS = (
     "trainer.eval_sparse",
     "trainer.eval_temperature",
     "trainer.threads",
+    "trainer.log_acceptance",
+    "trainer.acceptance_",
     "logging.",
 )
 LOCATION_KEYS = ("trainer.output_dir", "trainer.run_name")
