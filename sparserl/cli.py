@@ -411,5 +411,55 @@ def plot(args: argparse.Namespace) -> int:
     return plot_main(args.runs, args.out, args.smooth)
 
 
+# ---------------------------------------------------------------------------------------------- cost
+
+
+def _cost_epilog() -> str:
+    from sparserl.cost.probe import INTENSITY_PRESETS
+
+    presets = ", ".join(f"{name} = {value:.3g}" for name, value in INTENSITY_PRESETS.items())
+    return (
+        f"--intensity presets (FLOPs per byte): {presets}\n\n"
+        "examples:\n"
+        "  sparserl cost --prompt-len 64 --output-len 8000 --n 16 --budget 1024\n"
+        "  sparserl cost --schedule calibrated.json --methods dense,block_topk --mem-cap 4GiB --json\n"
+        "  sparserl cost --model path/to/Qwen3-1.7B --dtype bfloat16 --intensity h200 --n 8 --output-len 16000\n"
+        "  sparserl cost --probe --threads 1                     # measure I on this CPU\n"
+        "  sparserl cost --probe-decode 64,2048 --decode-steps 17   # check the model against the engine\n"
+        "See docs/cost_model.md."
+    )
+
+
+@command(
+    "cost",
+    "Predict the rollout speed-up and memory of dense, eviction and block-sparse KV from a cost model.",
+    arg("--model", "-m", default="smollm2-135m", help="model folder, .gguf or smollm2-135m (config only)"),
+    arg("--dtype", default="float32", help="float32, bfloat16 or float16: bytes per weight and KV element"),
+    arg("--prompt-len", type=int, default=64, help="prompt tokens (default 64)"),
+    arg("--output-len", type=int, default=4096, help="new tokens per sample, EOS ignored (default 4096)"),
+    arg("--n", type=int, default=16, help="samples of the prompt decoded together (default 16)"),
+    arg("--methods", default="dense,rkv,block_topk", help="kv.method names, comma-separated (dense always)"),
+    arg("--budget", type=int, default=512, help="KV budget of the sparse methods (default 512)"),
+    arg("--schedule", help="replaces --budget: [[from_length, budget], ...] or a JSON/YAML file"),
+    arg("--interval", type=int, default=128, help="eviction: decode steps between cuts (default 128)"),
+    arg("--page-size", type=int, default=16, help="block_topk: tokens per page (default 16)"),
+    arg("--dense-layers", default="0,1", help="block_topk: layers that stay dense (default 0,1)"),
+    arg("--intensity", default="cpu-1t", help="FLOPs per byte: a number or a preset (default cpu-1t)"),
+    arg("--mem-cap", default="4GiB", help="KV memory for the 'seqs at cap' column (default 4GiB)"),
+    arg("--json", action="store_true", help="print the report as JSON"),
+    arg("--probe", action="store_true", help="instead, measure this machine's FLOPs per byte (--threads)"),
+    arg("--probe-decode", metavar="LENGTHS", help="instead, time dense decode steps at these prompt lengths"),
+    arg("--decode-steps", type=int, default=17, help="--probe-decode: new tokens per timing (default 17)"),
+    arg("--repeats", type=int, default=3, help="--probe-decode: timings per length, alternating (default 3)"),
+    arg("--threads", type=int, default=1, help="--probe, --probe-decode: torch threads (default 1)"),
+    epilog=_cost_epilog,
+)
+def cost(args: argparse.Namespace) -> int:
+    """`sparserl cost`: see sparserl/cost/report.py."""
+    from sparserl.cost.report import cost_command
+
+    return cost_command(args)
+
+
 if __name__ == "__main__":
     sys.exit(main())
