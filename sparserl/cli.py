@@ -425,7 +425,7 @@ def _cost_epilog() -> str:
         "  sparserl cost --schedule calibrated.json --methods dense,block_topk --mem-cap 4GiB --json\n"
         "  sparserl cost --model path/to/Qwen3-1.7B --dtype bfloat16 --intensity h200 --n 8 --output-len 16000\n"
         "  sparserl cost --probe --threads 1                     # measure I on this CPU\n"
-        "  sparserl cost --probe-decode 64,2048 --decode-steps 17   # check the model against the engine\n"
+        "  sparserl cost --probe-decode 64,2048 --methods dense,h2o   # check the model against the engine\n"
         "See docs/cost_model.md."
     )
 
@@ -448,9 +448,9 @@ def _cost_epilog() -> str:
     arg("--mem-cap", default="4GiB", help="KV memory for the 'seqs at cap' column (default 4GiB)"),
     arg("--json", action="store_true", help="print the report as JSON"),
     arg("--probe", action="store_true", help="instead, measure this machine's FLOPs per byte (--threads)"),
-    arg("--probe-decode", metavar="LENGTHS", help="instead, time dense decode steps at these prompt lengths"),
+    arg("--probe-decode", metavar="LENGTHS", help="instead, time the engine's steps at these prompt lengths"),
     arg("--decode-steps", type=int, default=17, help="--probe-decode: new tokens per timing (default 17)"),
-    arg("--repeats", type=int, default=3, help="--probe-decode: timings per length, alternating (default 3)"),
+    arg("--repeats", type=int, default=3, help="--probe-decode: timings per cell, interleaved (default 3)"),
     arg("--threads", type=int, default=1, help="--probe, --probe-decode: torch threads (default 1)"),
     epilog=_cost_epilog,
 )

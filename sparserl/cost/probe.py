@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from sparserl.cost.shape import CostInputError, ModelShape, torch_dtype
 from sparserl.engine.kv_config import KVConfig
 
-# Measured with `sparserl cost --probe --threads T` (SmolLM2-135M shapes, batch 16, float32) on this project's
-# machine: 2 cores of an Intel Xeon @ 2.80GHz (AVX-512, 48 MiB L3), both busy with other work. The GPU entries
-# are datasheet ratios, bf16 dense tensor-core peak / HBM bandwidth. See docs/cost_model.md.
+# CPU entries: medians of 5 runs of `sparserl cost --probe --threads T` (SmolLM2-135M shapes, batch 16, float32)
+# on this project's machine, 2 cores of an Intel Xeon @ 2.80GHz (AVX-512, 48 MiB L3) both busy with other work.
+# GPU entries: datasheet bf16 dense tensor-core peak / HBM bandwidth. See docs/cost_model.md.
 INTENSITY_PRESETS = {
     "cpu-1t": 3.3,
-    "cpu-2t": 1.0,
+    "cpu-2t": 1.6,
     "h100": 989e12 / 3.35e12,
     "h200": 989e12 / 4.8e12,
 }
