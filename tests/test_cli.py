@@ -36,7 +36,7 @@ def test_train_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> Non
     out = capsys.readouterr().out
     for path, _, _ in iter_fields():
         assert path in out
-    assert "Retained positions per sequence" in out  # a help string, not only the names
+    assert "Per-sequence budget, prompt included" in out  # a help string, not only the names
     assert "sparse-rl" in out and "--resume" in out
 
 

@@ -1,0 +1,109 @@
+"""`sparserl train`: the config, the run, one-line errors and an honest Ctrl-C message."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from sparserl.cli import arg, command
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+def _train_epilog() -> str:
+    from sparserl.algo import PRESETS
+    from sparserl.config import CONFIG_DIR, format_help, list_run_presets
+
+    return (
+        "examples:\n"
+        "  sparserl train                                   # the embedded default (SmolLM2-135M, arithmetic, sparse-rl + R-KV)\n"
+        "  sparserl train --config configs/dense.yaml optim.lr=1e-5 trainer.steps=50\n"
+        "  sparserl train --resume runs/sparse-rl-rkv-20250101-120000 trainer.steps=100\n\n"
+        f"run presets (--config NAME, from {CONFIG_DIR}): {', '.join(list_run_presets()) or '(none)'}\n"
+        f"algo presets (algo.preset=NAME): {', '.join(PRESETS)}\n\n"
+        "config keys (override any with section.key=value; lists comma-separated or [a, b]; null for none):"
+        + format_help()
+    )
+
+
+@command(
+    "train",
+    "Train a policy with GRPO-family RL on sparse (or dense) rollouts, from a YAML config plus key=value overrides.",
+    arg(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-5 kv.budget=256"
+    ),
+    arg(
+        "--config",
+        "-c",
+        default=None,
+        help="YAML config file or run preset name; default: the embedded default",
+    ),
+    arg(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue a run from its latest checkpoint (with no RUN_DIR: the newest run under trainer.output_dir)",
+    ),
+    arg("--print-config", action="store_true", help="print the resolved config as YAML and exit"),
+    epilog=_train_epilog,
+)
+def train(args: argparse.Namespace) -> int:
+    """`sparserl train`: resolve the config, run the loop, print the summary."""
+    import yaml
+
+    from sparserl.config import ConfigError, load_config
+
+    if args.resume is not None and args.config is not None:
+        raise ConfigError("--resume uses the run's own config.yaml; pass overrides (key=value), not --config")
+    run_dir = None
+    if args.resume and "=" in args.resume and not os.path.isdir(args.resume):
+        # `--resume key=value`: argparse took the first override for RUN_DIR
+        args.overrides.insert(0, args.resume)
+        args.resume = ""
+    if args.resume is not None:
+        from sparserl.trainer import find_resumable, resume_config
+
+        run_dir = args.resume or find_resumable(load_config(None, args.overrides).trainer.output_dir)
+        cfg = resume_config(run_dir, args.overrides)
+    else:
+        cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+
+    from rich.console import Console
+
+    from sparserl.trainer import Trainer
+    from sparserl.trainer.logging import render_summary
+
+    console = Console(stderr=True)
+    trainer = Trainer(cfg, run_dir, resume=args.resume is not None, console=console)
+    console.print(
+        f"[bold]sparserl train[/bold] -> {trainer.run_dir}  (model {cfg.model.spec}, task {cfg.task.name}, "
+        f"algo {cfg.algo.preset}, rollouts {'sparse ' + cfg.kv.method if cfg.sparse else 'dense'}, "
+        f"{cfg.trainer.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    try:
+        summary = trainer.train()
+    except KeyboardInterrupt:
+        console.print(interrupted_hint(trainer.run_dir), highlight=False, soft_wrap=True)
+        raise
+    render_summary(summary, console)
+    return 0
+
+
+def interrupted_hint(run_dir: str | os.PathLike[str]) -> str:
+    """How to go on after Ctrl-C: --resume from the latest checkpoint, or (none written yet) start again."""
+    from sparserl.trainer import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return (
+            f"interrupted before the first checkpoint: nothing was saved to {run_dir}; "
+            "run the same command to start again"
+        )
+    return f"interrupted; {checkpoint.name} was saved; continue with: sparserl train --resume {run_dir}"
