@@ -9,6 +9,7 @@ where that is not possible the peak is the process-lifetime one (`resource.getru
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -189,3 +190,75 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in cells:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+@contextmanager
+def locked_folder(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on the folder of `path`, so that processes sharing one results file take
+    turns to read, merge and write it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def runs_with_settings(path: Path, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """The `runs` of the results file at `path` if it was measured with `settings` (else, or no file: [])."""
+    if not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    return old.get("runs", []) if old.get("settings") == settings else []
+
+
+def merge_runs_and_write(
+    path: Path,
+    settings: dict[str, Any],
+    mine: list[dict[str, Any]],
+    cell: tuple[str, ...],
+    resume: bool,
+    build: Callable[[list[dict[str, Any]]], dict[str, Any]],
+) -> dict[str, Any]:
+    """Under the folder lock: the runs on disk (when resuming, same settings), with this process's runs
+    replacing those of the same cell (the values of the `cell` keys), made into the report by `build(runs)`
+    and written atomically, so that processes filling one grid side by side never lose each other's runs."""
+    with locked_folder(path):
+        kept = runs_with_settings(path, settings) if resume else []
+        mine_cells = {tuple(r[k] for k in cell) for r in mine}
+        report = build([r for r in kept if tuple(r[k] for k in cell) not in mine_cells] + mine)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, path)
+    return report
+
+
+def timed_rollout(
+    model: Any, tokenizer: Any, kv: Any, prompt: list[int], batch: int, length: int, seed: int
+) -> tuple[Any, dict[str, float]]:
+    """One `generate` call of `batch` samples of `prompt` under the KV policy `kv` (None: dense), at
+    temperature 1 with EOS ignored, so that every sample reaches `length` tokens. Returns the rollouts and the
+    call's wall and CPU seconds, tokens per CPU second, process memory (peak RSS, its growth over the RSS
+    before) and the load averages around it: on a shared machine the wall clock depends on the others' load,
+    CPU seconds much less."""
+    from sparserl.engine import RolloutEngine
+
+    engine = RolloutEngine(model, tokenizer, kv=kv)
+    engine.eos_ids = set()
+    load = os.getloadavg()[0]
+    cpu0 = time.process_time()
+    with measure() as m:
+        out = engine.generate([prompt], n=batch, max_new_tokens=length, temperature=1.0, seed=seed)
+    cpu_s = time.process_time() - cpu0
+    generated = sum(len(s.completion_ids) for s in out)
+    assert generated == batch * length, "EOS must be disabled so that every sample reaches the length"
+    return out, {
+        "wall_s": m["seconds"],
+        "cpu_s": cpu_s,
+        "tokens_per_cpu_s": generated / cpu_s if cpu_s > 0 else 0.0,
+        "peak_rss_mib": mib(m["peak_rss_bytes"]),
+        "peak_growth_mib": mib(m["peak_delta_bytes"]),
+        "load_avg_1min_before": load,
+        "load_avg_5min_after": os.getloadavg()[1],
+    }
