@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,14 +34,14 @@ from _common import (  # noqa: E402
     RESULTS,
     command_line,
     machine_info,
-    measure,
     mib,
     peak_is_resettable,
     print_table,
+    timed_rollout,
     write_json,
 )
 
-from sparserl.engine import EVICTION_METHODS, KVConfig, RolloutEngine  # noqa: E402
+from sparserl.engine import EVICTION_METHODS, KVConfig  # noqa: E402
 
 BENCH_METHODS = ("dense", *EVICTION_METHODS)  # block-sparse attention has its own benchmark (issue 15)
 from sparserl.models import encode_prompt, load_model  # noqa: E402
@@ -76,18 +75,10 @@ def run_one(
     model, tokenizer, kv: KVConfig | None, prompt: list[int], batch: int, length: int, seed: int
 ) -> dict:
     """One `generate` call of `batch` samples of `length` tokens; the engine's stats plus process memory."""
-    engine = RolloutEngine(model, tokenizer, kv=kv)
-    engine.eos_ids = set()
-    load = os.getloadavg()[0]
-    cpu0 = time.process_time()
-    with measure() as m:
-        out = engine.generate([prompt], n=batch, max_new_tokens=length, temperature=1.0, seed=seed)
-    cpu_s = time.process_time() - cpu0
-    generated = sum(len(s.completion_ids) for s in out)
-    assert generated == batch * length, "EOS must be disabled so that every sample reaches the length"
+    out, timing = timed_rollout(model, tokenizer, kv, prompt, batch, length, seed)
     st = out.stats
     return {
-        "wall_s": m["seconds"],
+        "wall_s": timing["wall_s"],
         "tokens_per_s": st["tokens_per_s"],
         "prefill_s": st["prefill_s"],
         "decode_s": st["decode_s"],
@@ -99,13 +90,7 @@ def run_one(
         "kv_bytes_per_position": st["kv_bytes_per_position"],
         "retained_fraction": st["retained_fraction"],
         "compression_events": st["compression_events"],
-        "peak_rss_mib": mib(m["peak_rss_bytes"]),
-        "peak_growth_mib": mib(m["peak_delta_bytes"]),
-        # on a shared machine the wall clock depends on the others' load; CPU seconds much less so
-        "cpu_s": cpu_s,
-        "tokens_per_cpu_s": generated / cpu_s if cpu_s > 0 else 0.0,
-        "load_avg_1min_before": load,
-        "load_avg_5min_after": os.getloadavg()[1],
+        **{k: v for k, v in timing.items() if k != "wall_s"},
     }
 
 
