@@ -263,6 +263,13 @@ def test_command_calibrates_then_checks_on_other_prompts(tmp_path: Path, capsys:
     check = json.loads((out / "check.json").read_text())
     assert check["source"]["prompt_indices"] == [5] and check["schedule"] == saved["schedule"]
     assert "all bins P5 >= 0.86" in capsys.readouterr().out
+    # both reports carry their goal in the results format, measured from their own table
+    ((name, goal),) = saved["goals"].items()
+    assert goal["target"] == 1.0 and goal["command"] == saved["command"]
+    assert json.loads((out / "schedule.json").read_text())["goals"] == saved["goals"]
+    ((name, goal),) = check["goals"].items()
+    lowest = min(v["p5"] for v in check["verdict"] if v["p5"] is not None)
+    assert goal == {"value": lowest, "target": 0.86, "met": lowest >= 0.86, "command": check["command"]}
 
 
 @pytest.mark.parametrize(

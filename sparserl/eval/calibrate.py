@@ -349,6 +349,28 @@ def plot_heatmap(report: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+def report_goals(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's goal in the project's results format (value, target, met, command). A calibration: every
+    length bin with enough tokens has a candidate budget whose P5 >= tau (value: the share that has). A check:
+    every such bin keeps P5 >= tau under the schedule on held-out prompts (value: the lowest P5; issue 15's
+    Tail goal)."""
+    tau, command = report["settings"]["tau"], report.get("command")
+    if report["kind"] == "calibration":
+        measured = [r for r in report["schedule_bins"] if not r["reason"].startswith(TOO_FEW_TOKENS)]
+        passing = [r for r in measured if not r["reason"].startswith(NO_BUDGET_PASSES)]
+        share = len(passing) / len(measured) if measured else None
+        name, value, target, met = "every measured bin has a budget with P5 >= tau", share, 1.0, share == 1.0
+    else:
+        p5 = [v["p5"] for v in report["verdict"] if v["p5"] is not None]
+        value = min(p5) if p5 else None
+        name, target, met = (
+            "held-out P5 >= tau in every measured bin",
+            tau,
+            value is not None and value >= tau,
+        )
+    return {name: {"value": value, "target": target, "met": met, "command": command}}
+
+
 def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """Write a calibration's JSON, heatmap and schedule file (or a check's JSON and heatmap) into `out_dir`.
     The schedule file is a mapping whose `schedule` key holds the table, which `kv.schedule=FILE` reads; the
@@ -365,6 +387,7 @@ def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         "estimate": s["estimate"],
         "bin_width": s["bin_width"],
         "calibration": CALIBRATION_JSON,
+        "goals": report.get("goals", {}),
     }
     return [
         write_json(report, out / CALIBRATION_JSON),
@@ -474,6 +497,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     report["source"] = {"model": args.model, "model_loaded_from": loaded.path, "data": args.data,
                         "split": args.split, "prompt_indices": indices}  # fmt: skip
     report["wall_s"] = time.perf_counter() - t0
+    report["goals"] = report_goals(report)
     for path in write_outputs(report, out):
         console.print(f"wrote {path}", highlight=False)
     for warning in report["warnings"]:
