@@ -38,6 +38,24 @@ def arg(*flags: str, **kwargs: Any) -> Arg:
     return Arg(flags, kwargs)
 
 
+# Argument groups that several subcommands share (eval, calibrate): which rows, and how the model is loaded.
+ROW_FIELD_ARGS = (
+    arg("--split", default="test", help="dataset split for Hugging Face datasets and procedural tasks"),
+    arg("--question-key", default="", help="row field of the question (default: auto-detect)"),
+    arg("--answer-key", default="", help="row field of the reference answer (default: auto-detect)"),
+)
+MODEL_LOAD_ARGS = (
+    arg(
+        "--checkpoint",
+        action="store_true",
+        help="with a run directory: use its latest checkpoint, not final/",
+    ),
+    arg("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32, or the run's)"),
+    arg("--device", default=None, help="torch device (default: cuda when available, else cpu)"),
+    arg("--threads", type=int, default=0, help="torch CPU threads; 0 leaves torch's default"),
+)
+
+
 @dataclass
 class Command:
     """A registered subcommand."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparserl.cli import arg, command
+from sparserl.cli import MODEL_LOAD_ARGS, ROW_FIELD_ARGS, arg, command
 
 # ---------------------------------------------------------------------------------------------- eval
 
@@ -71,23 +71,14 @@ def _eval_epilog() -> str:
     arg("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default)"),
     arg("--seed", type=int, default=0, help="sampling seed, shared by dense and sparse inference"),
     arg("--batch-prompts", type=int, default=8, help="prompts per generate call (default 8)"),
-    arg("--split", default="test", help="dataset split for Hugging Face datasets and procedural tasks"),
-    arg("--question-key", default="", help="row field of the question (default: auto-detect)"),
-    arg("--answer-key", default="", help="row field of the reference answer (default: auto-detect)"),
+    *ROW_FIELD_ARGS,
     arg(
         "--prompt-template",
         default="",
         help="build the question from row fields, e.g. '{body} {question}' (default: the question field)",
     ),
     arg("--no-dense", action="store_true", help="with --kv: skip dense inference (sparse only)"),
-    arg(
-        "--checkpoint",
-        action="store_true",
-        help="with a run directory: use its latest checkpoint, not final/",
-    ),
-    arg("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32, or the run's)"),
-    arg("--device", default=None, help="torch device (default: cuda when available, else cpu)"),
-    arg("--threads", type=int, default=0, help="torch CPU threads; 0 leaves torch's default"),
+    *MODEL_LOAD_ARGS,
     arg(
         "--out", "-o", default=None, help="also write the report, with per-prompt results, to this JSON file"
     ),

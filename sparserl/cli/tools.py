@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparserl.cli import arg, command
+from sparserl.cli import MODEL_LOAD_ARGS, ROW_FIELD_ARGS, arg, command
 
 # ---------------------------------------------------------------------------------------------- plot
 
@@ -104,11 +104,9 @@ def _calibrate_epilog() -> str:
     "Calibrate a KV budget schedule by the tail (P5) of the sparse-vs-dense acceptance rate per length bin.",
     arg("--model", "-m", default="smollm2-135m", help="run directory, HF id/folder, .gguf or smollm2-135m"),
     arg("--data", "-d", default=None, help="prompts: a data file, gsm8k, an eval set or a built-in task"),
-    arg("--split", default="test", help="dataset split for Hugging Face datasets and procedural tasks"),
+    *ROW_FIELD_ARGS,
     arg("--prompts", type=int, default=4, help="calibration prompts (default 4)"),
     arg("--offset", type=int, default=0, help="index of the first prompt; held-out checks use others"),
-    arg("--question-key", default="", help="row field of the question (default: auto-detect)"),
-    arg("--answer-key", default="", help="row field of the reference answer (default: auto-detect)"),
     arg("--method", default="block_topk", help="block_topk or an eviction method (rkv, snapkv, h2o, ...)"),
     arg("--budgets", default=None, help="candidate budgets, comma-separated, e.g. 64,128,256,512"),
     arg("--schedule", default=None, help="instead of --budgets: check this schedule (file or table)"),
@@ -129,10 +127,7 @@ def _calibrate_epilog() -> str:
     arg("--window", type=int, default=None, help="eviction: always-kept recent positions"),
     arg("--interval", type=int, default=None, help="eviction: decode steps between cuts"),
     arg("--out", "-o", default="calibration", help="output directory (default ./calibration)"),
-    arg("--checkpoint", action="store_true", help="with a run directory: its latest checkpoint"),
-    arg("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32, or the run's)"),
-    arg("--device", default=None, help="torch device (default: cuda when available, else cpu)"),
-    arg("--threads", type=int, default=0, help="torch CPU threads; 0 leaves torch's default"),
+    *MODEL_LOAD_ARGS,
     arg("--quiet", "-q", action="store_true", help="no progress on stderr"),
     epilog=_calibrate_epilog,
 )
