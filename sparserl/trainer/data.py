@@ -1,9 +1,15 @@
 """Prompt order: a fresh seeded permutation of the task per epoch, addressed by a single position counter,
-so the data position is one integer in the checkpoint and resuming replays the same prompts."""
+so the data position is one integer in the checkpoint and resuming replays the same prompts; and which rows
+fit the model at all."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+
+from sparserl.errors import DataError
 
 
 class PromptSampler:
@@ -38,3 +44,43 @@ class PromptSampler:
 def derive_seed(*parts: int) -> int:
     """A 31-bit seed from integers (run seed, step, purpose...), stable across runs and platforms."""
     return int(np.random.SeedSequence([abs(int(p)) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def usable_rows(
+    task: Any,
+    prompt_length: Callable[[int], int],
+    max_positions: int | None,
+    max_new_tokens: int,
+    on_long_prompt: str,
+    want: int | None = None,
+) -> tuple[list[int], str | None]:
+    """The rows whose prompt leaves room for `max_new_tokens` in the model's `max_positions`, checked once when
+    the data is loaded rather than crashing the run when a long row is drawn; with `want`, only until that many
+    fit (evaluation uses its first rows). Rows from data files are checked (their examples say `where` they
+    come from; generated tasks are short by construction). Returns the rows and a note naming the skipped ones
+    by file:line; with on_long_prompt='error' a row that does not fit is a DataError instead."""
+    rows = range(len(task))
+    if not max_positions or not rows or not getattr(task[0], "where", ""):
+        return list(rows)[:want], None
+    budget = max_positions - max_new_tokens
+    keep: list[int] = []
+    long: list[int] = []
+    for i in rows:
+        if want is not None and len(keep) >= want:
+            break
+        (keep if prompt_length(i) <= budget else long).append(i)
+    if not long:
+        return keep, None
+    where = ", ".join(task[i].where for i in long[:3])
+    more = f" and {len(long) - 3} more" if len(long) > 3 else ""
+    what = (
+        f"{len(long)} prompt(s) longer than {budget} tokens (the model's {max_positions} positions minus "
+        f"rollout.max_new_tokens={max_new_tokens}): {where}{more}"
+    )
+    if on_long_prompt == "error":
+        raise DataError(
+            f"{what}; shorten them, lower rollout.max_new_tokens, or set task.on_long_prompt=skip"
+        )
+    if not keep:
+        raise DataError(f"every prompt is too long: {what}")
+    return keep, f"[yellow]skipped[/yellow] {what}"

@@ -16,7 +16,6 @@ from torch import Tensor
 
 from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, load_config, save_config
-from sparserl.errors import DataError
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
 from sparserl.trainer.checkpoint import (
     Checkpoint,
@@ -26,7 +25,7 @@ from sparserl.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from sparserl.trainer.data import PromptSampler, derive_seed
+from sparserl.trainer.data import PromptSampler, derive_seed, usable_rows
 from sparserl.trainer.logging import (
     METRICS_FILE,
     TB_DIR,
@@ -134,7 +133,9 @@ class Trainer:
         self._prompt_cache: dict[tuple[int, int], list[int]] = {}
         self.train_rows = self._usable_rows(self.task, 0)
         self.eval_rows = (
-            self._usable_rows(self.eval_task, 1)[: cfg.trainer.eval_prompts] if self.eval_task else []
+            self._usable_rows(self.eval_task, 1, cfg.trainer.eval_prompts)
+            if self.eval_task is not None
+            else []
         )
         self.sampler = PromptSampler(len(self.train_rows), seed)
 
@@ -174,9 +175,6 @@ class Trainer:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        self.close()
-
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.learner.optimizer
@@ -211,34 +209,19 @@ class Trainer:
                     self.state.counters["reward/errors"] = self.state.counters.get("reward/errors", 0) + 1
         return torch.tensor([s if math.isfinite(s) else 0.0 for s in scores], dtype=torch.float32)
 
-    def _usable_rows(self, task: Any, split: int) -> list[int]:
-        """Indices of the rows whose prompt fits the model with rollout.max_new_tokens, checked once when the
-        data is loaded. Rows from data files are checked (generated tasks are short by construction); a row
-        that does not fit is skipped with a warning naming its file:line (task.on_long_prompt=skip) or stops
-        the start (=error), rather than crashing the run when it is drawn."""
-        rows = list(range(len(task)))
-        limit = self.engine.decoder.max_positions
-        if not limit or not rows or not getattr(task[0], "where", ""):
-            return rows
-        budget = limit - self.cfg.rollout.max_new_tokens
-        long = [i for i in rows if len(self._prompt_ids(task, i, split)) > budget]
-        if not long:
-            return rows
-        where = ", ".join(task[i].where for i in long[:3])
-        more = f" and {len(long) - 3} more" if len(long) > 3 else ""
-        what = (
-            f"{len(long)} prompt(s) longer than {budget} tokens (the model's {limit} positions minus "
-            f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens}): {where}{more}"
+    def _usable_rows(self, task: Any, split: int, want: int | None = None) -> list[int]:
+        """`data.usable_rows` for this model and rollout length; its note is said when the run starts."""
+        rows, note = usable_rows(
+            task,
+            lambda i: len(self._prompt_ids(task, i, split)),
+            self.engine.decoder.max_positions,
+            self.cfg.rollout.max_new_tokens,
+            self.cfg.task.on_long_prompt,
+            want,
         )
-        if self.cfg.task.on_long_prompt == "error":
-            raise DataError(
-                f"{what}; shorten them, lower rollout.max_new_tokens, or set task.on_long_prompt=skip"
-            )
-        self.notes.append(f"[yellow]skipped[/yellow] {what}")
-        keep = [i for i in rows if i not in set(long)]
-        if not keep:
-            raise DataError(f"every prompt is too long: {what}")
-        return keep
+        if note:
+            self.notes.append(note)
+        return rows
 
     def _generate(
         self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, engine: Any = None, **kw
