@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from torch import nn
 
 from sparserl.algo.acceptance import TOO_FEW_TOKENS, AcceptanceBin, check_tau
@@ -26,6 +25,7 @@ from sparserl.engine.kv_config import KV_METHODS, KVConfig
 from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
 from sparserl.eval.acceptance import measure_acceptance
+from sparserl.eval.calibration_plot import plot_heatmap
 from sparserl.eval.evaluate import write_json
 
 DEFAULT_BIN_WIDTH = (
@@ -279,74 +279,6 @@ def check_schedule(
     report["all_pass"] = all(v["passes"] is not False for v in verdict)
     report["warnings"] = [f"bin {v['index']}: {TOO_FEW_TOKENS}" for v in verdict if v["passes"] is None]
     return report
-
-
-# ---------------------------------------------------------------------------------------------- heatmap
-
-
-def plot_heatmap(report: dict[str, Any], path: str | Path) -> Path:
-    """Draw the report's table as a heatmap PNG: rows = budgets (or the checked schedule), columns = length
-    bins, cells coloured by P5 (0 to 1) and labelled with it, too-few-token cells grey and hatched, the tau
-    contour drawn along the cell edges that separate P5 >= tau from P5 < tau, and the chosen schedule's cells
-    outlined."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch, Rectangle
-
-    s, rows = report["settings"], report["table"]
-    p5 = np.array(
-        [[np.nan if b["p5"] is None else b["p5"] for b in row["bins"]] for row in rows], dtype=float
-    )
-    n_rows, n_bins = p5.shape
-    measured = ~np.isnan(p5)
-    passes = measured & (np.nan_to_num(p5) >= s["tau"])
-    fig, ax = plt.subplots(figsize=(2.8 + 0.85 * n_bins, 1.9 + 0.42 * n_rows))
-    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
-    norm = TwoSlopeNorm(vmin=0.0, vcenter=min(s["tau"], 0.999), vmax=1.0)  # red below tau, green above
-    image = ax.imshow(np.ma.masked_invalid(p5), cmap=cmap, norm=norm, aspect="auto", origin="lower")
-    for (r, c), value in np.ndenumerate(p5):
-        if measured[r, c]:
-            ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=8)
-        else:
-            ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch="///", edgecolor="grey", lw=0))
-    contour = {"color": "black", "linewidth": 2.5, "zorder": 3}
-    for r, c in np.ndindex(n_rows, n_bins):  # the tau contour: edges between a passing and a failing cell
-        if c + 1 < n_bins and measured[r, c] and measured[r, c + 1] and passes[r, c] != passes[r, c + 1]:
-            ax.plot([c + 0.5, c + 0.5], [r - 0.5, r + 0.5], **contour)
-        if r + 1 < n_rows and measured[r, c] and measured[r + 1, c] and passes[r, c] != passes[r + 1, c]:
-            ax.plot([c - 0.5, c + 0.5], [r + 0.5, r + 0.5], **contour)
-    labels = [row["label"] for row in rows]
-    for c, record in enumerate(report.get("schedule_bins", [])):
-        r = labels.index(str(record["budget"]))
-        ax.add_patch(Rectangle((c - 0.4, r - 0.4), 0.8, 0.8, fill=False, edgecolor="blue", linewidth=2))
-    ax.set_xticks(
-        range(n_bins), [f"{b['start']}-{b['end']}" for b in report["bins"]], rotation=45, ha="right"
-    )
-    ax.set_yticks(range(n_rows), labels)
-    ax.set_xlabel("absolute position (length bin)")
-    ax.set_ylabel("budget" if report["kind"] == "calibration" else "")
-    ax.set_title(
-        f"P5 of alpha ({s['estimate']}), {s['method']}, {report['prompts']} prompt(s) x {s['n']}", fontsize=10
-    )
-    bar = fig.colorbar(image, ax=ax, label="P5")
-    bar.ax.axhline(s["tau"], color="black", linewidth=2)
-    legend = [
-        Line2D([], [], **contour, label=f"P5 = tau ({s['tau']})"),
-        Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label=TOO_FEW_TOKENS),
-    ]
-    if report.get("schedule_bins"):
-        legend.append(Patch(fill=False, edgecolor="blue", linewidth=2, label="schedule"))
-    fig.legend(handles=legend, fontsize=8, loc="lower center", ncol=3, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def report_goals(report: dict[str, Any]) -> dict[str, Any]:
