@@ -1,28 +1,31 @@
 """Sparrow rollouts: dense vs block-sparse attention (`block_topk`) with a calibrated schedule and at a
-fixed budget, and R-KV with a calibrated schedule: speed, positions read and held, alpha's tail, cost model.
+fixed budget, and R-KV with a calibrated schedule: speed at a context, positions read and held, alpha's tail,
+cost model. fp32, `--threads` torch threads (1: two processes can run side by side on two cores).
 
-One short chat prompt (the one benchmarks/sparse_rollout.py uses; not a calibration prompt), `--batch` samples
-of it, temperature 1, EOS ignored, fp32, `--threads` torch threads (1: two processes can fill the grid side by
-side on two cores). Lengths: 4096 new tokens and `max`, as many as the model's context allows (SmolLM2: 8192
-positions minus the prompt). Per arm and length it reports:
+Two parts, run together or apart (`--parts`), written into one JSON:
 
-- tokens per CPU second and per wall second of one `generate` call (prefill + decode; model load and a short
-  warm-up excluded), the positions read per step (mean, peak) and held (the engine's position statistics);
-- for the sparse arms, the exact alpha_t = sum_v min(p_sparse, p_dense) of every token of `--alpha-samples`
-  further samples of the same prompt (`eval.acceptance.measure_acceptance`, one sample per call so that one
-  sample's full distributions, 4 bytes x 49,152 ids per token, are held at a time), pooled per `--bin-width`
-  bin of absolute position: P5, P1, mean, fraction below tau (the batch-16 run records no distributions: they
-  would take 16 x 8k x 196 KB = 25 GB);
-- the cost model's predicted speed-up over dense (`sparserl.cost.estimate`, I = `--intensity`) next to the
-  measured one per CPU second.
+- **speed**, per arm and context C (`--contexts`: 4096 and `max`, the model's whole context, 8192 positions
+  for SmolLM2): `--batch` samples decode `--window` steps after a shared prefill of C - window positions
+  (random token ids, as `sparserl cost --probe-decode` does: the step cost of these methods does not depend on
+  what the tokens say), so the steps clocked are those at contexts C - window + 2 ... C - 1. Clocked between the
+  engine's step callbacks (`sparserl.cost.probe.time_decode_steps`), so the prefill is left out. Arms alternate,
+  `--repeats` times; medians. Reported: tokens per CPU second and per wall second, positions read per step
+  (mean, peak) and held, the ratio to dense, and the cost model's predicted ratio for the same steps.
+  Whole generations to 8k tokens at batch 16 are not what is timed: a dense one costs about two CPU hours on
+  this machine, and the goal is about the speed at ~8k positions of context, which a window measures directly.
+- **alpha**, per sparse arm: `--alpha-samples` generations of the short chat prompt below (not a calibration
+  prompt) to `--alpha-length` new tokens (default: the whole context), temperature 1, EOS ignored, each with
+  the arm's KV policy, and the exact alpha_t = sum_v min(p_sparse, p_dense) of every token against the dense
+  model on the same prefix (`eval.acceptance.measure_acceptance`, one sample per call so that one sample's
+  full distributions, 4 bytes x 49,152 ids per token, are held at a time), pooled per `--bin-width` bin of
+  absolute position: P5, P1, mean, fraction below tau.
 
-    python benchmarks/sparrow.py                                   # every arm at 4096 and max: many hours
-    python benchmarks/sparrow.py --resume --arms dense --lengths max     # one cell; run cells side by side
-    python benchmarks/sparrow.py --quick                           # a smoke run of a few minutes, temp file
+    python benchmarks/sparrow.py --resume --parts speed            # every arm at both contexts (~1 CPU hour)
+    python benchmarks/sparrow.py --resume --parts alpha            # the sparse arms' alpha (~1 CPU hour)
+    python benchmarks/sparrow.py --quick                           # a smoke run of a minute, temp file
 
-Every process writes its runs into the same JSON under a lock (re-read, merged, replaced atomically);
-`--resume` keeps the runs already there (same settings) and skips the (arm, length) cells done with the same
-KV policy; a cell whose speed run is there but whose alpha is not gets only its alpha measured.
+Every process writes its cells into the same JSON under a lock (re-read, merged, replaced atomically);
+`--resume` keeps the cells already there (same settings) and skips those done with the same KV policy.
 """
 
 # ruff: noqa: E402  (the benchmarks folder goes on sys.path before its helpers are imported)
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -51,11 +55,12 @@ from _common import (
     mib,
     print_table,
     runs_with_settings,
-    timed_rollout,
 )
 from sparse_rollout import PROMPT
 
-from sparserl.cost import INTENSITY_PRESETS, Rollout, estimate, resolve_intensity, shape_from_config
+from sparserl.cost import INTENSITY_PRESETS, resolve_intensity, shape_from_config
+from sparserl.cost.probe import time_decode_steps
+from sparserl.cost.report import timed_steps_estimate
 from sparserl.engine import KVConfig, RolloutEngine
 from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
@@ -64,10 +69,14 @@ from sparserl.eval.calibrate import DEFAULT_BIN_WIDTH, DEFAULT_TAU
 from sparserl.models import encode_prompt, load_model
 
 DEFAULT_SCHEDULE = RESULTS / "calibration" / "schedule.json"
-FULL = {"batch": 16, "lengths": "4096,max", "budget": 512, "bin_width": DEFAULT_BIN_WIDTH}
-QUICK = {"batch": 2, "lengths": "64,128", "budget": 64, "bin_width": 64}
+# The fixed budget is 1024, twice the schedule's last budget (512, which holds from 768 positions on), so that
+# the fixed arm is a second point on the speed/alpha curve rather than the schedule arm again.
+FULL = {"batch": 16, "contexts": "4096,max", "window": 128, "alpha_length": "max", "budget": 1024,
+        "bin_width": DEFAULT_BIN_WIDTH}  # fmt: skip
+QUICK = {"batch": 2, "contexts": "96,160", "window": 16, "alpha_length": "96", "budget": 64, "bin_width": 32}
 QUICK_OUT = Path(tempfile.gettempdir()) / "sparrow_quick.json"
 GOALS = {"speedup_min": 2.0, "model_error_max": 0.20}  # the tail goal's target is --tau
+PARTS = ("speed", "alpha")
 
 
 class SkipArm(Exception):
@@ -131,35 +140,45 @@ def parse_choices(spec: str, choices, flag: str) -> list[str]:
 def parse_lengths(spec: str) -> list[str]:
     items = [x for x in spec.split(",") if x]
     if not items or any(x != "max" and not (x.isdigit() and int(x) > 0) for x in items):
-        raise argparse.ArgumentTypeError(f"--lengths {spec!r}: comma-separated positive integers or 'max'")
+        raise argparse.ArgumentTypeError(f"{spec!r}: comma-separated positive integers or 'max'")
     return items
 
 
-def resolve_lengths(spec: list[str], context: int, prompt_len: int) -> list[int]:
-    """'max' is as many new tokens as the model's context leaves after the prompt."""
-    lengths = [context - prompt_len if x == "max" else int(x) for x in spec]
-    over = [n for n in lengths if prompt_len + n > context]
-    if over:
-        raise UserError(
-            f"--lengths {over[0]}: {prompt_len} prompt tokens + {over[0]} > the {context}-position context"
-        )
-    return lengths
+def resolve_length(spec: str, limit: int, flag: str) -> int:
+    """'max' is `limit`; a number must not exceed it."""
+    length = limit if spec == "max" else int(spec)
+    if length > limit:
+        raise UserError(f"{flag} {length}: more than the {limit} the model's context allows")
+    return length
 
 
-def run_speed(
-    model, tokenizer, kv: KVConfig | None, prompt: list[int], batch: int, length: int, seed: int
-) -> dict:
-    """One `generate` of `batch` samples x `length` tokens: CPU and wall time, positions read and held."""
-    out, timing = timed_rollout(model, tokenizer, kv, prompt, batch, length, seed)
-    kept = ("prefill_s", "decode_s", "read_positions_mean", "read_positions_peak", "held_positions_mean",
-            "peak_kv_positions", "peak_kv_bytes", "kv_bytes_per_position")  # fmt: skip
-    return {
-        **timing, "tokens_per_s": batch * length / timing["wall_s"], **{key: out.stats[key] for key in kept},
-        "decode_step_s": out.stats["decode_s"] / max(length - 1, 1),
-    }  # fmt: skip
+def run_speed(args: argparse.Namespace, arms: dict[str, KVConfig | None], context: int) -> list[dict]:
+    """Every arm's decode steps at contexts context - window + 2 ... context - 1, `--repeats` rounds with the
+    arms alternating so that a drifting machine hits all alike."""
+    times = {name: [] for name in arms}
+    for _ in range(args.repeats):
+        for name, kv in arms.items():
+            kv = kv or KVConfig()
+            got = time_decode_steps(
+                args.model, [context - args.window], [kv], args.batch, args.window, args.threads, 1, "float32"
+            )
+            times[name].append(got[kv.method, context - args.window])
+    runs = []
+    for name, steps in times.items():
+        cpu = statistics.median(t.cpu[0] for t in steps)
+        wall = statistics.median(t.wall[0] for t in steps)
+        runs.append({
+            "part": "speed", "arm": name, "length": context, "kv": arms[name] and asdict(arms[name]),
+            "cpu_step_s": [t.cpu[0] for t in steps], "wall_step_s": [t.wall[0] for t in steps],
+            "tokens_per_cpu_s": args.batch / cpu, "tokens_per_s": args.batch / wall, **steps[-1].positions[0],
+            "command": command_line(),
+        })  # fmt: skip
+        print(f"{name:>19} {context:>5}: {args.batch / cpu:.2f} tok/CPU-s, read "
+              f"{runs[-1]['read_positions_mean']:.0f} / held {runs[-1]['held_positions_mean']:.0f}", flush=True)  # fmt: skip
+    return runs
 
 
-def run_alpha(model, tokenizer, kv: KVConfig, prompt: list[int], length: int, args) -> dict:
+def run_alpha(model, tokenizer, name: str, kv: KVConfig, prompt: list[int], length: int, args) -> dict:
     """Exact alpha of `--alpha-samples` samples (one per call, seeds seed, seed + 1, ...) per position bin."""
     cpu0 = time.process_time()
     with measure() as m:
@@ -169,10 +188,13 @@ def run_alpha(model, tokenizer, kv: KVConfig, prompt: list[int], length: int, ar
         )  # fmt: skip
     bins = [b.to_dict() for b in alpha.binned(args.bin_width, args.tau)["exact"]]
     p5 = [b["p5"] for b in bins if b["p5"] is not None]
+    print(f"{name:>19} {length:>5}: alpha P5 min {min(p5, default=None)} over {alpha.positions.numel()} tokens, "
+          f"{time.process_time() - cpu0:.0f} CPU-s", flush=True)  # fmt: skip
     return {
-        "samples": args.alpha_samples, "tokens": int(alpha.positions.numel()),
-        "cpu_s": time.process_time() - cpu0, "wall_s": m["seconds"], "peak_rss_mib": mib(m["peak_rss_bytes"]),
-        "min_p5": min(p5, default=None), "bins": bins, "command": command_line(),
+        "part": "alpha", "arm": name, "length": length, "kv": asdict(kv), "samples": args.alpha_samples,
+        "tokens": int(alpha.positions.numel()), "cpu_s": time.process_time() - cpu0, "wall_s": m["seconds"],
+        "peak_rss_mib": mib(m["peak_rss_bytes"]), "min_p5": min(p5, default=None), "bins": bins,
+        "command": command_line(),
     }  # fmt: skip
 
 
@@ -200,31 +222,31 @@ def schedule_provenance(path: str) -> dict:
     return out
 
 
-def predicted_ratios(shape, prompt_len: int, batch: int, length: int, kv: KVConfig, intensity: float) -> dict:
-    """The cost model's speed-up of `kv` over dense for this rollout (whole call, and decode only), and its
-    cap: dense over the weights' cost alone, which no KV method can beat."""
-    rollout = Rollout(prompt_len, length, batch)
-    dense, sparse = estimate(shape, rollout, KVConfig()), estimate(shape, rollout, kv)
-    weights = dense.total.weight_flops + intensity * dense.total.weight_bytes
+def predicted_ratios(shape, run: dict, args) -> dict:
+    """The cost model's speed-up of the run's KV policy over dense for the clocked steps, and its cap: dense
+    over the weights' cost alone, which no KV method can beat."""
+    prefill, intensity = run["length"] - args.window, args.intensity
+    dense = timed_steps_estimate(shape, prefill, args.window, args.batch, KVConfig())
+    sparse = timed_steps_estimate(shape, prefill, args.window, args.batch, KVConfig(**run["kv"]))
+    weights = dense.weight_flops + intensity * dense.weight_bytes
     return {
-        "predicted_speedup": dense.total.effective(intensity) / sparse.total.effective(intensity),
-        "predicted_decode_speedup": dense.decode.effective(intensity) / sparse.decode.effective(intensity),
-        "weight_cap": dense.total.effective(intensity) / weights,
+        "predicted_speedup": dense.effective(intensity) / sparse.effective(intensity),
+        "weight_cap": dense.effective(intensity) / weights,
     }
 
 
-def summarise(runs: list[dict], model, prompt_len: int, args) -> list[dict]:
-    """Per run: measured ratios against the dense run of the same length, and the cost model's."""
-    dense = {r["length"]: r for r in runs if r["arm"] == "dense"}
+def summarise(runs: list[dict], model, args) -> list[dict]:
+    """Per speed run: measured ratios against the dense run at the same context, and the cost model's."""
+    speed = [r for r in runs if r["part"] == "speed"]
+    dense = {r["length"]: r for r in speed if r["arm"] == "dense"}
     shape = shape_from_config(model.config, args.model)
+    alpha = {r["arm"]: r["min_p5"] for r in runs if r["part"] == "alpha"}
     rows = []
-    for r in runs:
-        row = {k: v for k, v in r.items() if k not in ("alpha", "kv")}
-        row["alpha_min_p5"] = (r.get("alpha") or {}).get("min_p5")
+    for r in speed:
+        row = {k: v for k, v in r.items() if k not in ("kv", "part")} | {"alpha_min_p5": alpha.get(r["arm"])}
         d = dense.get(r["length"])
         if r["arm"] != "dense":
-            kv = KVConfig(**r["kv"])
-            row |= predicted_ratios(shape, prompt_len, args.batch, r["length"], kv, args.intensity)
+            row |= predicted_ratios(shape, r, args)
         if r["arm"] != "dense" and d is not None:
             row["cpu_speedup"] = r["tokens_per_cpu_s"] / d["tokens_per_cpu_s"]
             row["wall_speedup"] = r["tokens_per_s"] / d["tokens_per_s"]
@@ -238,46 +260,43 @@ def goal(value: float | None, target: float, met: bool, command: str, **detail) 
     return {"value": value, "target": target, "met": met, **detail, "command": command}
 
 
-def missing_goal(target: float, reason: str, arms: str) -> dict:
+def missing_goal(target: float, reason: str, part: str) -> dict:
     """A goal whose runs are not there yet: no value, not met, why, and the command that measures it."""
-    return goal(None, target, False, f"python benchmarks/sparrow.py --resume --arms {arms} --lengths max",
-                reason=reason)  # fmt: skip
+    return goal(None, target, False, f"python benchmarks/sparrow.py --resume --parts {part}", reason=reason)
 
 
-def goals_report(runs: list[dict], summary: list[dict], length: int, tau: float, provenance: dict) -> dict:
-    """The issue's goals: speed (>= 2x dense per CPU second, the cost model within 20%) at the longest length,
+def goals_report(runs: list[dict], summary: list[dict], context: int, tau: float, provenance: dict) -> dict:
+    """The issue's goals: speed (>= 2x dense per CPU second, the cost model within 20%) at the longest context,
     and the tail (every bin's P5 >= tau under the calibrated schedule, on this held-out prompt)."""
     at = {(r["arm"], r["length"]): r for r in summary}
-    cell, base, new = at.get((SPEED_ARM, length)), at.get(("dense", length)), f"{length} new tokens"
-    speed = f"Speed: {SPEED_ARM} >= {GOALS['speedup_min']:g}x dense tokens per CPU second at {new}"
-    model = f"Speed: the cost model predicts the measured {SPEED_ARM} / dense ratio within 20% at {new}"
+    cell, base, where = at.get((SPEED_ARM, context)), at.get(("dense", context)), f"{context} positions"
+    speed = f"Speed: {SPEED_ARM} >= {GOALS['speedup_min']:g}x dense tokens per CPU second at {where}"
+    model = f"Speed: the cost model predicts the measured {SPEED_ARM} / dense ratio within 20% at {where}"
     tail = f"Tail: every bin's P5 under the calibrated schedule >= {tau:g} on a held-out prompt"
     if cell is None or base is None:
-        why, arms = f"no {SPEED_ARM} run and dense run both at {new} yet", f"dense,{SPEED_ARM}"
-        goals = {speed: missing_goal(GOALS["speedup_min"], why, arms),
-                 model: missing_goal(GOALS["model_error_max"], why, arms)}  # fmt: skip
+        why = f"no {SPEED_ARM} run and dense run both at {where} yet"
+        goals = {speed: missing_goal(GOALS["speedup_min"], why, "speed"),
+                 model: missing_goal(GOALS["model_error_max"], why, "speed")}  # fmt: skip
     else:
         command = "; ".join(dict.fromkeys([base["command"], cell["command"]]))
         ratio, error = cell["cpu_speedup"], abs(cell["model_error"])
         goals = {
             speed: goal(ratio, GOALS["speedup_min"], ratio >= GOALS["speedup_min"], command,
                         wall_clock_value=cell["wall_speedup"], cost_model_weight_cap=cell["weight_cap"],
-                        note="cost_model_weight_cap: dense over the weights' cost alone at this batch; no KV "
-                        "method can exceed it on this CPU"),
+                        note="cost_model_weight_cap: dense over the weights' cost alone for these steps; no "
+                        "KV method can exceed it on this CPU"),
             model: goal(error, GOALS["model_error_max"], error <= GOALS["model_error_max"], command,
                         predicted=cell["predicted_speedup"], measured=ratio),
         }  # fmt: skip
-    measured = sorted(
-        (r for r in runs if r["arm"] == SPEED_ARM and r.get("alpha")), key=lambda r: r["length"]
-    )
-    bins = [dict(b, length=r["length"]) for r in measured for b in r["alpha"]["bins"] if b["p5"] is not None]
+    measured = [r for r in runs if r["part"] == "alpha" and r["arm"] == SPEED_ARM]
+    bins = [b for r in measured for b in r["bins"] if b["p5"] is not None]
     if not bins:
-        goals[tail] = missing_goal(tau, f"no {SPEED_ARM} run with alpha yet", SPEED_ARM)
+        goals[tail] = missing_goal(tau, f"no {SPEED_ARM} alpha run yet", "alpha")
         return goals
     worst = min(b["p5"] for b in bins)
     goals[tail] = goal(
-        worst, tau, worst >= tau, "; ".join(dict.fromkeys(r["alpha"]["command"] for r in measured)),
-        per_bin=[{k: b[k] for k in ("length", "start", "end", "tokens", "p5")} for b in bins],
+        worst, tau, worst >= tau, measured[0]["command"],
+        per_bin=[{k: b[k] for k in ("start", "end", "tokens", "p5")} for b in bins],
         held_out_prompt=PROMPT, **provenance,
     )  # fmt: skip
     return goals
@@ -290,17 +309,22 @@ def print_report(summary: list[dict]) -> None:
          r["read_positions_peak"], r["held_positions_mean"], r["alpha_min_p5"] or ""]
         for r in sorted(summary, key=lambda r: (r["length"], list(ARMS).index(r["arm"])))
     ]  # fmt: skip
-    print_table(["length", "arm", "tok/CPU-s", "x dense (CPU)", "x dense (model)", "tok/s", "read mean",
-                 "read peak", "held mean", "min P5"], table)  # fmt: skip
+    print_table(["context", "arm", "tok/CPU-s", "x dense (CPU)", "x dense (model)", "tok/s", "read mean",
+                 "read peak", "held mean", "min P5 (alpha)"], table)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line; flags left out take the full run's defaults, or with --quick the smoke run's."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
-    ap.add_argument("--batch", type=int, help="samples of the prompt per call (default 16)")
-    ap.add_argument("--lengths", type=parse_lengths, help="new tokens per sample, comma-separated; 'max' "
-                    f"fills the context (default {FULL['lengths']})")  # fmt: skip
+    ap.add_argument("--parts", type=lambda s: parse_choices(s, PARTS, "--parts"), default=list(PARTS),
+                    help="speed, alpha or both (default)")  # fmt: skip
+    ap.add_argument("--batch", type=int, help="speed: samples decoding side by side (default 16)")
+    ap.add_argument("--contexts", type=parse_lengths, help="speed: contexts at the end of the timed window, "
+                    f"comma-separated; 'max' is the model's context (default {FULL['contexts']})")  # fmt: skip
+    ap.add_argument("--window", type=int, help="speed: decode steps per timing (default 128)")
+    ap.add_argument("--repeats", type=int, default=2, help="speed: timings per arm and context (median)")
+    ap.add_argument("--alpha-length", help="alpha: new tokens per sample; 'max' fills the context")
     ap.add_argument(
         "--arms",
         type=lambda s: parse_choices(s, ARMS, "--arms"),
@@ -312,46 +336,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=str(DEFAULT_SCHEDULE.relative_to(REPO)),
         help="block_topk schedule file of `sparserl calibrate` (default %(default)s)",
     )
-    ap.add_argument("--budget", type=int, help="block_topk_fixed: positions read per step (default 512)")
+    ap.add_argument("--budget", type=int, help="block_topk_fixed: positions read per step (default 1024)")
     ap.add_argument("--rkv-schedule", help="R-KV schedule file from `sparserl calibrate` (without it the "
                     "rkv_schedule arm is skipped)")  # fmt: skip
-    ap.add_argument("--alpha-samples", type=int, default=2, help="samples per sparse cell whose exact alpha "
-                    "is measured, one at a time (0: none)")  # fmt: skip
-    ap.add_argument("--bin-width", type=int, help=f"positions per alpha bin (default {FULL['bin_width']})")
+    ap.add_argument(
+        "--alpha-samples", type=int, default=2, help="alpha: samples per sparse arm, one at a time"
+    )
+    ap.add_argument("--bin-width", type=int, help=f"alpha: positions per bin (default {FULL['bin_width']})")
     ap.add_argument("--tau", type=float, default=DEFAULT_TAU, help="alpha threshold of the tail goal")
     ap.add_argument("--intensity", type=resolve_intensity, default=INTENSITY_PRESETS["cpu-1t"],
                     help="the cost model's FLOPs per byte: a number or a preset (cpu-1t)")  # fmt: skip
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="smoke run: batch 2, lengths 64,128, budget 64, "
-                    f"bins of 64, written to {QUICK_OUT}")  # fmt: skip
-    ap.add_argument("--resume", action="store_true", help="keep the runs already in --out (same settings)")
-    ap.add_argument("--redo", action="store_true", help="with --resume: run the given arms x lengths again")
+    ap.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}, written to {QUICK_OUT}")
+    ap.add_argument("--resume", action="store_true", help="keep the cells already in --out (same settings)")
+    ap.add_argument("--redo", action="store_true", help="with --resume: measure the given cells again")
     ap.add_argument("--out", type=Path, help=f"JSON output (default {RESULTS / 'sparrow.json'})")
     args = ap.parse_args(argv)
-    args.grid = parse_lengths((QUICK if args.quick else FULL)["lengths"])  # the cells a complete file has
-    for key, value in (QUICK if args.quick else FULL).items():
+    defaults = QUICK if args.quick else FULL
+    args.grid = parse_lengths(defaults["contexts"])  # the contexts a complete file has
+    for key, value in defaults.items():
         if getattr(args, key) is None:
-            setattr(args, key, parse_lengths(value) if key == "lengths" else value)
+            setattr(args, key, parse_lengths(value) if key == "contexts" else value)
     args.out = args.out or (QUICK_OUT if args.quick else RESULTS / "sparrow.json")
-    if args.batch < 1 or args.alpha_samples < 0 or args.threads < 1:
-        ap.error("--batch and --threads must be >= 1, --alpha-samples >= 0")
+    if min(args.batch, args.threads, args.repeats, args.alpha_samples) < 1 or args.window < 3:
+        ap.error("--batch, --threads, --repeats and --alpha-samples must be >= 1, --window >= 3")
     return args
 
 
-def plan(lengths: list[int], arms: dict[str, KVConfig | None], on_disk: dict, args) -> list[tuple]:
-    """The cells to measure, as (arm, length, kv, the run on disk whose speed is kept, or None to measure it):
-    a cell runs unless a run with the same KV policy is on disk (or --redo); a sparse cell on disk without its
-    alpha gets only its alpha."""
-    todo = []
-    for length in lengths:
-        for name, kv in arms.items():
-            old = on_disk.get((name, length))
-            fresh = old is None or args.redo or old["kv"] != (kv and asdict(kv))
-            alpha_due = kv is not None and args.alpha_samples > 0 and (fresh or not old.get("alpha"))
-            if fresh or alpha_due:
-                todo.append((name, length, kv, None if fresh else old))
-    return todo
+def fresh(on_disk: dict, key: tuple, kv: KVConfig | None, redo: bool) -> bool:
+    """A cell to measure: none on disk with the same KV policy, or --redo."""
+    old = on_disk.get(key)
+    return redo or old is None or old["kv"] != (kv and asdict(kv))
 
 
 @dataclass
@@ -369,24 +385,28 @@ class Bench:
     def build(self, runs: list[dict]) -> dict:
         """The report: runs, their summary against dense and the cost model, the goals."""
         args, provenance = self.args, schedule_provenance(self.args.schedule)
-        summary = summarise(runs, self.model, len(self.prompt), args)
-        done = {(r["arm"], r["length"]) for r in runs if r["arm"] == "dense" or r.get("alpha")}
-        commands = [c for r in runs for c in (r["command"], (r.get("alpha") or {}).get("command")) if c]
+        summary = summarise(runs, self.model, args)
+        done = {(r["part"], r["arm"]) if r["part"] == "alpha" else (r["arm"], r["length"]) for r in runs}
+        missing = [[a, n] for n in self.grid for a in ARMS if (a, n) not in done]
+        missing += [["alpha", a] for a in ARMS if a != "dense" and ("alpha", a) not in done]
         return {
             "benchmark": "Sparrow rollouts: dense vs block_topk (calibrated schedule, fixed budget) vs R-KV "
             "(calibrated schedule), sparserl RolloutEngine",
             "command": command_line(),
-            "commands": [*dict.fromkeys(commands)],
-            "missing": [[a, n] for n in self.grid for a in ARMS if (a, n) not in done],
+            "commands": [*dict.fromkeys(r["command"] for r in runs)],
+            "missing": missing,
             "settings": self.settings,
             "dtype": "float32",
-            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos": "ignored"},
+            "speed_method": f"per arm and context C: {args.batch} samples decode {args.window} steps after a "
+            f"shared prefill of C - {args.window} random token ids; CPU and wall seconds per step clocked "
+            "between the engine's step callbacks (prefill excluded), median of the repeats, arms alternating",
             "positions_note": "read_positions_mean/peak: positions one sparse layer's KV head attends to per "
             "decode step (block_topk's dense layers read all); held_positions_mean: positions a sequence "
             "holds",
-            "alpha_method": f"exact alpha of {args.alpha_samples} extra samples per sparse cell, one per "
-            "call (seeds seed, seed + 1, ...), with the cell's KV policy, scored by the dense model on the "
-            f"same prefixes; P5 per {args.bin_width}-position bin (eval.acceptance.measure_acceptance)",
+            "alpha_method": f"exact alpha of {args.alpha_samples} samples per sparse arm of the short prompt, "
+            "one per call (seeds seed, seed + 1, ...), temperature 1, EOS ignored, with the arm's KV policy, "
+            f"scored by the dense model on the same prefixes; P5 per {args.bin_width}-position bin "
+            "(eval.acceptance.measure_acceptance)",
             "schedule": provenance,
             "goals": goals_report(runs, summary, max(self.grid), args.tau, provenance),
             "goal_thresholds": GOALS,
@@ -398,7 +418,7 @@ class Bench:
 
     def write(self, mine: list[dict]) -> dict:
         return merge_runs_and_write(
-            self.args.out, self.settings, mine, ("arm", "length"), self.args.resume, self.build
+            self.args.out, self.settings, mine, ("part", "arm", "length"), self.args.resume, self.build
         )
 
 
@@ -409,39 +429,33 @@ def load(args: argparse.Namespace) -> Bench:
     load_s = time.perf_counter() - t0
     prompt = encode_prompt(tokenizer, [{"role": "user", "content": PROMPT}])
     context = RolloutEngine(model, tokenizer).decoder.max_positions
-    args.lengths = resolve_lengths(args.lengths, context, len(prompt))
-    settings = {"model": args.model, "batch": args.batch, "prompt": PROMPT, "prompt_tokens": len(prompt),
-                "context": context, "threads": args.threads, "seed": args.seed,
-                "alpha_samples": args.alpha_samples, "bin_width": args.bin_width, "tau": args.tau,
-                "intensity": args.intensity}  # fmt: skip
-    grid = resolve_lengths(args.grid, context, len(prompt))
+    args.contexts = [resolve_length(c, context, "--contexts") for c in args.contexts]
+    if min(args.contexts) <= args.window:
+        raise UserError(f"--contexts {min(args.contexts)}: not above --window {args.window}")
+    args.alpha_length = resolve_length(args.alpha_length, context - len(prompt), "--alpha-length")
+    settings = {"model": args.model, "batch": args.batch, "window": args.window, "prompt": PROMPT,
+                "prompt_tokens": len(prompt), "context": context, "threads": args.threads, "seed": args.seed,
+                "alpha_samples": args.alpha_samples, "alpha_length": args.alpha_length,
+                "bin_width": args.bin_width, "tau": args.tau, "intensity": args.intensity}  # fmt: skip
+    grid = [resolve_length(c, context, "--contexts") for c in args.grid]
     return Bench(args, model, tokenizer, prompt, settings, grid, load_s)
 
 
-def measure_cells(bench: Bench, arms: dict[str, KVConfig | None], todo: list[tuple]) -> list[dict]:
-    """Per length, the arms' speed runs one after another (so that they see the same machine), then their
-    alpha; the report is written after each."""
-    args, model, tokenizer, prompt = bench.args, bench.model, bench.tokenizer, bench.prompt
-    mine: list[dict] = []
-    for name in dict.fromkeys(name for name, *_ in todo):  # warm-up: first kernels and each arm's code path
-        run_speed(model, tokenizer, arms[name], prompt, 2, 24, args.seed)
-    for length in args.lengths:
-        cells = [cell for cell in todo if cell[1] == length]
-        for name, _, kv, old in cells:
-            if old is None:
-                res = run_speed(model, tokenizer, kv, prompt, args.batch, length, args.seed)
-                old = {"arm": name, "length": length, "kv": kv and asdict(kv), "command": command_line()}
-                old |= res
-                print(f"{name:>19} {length:>5}: {res['tokens_per_cpu_s']:.2f} tok/CPU-s, read "
-                      f"{res['read_positions_mean']:.0f} / held {res['held_positions_mean']:.0f} "
-                      f"(load {res['load_avg_1min_before']:.1f})", flush=True)  # fmt: skip
-            mine.append(dict(old))
-            bench.write(mine)
-        for run, (_, _, kv, _) in zip(mine[len(mine) - len(cells) :], cells, strict=True):
-            if kv is not None and args.alpha_samples > 0:
-                run["alpha"] = alpha = run_alpha(model, tokenizer, kv, prompt, length, args)
-                print(f"{run['arm']:>19} {length:>5}: alpha P5 min {alpha['min_p5']} over {alpha['tokens']} "
-                      f"tokens, {alpha['cpu_s']:.0f} CPU-s", flush=True)  # fmt: skip
+def measure_cells(bench: Bench, arms: dict[str, KVConfig | None], on_disk: dict) -> list[dict]:
+    """The speed cells per context (every arm again when one is due, so that the ratio is taken on one
+    machine state), then each sparse arm's alpha; the report is written after each."""
+    args, mine = bench.args, []
+    if "speed" in args.parts:
+        for context in args.contexts:
+            if any(fresh(on_disk, ("speed", name, context), kv, args.redo) for name, kv in arms.items()):
+                mine += run_speed(args, arms, context)
+                bench.write(mine)
+    if "alpha" in args.parts:
+        for name, kv in arms.items():
+            if kv is not None and fresh(on_disk, ("alpha", name, args.alpha_length), kv, args.redo):
+                mine.append(
+                    run_alpha(bench.model, bench.tokenizer, name, kv, bench.prompt, args.alpha_length, args)
+                )
                 bench.write(mine)
     return mine
 
@@ -459,10 +473,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise UserError(f"--arms {','.join(args.arms)}: no arm left to run")
     bench = load(args)
     kept = runs_with_settings(args.out, bench.settings) if args.resume else []  # the file is replaced whole
-    on_disk = {(r["arm"], r["length"]): r for r in kept}
+    on_disk = {(r["part"], r["arm"], r["length"]): r for r in kept}
     if args.resume:
-        print(f"resuming: {len(on_disk)} runs kept from {args.out}", flush=True)
-    mine = measure_cells(bench, arms, plan(args.lengths, arms, on_disk, args))
+        print(f"resuming: {len(on_disk)} cells kept from {args.out}", flush=True)
+    mine = measure_cells(bench, arms, on_disk)
     final = bench.write(mine) if mine or not args.out.is_file() else json.loads(args.out.read_text())
     print_report(final["summary"])
     for name, entry in final["goals"].items():

@@ -38,8 +38,8 @@ REQUIRED_ARMS = ["dense", "naive-sparse-rkv", "sparse-rl-rkv", "sparse-rl-snapkv
 BASE_JOB = "base"  # the untrained model's held-out evaluation, a job of its own
 
 
-def train_arm(out: Path, arm: str, overrides: list[str], extra: list[str]) -> Path:
-    """Run (or resume, or skip when finished) one arm; returns its run directory."""
+def train_arm(out: Path, arm: str, overrides: list[str], extra: list[str], config: Path = BASE) -> Path:
+    """Run (or resume, or skip when finished) one arm from `config` + `overrides`; returns its run directory."""
     run = out / arm
     if (run / "summary.json").is_file():
         return run
@@ -49,7 +49,7 @@ def train_arm(out: Path, arm: str, overrides: list[str], extra: list[str]) -> Pa
     else:
         cmd += [
             "--config",
-            str(BASE),
+            str(config),
             *overrides,
             f"trainer.output_dir={out}",
             f"trainer.run_name={arm}",

@@ -266,6 +266,11 @@ def test_cli_decode_check(capsys):
     assert all(t > 0 for r in rows for t in r["wall"])
     long_h2o = rows[3]
     assert long_h2o["predicted_speedup_vs_dense"] > 1.0  # 200 positions cut to 48
+    # each timing also records the positions its generation read and held
+    dense_200, topk_200 = rows[1]["positions"][0], rows[5]["positions"][0]
+    assert dense_200["read_positions_mean"] == dense_200["held_positions_mean"] > 200
+    assert topk_200["read_positions_mean"] <= 48 < topk_200["held_positions_mean"]
+    assert long_h2o["positions"][0]["held_positions_mean"] < 48 + 2
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ INTENSITY_PRESETS = {
     "h100": 989e12 / 3.35e12,
     "h200": 989e12 / 4.8e12,
 }
+POSITION_STATS = ("read_positions_mean", "read_positions_peak", "held_positions_mean")
 LAYER_PASSES = 10  # one timing = 10 passes over a SmolLM2 layer's matmuls: ~0.05-0.1 s, as long as one read
 
 
@@ -116,10 +117,12 @@ def probe_intensity(
 @dataclass
 class StepTimes:
     """Seconds per decode step, one entry per timed generation: wall clock and this process's CPU time (with one
-    thread, CPU time leaves out the waits for a core that other processes cause)."""
+    thread, CPU time leaves out the waits for a core that other processes cause), and the positions each
+    generation read per step (mean, peak) and held (the engine's position statistics)."""
 
     wall: list[float]
     cpu: list[float]
+    positions: list[dict[str, float]] = field(default_factory=list)
 
 
 def time_decode_steps(
@@ -151,10 +154,11 @@ def time_decode_steps(
                 prompt = torch.randint(vocab, (length,), generator=torch.Generator().manual_seed(repeat))
                 for engine in engines:
                     clocks.clear()
-                    engine.generate([prompt.tolist()], n=batch, max_new_tokens=steps, seed=repeat)
+                    out = engine.generate([prompt.tolist()], n=batch, max_new_tokens=steps, seed=repeat)
                     (wall0, cpu0), (wall1, cpu1) = clocks[0], clocks[-1]
                     times[engine.kv.method, length].wall.append((wall1 - wall0) / (len(clocks) - 1))
                     times[engine.kv.method, length].cpu.append((cpu1 - cpu0) / (len(clocks) - 1))
+                    times[engine.kv.method, length].positions.append({k: out.stats[k] for k in POSITION_STATS})
     finally:
         torch.set_num_threads(previous)
     return times

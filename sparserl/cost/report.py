@@ -150,6 +150,12 @@ def implied_intensity(base: Cost, other: Cost, measured_ratio: float) -> float |
     return value if value > 0 else None
 
 
+def timed_steps_estimate(shape: ModelShape, prompt_len: int, steps: int, batch: int, kv: KVConfig) -> Cost:
+    """The cost model's estimate of the decode steps that `time_decode_steps` clocks: those at contexts
+    prompt_len + 2 ... prompt_len + steps - 1."""
+    return estimate(shape, Rollout(prompt_len + 1, steps - 1, batch), kv).decode
+
+
 def check_decode(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
     """Time the engine's decode steps for every `--methods` entry at each `--probe-decode` prompt length and
     compare with the cost model: each cell's step time relative to dense at the first length (CPU and wall),
@@ -159,9 +165,8 @@ def check_decode(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
     times = time_decode_steps(
         args.model, lengths, kvs, args.n, args.decode_steps, args.threads, args.repeats, args.dtype
     )
-    # the timed steps are those at contexts length + 2 ... length + decode_steps - 1 (see time_decode_steps)
     predicted = {
-        (kv.method, length): estimate(shape, Rollout(length + 1, args.decode_steps - 1, args.n), kv).decode
+        (kv.method, length): timed_steps_estimate(shape, length, args.decode_steps, args.n, kv)
         for kv in kvs
         for length in lengths
     }
