@@ -33,6 +33,8 @@ from pathlib import Path
 
 from study import ROOT, read_metrics, train_arm
 
+from sparserl.trainer import checkpoint_path
+
 CONFIG = ROOT / "configs" / "default.yaml"
 RUN_NAME = "stability-block_topk"
 TRAIN = [
@@ -48,7 +50,7 @@ RESULTS = ROOT / "docs" / "results" / "p5_stability"
 
 
 def model_at(run: Path, step: int) -> str:
-    return "smollm2-135m" if step == 0 else str(run / "checkpoints" / f"step-{step}")
+    return "smollm2-135m" if step == 0 else str(checkpoint_path(run, step))
 
 
 def calibrate(run: Path, step: int, seed: int, threads: int) -> Path:

@@ -158,7 +158,9 @@ def time_decode_steps(
                     (wall0, cpu0), (wall1, cpu1) = clocks[0], clocks[-1]
                     times[engine.kv.method, length].wall.append((wall1 - wall0) / (len(clocks) - 1))
                     times[engine.kv.method, length].cpu.append((cpu1 - cpu0) / (len(clocks) - 1))
-                    times[engine.kv.method, length].positions.append({k: out.stats[k] for k in POSITION_STATS})
+                    times[engine.kv.method, length].positions.append(
+                        {k: out.stats[k] for k in POSITION_STATS}
+                    )
     finally:
         torch.set_num_threads(previous)
     return times

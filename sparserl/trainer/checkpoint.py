@@ -41,6 +41,11 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR
 
 
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives (whether or not it exists)."""
+    return checkpoint_root(run_dir) / f"step-{step:06d}"
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first. Temp dirs of interrupted writes are ignored."""
     root = checkpoint_root(run_dir)
@@ -151,7 +156,7 @@ def save_checkpoint(
     Everything goes to a temp dir beside the final one; a rename publishes it. A kill before the rename
     leaves only a temp dir, which `list_checkpoints` ignores and the next save cleans up.
     """
-    final = checkpoint_root(run_dir) / f"step-{state.step:06d}"
+    final = checkpoint_path(run_dir, state.step)
     with atomic_dir(final) as tmp:
         # safetensors refuses shared storage (tied embeddings): store contiguous, unshared copies.
         save_file({k: v.detach().contiguous().clone() for k, v in weights.items()}, tmp / weights_name)
