@@ -21,6 +21,7 @@ from sparserl.engine.sampling import (
     TokenDistributions,
     check_distribution_request,
     sample_next,
+    sample_uniforms,
 )
 from sparserl.engine.sparse_attention import make_sparse_attention
 
@@ -145,8 +146,13 @@ class RolloutEngine:
         seed: int = 0,
         top_logprobs: int = 0,
         full_logprobs: bool = False,
+        sample_keys: Sequence[int] | None = None,
     ) -> Rollouts:
         """Sample `n` completions for each prompt (token ids, chat template already applied).
+
+        Sample i (prompt-major: prompt i // n) draws its tokens from uniform numbers that depend only on
+        (`seed`, `sample_keys[i]`, the step), by default its index i in this call. Stable keys (say, from a
+        prompt id and a sample index) make a sample's tokens independent of which others share its batch.
 
         `top_logprobs=k` (and `full_logprobs=True`) also return, per generated token, the k most likely ids and
         their log-probs (and all V log-probs) of the processed distribution sampled from, in
@@ -155,6 +161,11 @@ class RolloutEngine:
         stop = [stop] if isinstance(stop, str) else list(stop or [])  # one string is one stop, not its chars
         self._check(prompt_ids, n, max_new_tokens, (temperature, top_p, top_k, stop))
         check_distribution_request(top_logprobs, self.decoder.model.lm_head.out_features, "generate")
+        keys = list(range(len(prompt_ids) * n)) if sample_keys is None else list(sample_keys)
+        if len(keys) != len(prompt_ids) * n or any(not isinstance(k, int) or k < 0 for k in keys):
+            raise ValueError(
+                f"generate: sample_keys must be {len(prompt_ids) * n} integers >= 0 (one per sample), got {keys!r}"
+            )
         recorder = DistributionRecorder.maybe(
             len(prompt_ids) * n, max_new_tokens, top_logprobs, full_logprobs, self.decoder.device
         )
@@ -162,7 +173,7 @@ class RolloutEngine:
         self.model.eval()
         try:
             rollouts = self._generate(
-                prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, recorder
+                prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, keys, recorder
             )
         finally:
             self.model.train(was_training)
@@ -176,7 +187,7 @@ class RolloutEngine:
         return min(self.kv.max_budget + self.kv.interval - 1, longest_prompt + max_new_tokens)
 
     def _generate(
-        self, prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, recorder=None
+        self, prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, keys, recorder=None
     ) -> Rollouts:
         dec, kv, dev = self.decoder, self.kv, self.decoder.device
         t0 = time.perf_counter()
@@ -214,10 +225,12 @@ class RolloutEngine:
         finish = ["length"] * rows
         positions = PositionStats(cache.length)
         peak_bytes = max(prefill_bytes, cache.nbytes())
-        gen = torch.Generator(device=dev).manual_seed(seed)
+        uniforms = sample_uniforms(seed, keys, max_new_tokens, dev)  # [rows, steps]: each row's own draws
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
-            tok, lp, dist = sample_next(logits, gen, temperature, top_p, top_k, recorder is not None)
+            tok, lp, dist = sample_next(
+                logits, uniforms[alive, step], temperature, top_p, top_k, recorder is not None
+            )
             tokens[alive, step], logps[alive, step] = tok, lp
             if recorder is not None:
                 recorder.record(step, alive, dist)
