@@ -1,0 +1,491 @@
+"""One RL step: sparserl's `sparserl train` vs TRL's GRPOTrainer, same model, prompts and settings, side by side.
+
+Both arms train SmolLM2-135M (full fine-tuning) on the built-in arithmetic task of the default config (the same
+chat messages, the same prompt at each step, the task's own verifiable reward), 1 prompt x `--n` samples per
+step, up to `--max-new-tokens` new tokens, temperature 1, top-p 1, no top-k, dense rollouts (sparserl's `dense`
+preset), learning rate `--lr`, the same AdamW settings, KL weight `--kl-coef` (k3) on both, `--threads` torch
+threads each. Each arm runs in its own process (threads and memory do not leak between arms), the arms
+alternate (trl, sparserl, trl, sparserl for `--repeats 2`), and every step is recorded with its wall and CPU
+seconds, its split into rollout, scoring and update, and its completion tokens per second. The time per step
+of an arm is the median of its steps after the first `--warmup-steps` over all repeats; the goal is TRL's over
+sparserl's. How each part is measured on each side and every remaining difference are in the JSON.
+
+    pip install -e .[bench]                      # TRL 1.16.0: a benchmark-only extra, never imported by sparserl
+    python benchmarks/rl_step.py                 # 4 steps x 2 repeats per arm at 2 threads -> docs/results/rl_step.json
+    python benchmarks/rl_step.py --dtype bfloat16   # both arms in bf16 -> docs/results/rl_step_bf16.json
+    python benchmarks/rl_step.py --quick --threads 1   # 1 step of 8 new tokens per arm, a temp file: a smoke run
+
+Each finished arm run is written to the JSON at once (`"complete": false` until the end); `--resume` keeps the
+(arm, repeat) runs already in it when the settings match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    REPO,
+    RESULTS,
+    command_line,
+    machine_info,
+    merge_runs_and_write,
+    print_table,
+    runs_with_settings,
+)
+
+TRL_VERSION = "1.16.0"
+ARMS = ("trl", "sparserl")
+GOAL = 2.0
+MISSING_TRL = f"rl_step: TRL is not installed; `pip install -e .[bench]` (trl=={TRL_VERSION}) adds it"
+
+MEASURED = {
+    "step": "trl: TrainerCallback on_step_begin -> on_step_end (perf_counter and time.process_time, all threads of "
+    "the process); sparserl: metrics time/step (rollout + learn; metrics logging and checkpoints are outside)",
+    "rollout": "trl: seconds inside the policy's `generate` calls (the model's generate method wrapped); "
+    "sparserl: time/rollout (prompt lookup + RolloutEngine.generate)",
+    "scoring": "trl: GRPOTrainer._generate_and_score_completions minus its generate calls (prompt chat template "
+    "and tokenisation, padding, decoding, reward, advantages, reference log-probs); sparserl: time/reward + "
+    "time/score (decoding, reward, advantages, reference log-probs)",
+    "update": "trl: step minus _generate_and_score_completions (loss forward/backward, clipping, AdamW, "
+    "scheduler); sparserl: time/train (Learner.update)",
+    "cpu_s": "trl: time.process_time() over the step; sparserl: the process's utime + stime (/proc/PID/stat, "
+    "polled every 0.1 s by the parent) between the metrics.jsonl lines of the step and of the step before (the "
+    "step plus its metrics logging; none for step 1, whose interval holds the start-up)",
+    "completion_tokens_per_s": "sum of the step's completion lengths (EOS included) / step wall seconds",
+}
+
+DIFFERENCES = [
+    "sampler: sparserl's RolloutEngine prefills the prompt once per group, decodes in a preallocated KV cache "
+    "and drops finished samples; TRL calls transformers `generate` on n copies of the prompt (n prefills), and "
+    "finished rows keep decoding as padding until the longest one ends (the implementations being compared)",
+    "random draws: sparserl draws per-sample uniforms seeded by (seed, step), TRL torch's global generator (seed "
+    "0): the completions and their lengths differ between arms (tokens per second partly normalises this)",
+    "reference policy (kl_coef > 0): sparserl deep-copies the initial weights in memory, TRL loads a second copy "
+    "from the model folder (start-up only); KL: both k3, sparserl clamps the per-token estimate to +-10 "
+    "(algo.kl_clamp) and log-ratios to +-20 before exp (algo.log_ratio_clamp), TRL clamps neither",
+    "the TRL learner forward also computes per-token entropies (logged; GRPOTrainer always asks for them); "
+    "sparserl computes entropy only with algo.entropy_coef > 0",
+    "optimizer implementation: TRL keeps its default fused AdamW (transformers' adamw_torch_fused), sparserl "
+    "uses torch.optim.AdamW (not fused); the hyperparameters are the same (betas, eps, weight decay on >= 2-D "
+    "weights, clipping, constant lr)",
+    "gradient checkpointing is off on both (TRL's default is on; sparserl has none): the benchmark gives each "
+    "arm its fastest math-preserving choices",
+    "step boundaries: TRL's step excludes fetching the raw prompt from its dataloader and its per-step logging, "
+    "sparserl's its metrics logging; the prompt's chat template and tokenisation count in sparserl's rollout "
+    "and in TRL's scoring",
+    "safety checks only sparserl makes: NaN/inf checks of the learner's log-probs per micro-batch and of every "
+    "weight after each optimizer step (skip or stop), and the step's correction metrics (zero weight in the "
+    "dense preset's loss)",
+]
+
+BF16_DIFFERENCES = [
+    "bfloat16: both arms hold the weights (and AdamW's states) in bf16 with no fp32 master copy; TRL's bf16=True "
+    "also runs its forward passes under CPU autocast. An update of lr 1e-6 is mostly below bf16's resolution "
+    "of the weights on both, so the time is comparable but the training is not meaningful",
+]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from sparserl.algo import algo_config
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
+    ap.add_argument("--steps", type=int, default=4, help="training steps per arm run (default 4)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating trl/sparserl")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (and OMP_NUM_THREADS) of each arm")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt (GRPO group size); 1 prompt per step")  # fmt: skip
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="completion length cap")
+    ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate of both arms")
+    ap.add_argument("--kl-coef", type=float, default=algo_config("dense").kl_coef,
+                    help="KL weight (k3) of both arms; default: sparserl's dense preset (TRL: beta). 0 drops "
+                    "the reference model on both")  # fmt: skip
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="micro-batches per step on both (TRL: gradient_accumulation_steps, n / this per device)")  # fmt: skip
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights dtype of both arms (bfloat16: bf16 weights, TRL with bf16=True)")  # fmt: skip
+    ap.add_argument("--warmup-steps", type=int, default=1,
+                    help="first steps of each run left out of the medians (default 1: medians of steps 2..N)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0, help="training seed of both arms")
+    ap.add_argument("--arms", default="trl,sparserl", help="comma-separated arms, run in this order per repeat")  # fmt: skip
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 1 step of 8 new tokens, 1 repeat, JSON to a temp file (not docs/results)")  # fmt: skip
+    ap.add_argument("--resume", action="store_true", help="keep the (arm, repeat) runs already in --out (same settings)")  # fmt: skip
+    ap.add_argument("--out", default=None,
+                    help=f"JSON output (default {RESULTS / 'rl_step.json'}, rl_step_bf16.json for bfloat16)")  # fmt: skip
+    ap.add_argument("--child", choices=["trl"], default=None, help="internal: run one TRL arm in this process")  # fmt: skip
+    ap.add_argument("--spec", default=None, help="internal: the child's settings (JSON written by the parent)")  # fmt: skip
+    ap.add_argument("--child-out", default=None, help="internal: where the child writes its per-step rows")
+    args = ap.parse_args(argv)
+    args.arms = [a for a in args.arms.split(",") if a]
+    if not args.arms or set(args.arms) - set(ARMS):
+        ap.error(f"--arms: choose from {', '.join(ARMS)}")
+    if args.quick:
+        args.steps, args.max_new_tokens, args.repeats = 1, 8, 1
+    if args.n % args.grad_accum:
+        ap.error(f"--grad-accum {args.grad_accum} must divide --n {args.n}")
+    return args
+
+
+def sparserl_overrides(args: argparse.Namespace, output_dir: str = "", run_name: str = "") -> list[str]:
+    """`sparserl train` overrides of the benchmark's setting (on the embedded default config: its task, system
+    prompt, AdamW betas/weight decay/clipping). TRL's settings are derived from the same resolved config."""
+    out = [
+        f"model.spec={args.model}", "model.lora=false", f"model.dtype={args.dtype}",
+        "rollout.prompts_per_step=1", f"rollout.n={args.n}", f"algo.group_size={args.n}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        "rollout.top_k=0", "kv.method=dense", "algo.preset=dense", f"algo.kl_coef={args.kl_coef}",
+        "algo.kl_estimator=k3", "algo.adv_eps=1e-4",  # TRL divides by std + 1e-4
+        f"optim.lr={args.lr}", "optim.schedule=constant", "optim.warmup_steps=0", "optim.mini_batch_size=0",
+        f"optim.grad_accum={args.grad_accum}", "optim.ppo_epochs=1", f"trainer.steps={args.steps}",
+        f"trainer.seed={args.seed}", f"trainer.threads={args.threads}", "trainer.eval_prompts=0",
+        "trainer.save_every=0",  # a checkpoint only at the end, after the last step's time/step
+        "logging.progress=false", "logging.tensorboard=false", "logging.print_samples=0",
+    ]  # fmt: skip
+    if output_dir:
+        out += [f"trainer.output_dir={output_dir}", f"trainer.run_name={run_name}"]
+    return out
+
+
+def trl_config_kwargs(cfg: Any, steps: int, output_dir: str) -> dict[str, Any]:
+    """GRPOConfig keywords equal to the resolved sparserl config `cfg` (see DIFFERENCES for what is not)."""
+    o, r, g = cfg.optim, cfg.rollout, cfg.optim.grad_accum
+    return {
+        "output_dir": output_dir, "num_generations": r.n, "per_device_train_batch_size": r.n // g,
+        "gradient_accumulation_steps": g,  # steps_per_generation = g: one generation of 1 x n per step
+        "max_completion_length": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
+        "top_k": r.top_k, "learning_rate": o.lr, "adam_beta1": o.betas[0], "adam_beta2": o.betas[1],
+        "adam_epsilon": o.eps, "weight_decay": o.weight_decay, "max_grad_norm": o.grad_clip,
+        "lr_scheduler_type": "constant", "warmup_steps": 0, "beta": cfg.algo.kl_coef, "epsilon": cfg.algo.eps_low,
+        "epsilon_high": cfg.algo.eps_high, "loss_type": "grpo", "scale_rewards": "group", "num_iterations": 1,
+        "max_steps": steps, "seed": cfg.trainer.seed, "shuffle_dataset": False, "gradient_checkpointing": False,
+        "use_cpu": True, "bf16": cfg.model.dtype == "bfloat16", "fp16": False, "logging_steps": 1,
+        "report_to": "none", "save_strategy": "no", "disable_tqdm": True, "dataloader_num_workers": 0,
+    }  # fmt: skip
+
+
+def child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.update(TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+# ------------------------------------------------------------------------------------------- TRL (child)
+
+
+def trl_child(args: argparse.Namespace) -> None:
+    """One TRL arm run in this process: per-step rows to --child-out."""
+    spec = json.loads(Path(args.spec).read_text())
+    threads = spec["threads"]
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from sparserl.config import load_config
+    from sparserl.models import encode_prompt, load_model, prepare_for_training
+    from sparserl.tasks import make_task
+
+    t_start = time.perf_counter()
+    cfg = load_config(None, spec["overrides"])
+    model, tok = load_model(cfg.model.spec, dtype=getattr(torch, cfg.model.dtype))
+    prepare_for_training(model)  # the GGUF marker would make transformers' Trainer refuse to train it
+    task = make_task(cfg.task, "train")
+    indices = spec["prompt_indices"]
+    messages = [task[i].messages for i in indices]
+    trl_ids = tok.apply_chat_template(messages[0], add_generation_prompt=True, tokenize=True, return_dict=True)  # fmt: skip
+    same_prompt = list(trl_ids["input_ids"]) == encode_prompt(tok, messages[0])
+    data = Dataset.from_dict({"prompt": messages, "index": indices})
+    rows: list[dict[str, Any]] = []
+    cur: dict[str, Any] = {}
+
+    def builtin_reward(completions, index, **kwargs):
+        """sparserl's own reward of the task (Task.score_batch: the same function and fault guard)."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        scores = [s if math.isfinite(s) else 0.0 for s in task.score_batch(texts, [task[i] for i in index])]
+        cur.update(reward_mean=sum(scores) / len(scores), prompt_index=int(index[0]))
+        return scores
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            cur.clear()
+            cur.update(rollout_s=0.0, phase_s=0.0, completion_tokens=0, generate_calls=0)
+            cur.update(_t0=time.perf_counter(), _c0=time.process_time(), torch_threads=torch.get_num_threads())  # fmt: skip
+
+        def on_step_end(self, a, state, control, **kw):
+            wall, cpu = time.perf_counter() - cur.pop("_t0"), time.process_time() - cur.pop("_c0")
+            phase = cur.pop("phase_s")
+            row = step_row(state.global_step, wall, cpu, cur["rollout_s"], phase - cur["rollout_s"], wall - phase,
+                           cur["completion_tokens"])  # fmt: skip
+            row.update({k: cur[k] for k in ("reward_mean", "prompt_index", "generate_calls", "torch_threads")})  # fmt: skip
+            rows.append(row)
+            print_step("trl", row)
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=builtin_reward,
+        args=GRPOConfig(**trl_config_kwargs(cfg, spec["steps"], spec["output_dir"])),
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[StepTimer()],
+    )
+    generate, phase = trainer.model.generate, trainer._generate_and_score_completions
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            cur["rollout_s"] += time.perf_counter() - t0
+            cur["generate_calls"] += 1
+
+    def timed_phase(inputs):
+        t0 = time.perf_counter()
+        out = phase(inputs)
+        cur["phase_s"] += time.perf_counter() - t0
+        cur["completion_tokens"] += int(out["completion_mask"].sum())
+        return out
+
+    trainer.model.generate = timed_generate
+    trainer._generate_and_score_completions = timed_phase
+    torch.set_num_threads(threads)
+    setup_s = time.perf_counter() - t_start
+    trainer.train()
+    if not rows or any(r["generate_calls"] == 0 for r in rows):
+        raise SystemExit("rl_step: TRL never called model.generate: the timing hooks do not fit this TRL version")  # fmt: skip
+    out = {"steps": rows, "setup_s": setup_s, "prompt_tokens": len(trl_ids["input_ids"]),
+           "same_prompt_ids_as_sparserl": same_prompt}  # fmt: skip
+    Path(args.child_out).write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------------------- parent
+
+
+def step_row(step, wall, cpu, rollout, scoring, update, tokens) -> dict[str, Any]:
+    return {
+        "step": int(step), "wall_s": wall, "cpu_s": cpu, "rollout_s": rollout, "scoring_s": scoring,
+        "update_s": update, "completion_tokens": int(tokens),
+        "completion_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+    }  # fmt: skip
+
+
+def print_step(arm: str, r: dict[str, Any]) -> None:
+    cpu = f"{r['cpu_s']:.2f}" if r["cpu_s"] is not None else "-"
+    print(f"{arm:>8} step {r['step']}: {r['wall_s']:.2f} s (cpu {cpu} s) = rollout {r['rollout_s']:.2f} + scoring "
+          f"{r['scoring_s']:.2f} + update {r['update_s']:.2f}; {r['completion_tokens']} tokens, "
+          f"{r['completion_tokens_per_s']:.1f} tok/s, reward {r.get('reward_mean', float('nan')):.2f}", flush=True)  # fmt: skip
+
+
+def proc_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a live process (all its threads), from /proc; None where unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run_child(cmd: list[str], threads: int, log: Path, on_poll=None) -> tuple[int, float, float]:
+    """Run `cmd` with its output in `log`; `on_poll(pid)` every 0.1 s while it runs. Returns the exit code, wall
+    and CPU seconds of the child (user + system of it and its waited-for descendants)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=child_env(threads), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        while proc.poll() is None:
+            if on_poll is not None:
+                on_poll(proc.pid)
+            time.sleep(0.1)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return proc.returncode, wall, cpu
+
+
+def log_path(arm: str) -> Path:
+    """Where an arm's output goes (kept after the run, overwritten by the next run of that arm)."""
+    return Path(tempfile.gettempdir()) / f"rl_step_{arm}.log"
+
+
+def fail(arm: str) -> None:
+    lines = [ln for ln in log_path(arm).read_text(errors="replace").splitlines() if ln.strip()]
+    last = lines[-1] if lines else "(no output)"
+    raise SystemExit(f"rl_step: the {arm} arm failed: {last} (full log: {log_path(arm)})")
+
+
+def run_trl(args, overrides: list[str], indices: list[int], tmp: Path) -> dict[str, Any]:
+    spec = {"overrides": overrides, "prompt_indices": indices, "steps": args.steps, "threads": args.threads,
+            "output_dir": str(tmp / "trl")}  # fmt: skip
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "trl", "--spec", str(tmp / "spec.json"),
+           "--child-out", str(tmp / "trl_rows.json")]  # fmt: skip
+    rc, wall, cpu = run_child(cmd, args.threads, log_path("trl"))
+    if rc != 0 or not (tmp / "trl_rows.json").is_file():
+        fail("trl")
+    out = json.loads((tmp / "trl_rows.json").read_text())
+    for r in out["steps"]:
+        print_step("trl", r)
+    return {"process_wall_s": wall, "process_cpu_s": cpu, **out}
+
+
+def run_sparserl(args, overrides: list[str], tmp: Path) -> dict[str, Any]:
+    metrics = tmp / "runs" / "rl_step" / "metrics.jsonl"
+    marks: list[tuple[float, float | None]] = []  # (perf_counter, process CPU) as each metrics line appeared
+
+    def poll(pid: int) -> None:
+        if metrics.is_file():
+            lines = metrics.read_text().count("\n")
+            while len(marks) < lines:
+                marks.append((time.perf_counter(), proc_cpu_s(pid)))
+
+    cmd = [sys.executable, "-m", "sparserl.cli", "train", *overrides]
+    rc, wall, cpu = run_child(cmd, args.threads, log_path("sparserl"), poll)
+    if rc != 0 or not metrics.is_file():
+        fail("sparserl")
+    steps = []
+    for k, m in enumerate(json.loads(line) for line in metrics.read_text().splitlines() if line.strip()):
+        cpu_s = None
+        if 0 < k < len(marks) and marks[k][1] is not None and marks[k - 1][1] is not None:
+            cpu_s = marks[k][1] - marks[k - 1][1]
+        tokens = round(m.get("length/mean", m.get("response_length/mean", 0.0)) * args.n)
+        row = step_row(m["step"], m["time/step"], cpu_s, m["time/rollout"], m.get("time/reward", 0.0) + m["time/score"],
+                       m["time/train"], tokens)  # fmt: skip
+        row.update(reward_mean=m.get("reward/mean"), time_reward_s=m.get("time/reward"), time_score_s=m["time/score"])  # fmt: skip
+        steps.append(row)
+        print_step("sparserl", row)
+    return {"process_wall_s": wall, "process_cpu_s": cpu, "steps": steps}
+
+
+def prompt_indices(args: argparse.Namespace) -> tuple[list[int], Any]:
+    """The task rows sparserl's trainer draws at steps 1..N (its PromptSampler, 1 prompt per step; generated
+    tasks keep every row), and the resolved sparserl config."""
+    from sparserl.config import load_config
+    from sparserl.tasks import make_task
+    from sparserl.trainer.data import PromptSampler
+
+    cfg = load_config(None, sparserl_overrides(args))
+    sampler = PromptSampler(len(make_task(cfg.task, "train")), cfg.trainer.seed)
+    return [sampler.take(1)[0] for _ in range(args.steps)], cfg
+
+
+def summarise(runs: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Per arm: medians over every run's steps after the first `warmup` (all steps when a run is that short)."""
+    out: dict[str, Any] = {}
+    keys = ("wall_s", "cpu_s", "rollout_s", "scoring_s", "update_s", "completion_tokens", "completion_tokens_per_s")  # fmt: skip
+    for arm in ARMS:
+        steps = [s for r in runs if r["arm"] == arm for s in (r["steps"][warmup:] or r["steps"])]
+        if steps:
+            med = {
+                k: statistics.median(v) if (v := [s[k] for s in steps if s[k] is not None]) else None
+                for k in keys
+            }
+            out[arm] = {"steps_in_median": len(steps), **med}
+    if "trl" in out and "sparserl" in out:
+        t, s = out["trl"], out["sparserl"]
+        out["ratio_wall"] = t["wall_s"] / s["wall_s"]
+        out["ratio_cpu"] = t["cpu_s"] / s["cpu_s"] if t["cpu_s"] and s["cpu_s"] else None
+        out["ratio_tokens_per_s"] = s["completion_tokens_per_s"] / t["completion_tokens_per_s"]
+    return out
+
+
+def goals(summary: dict[str, Any], dtype: str, command: str) -> dict[str, Any]:
+    if "ratio_wall" not in summary:
+        return {}
+    name = ("One RL step >= 2x faster than TRL GRPOTrainer (fp32, same config and machine)" if dtype == "float32"
+            else "One RL step >= 2x faster than TRL GRPOTrainer at bf16 (reported)")  # fmt: skip
+    v = summary["ratio_wall"]  # cpu_value: the same ratio in CPU seconds per step
+    return {name: {"value": v, "target": GOAL, "met": v >= GOAL, "cpu_value": summary["ratio_cpu"], "command": command}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit(MISSING_TRL)
+    if args.child == "trl":
+        return trl_child(args)
+    import trl
+
+    torch.set_num_threads(args.threads)  # only so that machine_info reports the arms' thread count
+    default = RESULTS / ("rl_step.json" if args.dtype == "float32" else "rl_step_bf16.json")
+    quick = Path(tempfile.gettempdir()) / "rl_step_quick.json"
+    out_path = Path(args.out or (quick if args.quick else default))
+    indices, cfg = prompt_indices(args)
+    settings = {
+        "model": args.model, "steps": args.steps, "prompts_per_step": 1, "n": args.n,
+        "max_new_tokens": args.max_new_tokens, "lr": args.lr, "kl_coef": args.kl_coef, "grad_accum": args.grad_accum,
+        "threads": args.threads, "dtype": args.dtype, "seed": args.seed, "warmup_steps": args.warmup_steps,
+        "prompt_indices": indices, "trl": trl.__version__,
+    }  # fmt: skip
+    kept = runs_with_settings(out_path, settings) if args.resume else []
+    done = {(r["arm"], r["repeat"]) for r in kept}
+    if args.resume:
+        print(f"resuming: {len(kept)} runs kept from {out_path}" if kept else f"not resuming: {out_path} has no "
+              "runs with these settings")  # fmt: skip
+    mine: list[dict[str, Any]] = []
+    trl_config = trl_config_kwargs(cfg, args.steps, "TMP/trl")
+
+    def build(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        summary = summarise(runs, args.warmup_steps)
+        return {
+            "benchmark": "one RL step: sparserl train vs TRL GRPOTrainer (same model, prompts and settings)",
+            "command": command_line(),
+            "complete": {(a, i) for a in args.arms for i in range(args.repeats)} <= {(r["arm"], r["repeat"]) for r in runs},
+            "settings": settings,
+            "goals": goals(summary, args.dtype, command_line()),
+            "summary": summary,
+            "measured": MEASURED,
+            "differences": DIFFERENCES + (BF16_DIFFERENCES if args.dtype == "bfloat16" else []),
+            "sparserl_command": "python -m sparserl.cli train " + " ".join(sparserl_overrides(args, "TMP", "rl_step")),
+            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos": "stops a completion (both)"},
+            "trl_config": trl_config,
+            "machine": machine_info(),
+            "runs": sorted(runs, key=lambda r: (r["repeat"], args.arms.index(r["arm"]) if r["arm"] in args.arms else 9)),
+        }  # fmt: skip
+
+    for repeat in range(args.repeats):
+        for arm in args.arms:
+            if (arm, repeat) in done:
+                continue
+            load = os.getloadavg()[0]
+            with tempfile.TemporaryDirectory(prefix=f"rl_step_{arm}_") as d:
+                tmp = Path(d)
+                if arm == "trl":
+                    res = run_trl(args, sparserl_overrides(args), indices, tmp)
+                else:
+                    res = run_sparserl(args, sparserl_overrides(args, str(tmp / "runs"), "rl_step"), tmp)
+            mine.append({"arm": arm, "repeat": repeat, "load_avg_1min_before": load, **res})
+            report = merge_runs_and_write(out_path, settings, mine, ("arm", "repeat"), args.resume, build)
+    if not mine:
+        report = merge_runs_and_write(out_path, settings, [], ("arm", "repeat"), args.resume, build)
+    s = report["summary"]
+    rows = [[arm, s[arm]["wall_s"], s[arm]["cpu_s"] or "-", s[arm]["rollout_s"], s[arm]["scoring_s"],
+             s[arm]["update_s"], s[arm]["completion_tokens_per_s"], s[arm]["steps_in_median"]]
+            for arm in ARMS if arm in s]  # fmt: skip
+    which = f"steps {args.warmup_steps + 1}..{args.steps}" if args.steps > args.warmup_steps else "all steps"
+    print(f"\n{args.model}, 1 prompt x {args.n}, {args.max_new_tokens} new tokens, {args.dtype}, {args.threads} "
+          f"thread(s), kl {args.kl_coef:g}; medians of {which} over {args.repeats} repeat(s)")  # fmt: skip
+    print_table(["arm", "step s", "cpu s", "rollout s", "scoring s", "update s", "tok/s", "steps"], rows)
+    if "ratio_wall" in s:
+        cpu = f"{s['ratio_cpu']:.2f}x" if s["ratio_cpu"] else "-"
+        print(f"TRL / sparserl time per step: {s['ratio_wall']:.2f}x wall, {cpu} CPU (goal >= {GOAL:g}x)")
+    print(f"wrote {out_path}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
