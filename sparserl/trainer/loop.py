@@ -397,7 +397,7 @@ class Trainer:
                 self._print_samples(progress, "before training")
             while self.state.step < stop:
                 step = self.state.step + 1
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 batch, metrics = self.rollout(step)
                 t1 = time.perf_counter()
                 metrics.update(self.learn(step, batch))
@@ -406,6 +406,7 @@ class Trainer:
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < total:
                     metrics.update(self.evaluate(step))
                 metrics["time/step"] = time.perf_counter() - t0
+                metrics["time/step_cpu"] = time.process_time() - cpu0
                 metrics.update(self._task_counters())
                 self._accumulate(metrics)
                 sinks.log(step, metrics)
