@@ -63,9 +63,8 @@ MEASURED = {
     "time/score (decoding, reward, advantages, reference log-probs)",
     "update": "trl: step minus _generate_and_score_completions (loss forward/backward, clipping, AdamW, "
     "scheduler); sparserl: time/train (Learner.update)",
-    "cpu_s": "trl: time.process_time() over the step; sparserl: the process's utime + stime (/proc/PID/stat, "
-    "polled every 0.1 s by the parent) between the metrics.jsonl lines of the step and of the step before (the "
-    "step plus its metrics logging; none for step 1, whose interval holds the start-up)",
+    "cpu_s": "both: time.process_time() over the step (all threads of the process); sparserl logs it as "
+    "time/step_cpu",
     "completion_tokens_per_s": "sum of the step's completion lengths (EOS included) / step wall seconds",
 }
 
@@ -291,30 +290,19 @@ def print_step(arm: str, r: dict[str, Any]) -> None:
           f"{r['completion_tokens_per_s']:.1f} tok/s, reward {r.get('reward_mean', float('nan')):.2f}", flush=True)  # fmt: skip
 
 
-def proc_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of a live process (all its threads), from /proc; None where unreadable."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def run_child(cmd: list[str], threads: int, log: Path, on_poll=None) -> tuple[int, float, float]:
-    """Run `cmd` with its output in `log`; `on_poll(pid)` every 0.1 s while it runs. Returns the exit code, wall
-    and CPU seconds of the child (user + system of it and its waited-for descendants)."""
+def run_child(cmd: list[str], threads: int, log: Path) -> tuple[int, float, float]:
+    """Run `cmd` with its output in `log`. Returns the exit code, wall and CPU seconds of the child (user +
+    system of it and its waited-for descendants)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=child_env(threads), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
-        while proc.poll() is None:
-            if on_poll is not None:
-                on_poll(proc.pid)
-            time.sleep(0.1)
+        returncode = subprocess.run(
+            cmd, env=child_env(threads), stdout=f, stderr=subprocess.STDOUT, cwd=REPO
+        ).returncode
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return proc.returncode, wall, cpu
+    return returncode, wall, cpu
 
 
 def log_path(arm: str) -> Path:
@@ -345,23 +333,13 @@ def run_trl(args, overrides: list[str], indices: list[int], tmp: Path) -> dict[s
 
 def run_sparserl(args, overrides: list[str], tmp: Path) -> dict[str, Any]:
     metrics = tmp / "runs" / "rl_step" / "metrics.jsonl"
-    marks: list[tuple[float, float | None]] = []  # (perf_counter, process CPU) as each metrics line appeared
-
-    def poll(pid: int) -> None:
-        if metrics.is_file():
-            lines = metrics.read_text().count("\n")
-            while len(marks) < lines:
-                marks.append((time.perf_counter(), proc_cpu_s(pid)))
-
     cmd = [sys.executable, "-m", "sparserl.cli", "train", *overrides]
-    rc, wall, cpu = run_child(cmd, args.threads, log_path("sparserl"), poll)
+    rc, wall, cpu = run_child(cmd, args.threads, log_path("sparserl"))
     if rc != 0 or not metrics.is_file():
         fail("sparserl")
     steps = []
-    for k, m in enumerate(json.loads(line) for line in metrics.read_text().splitlines() if line.strip()):
-        cpu_s = None
-        if 0 < k < len(marks) and marks[k][1] is not None and marks[k - 1][1] is not None:
-            cpu_s = marks[k][1] - marks[k - 1][1]
+    for m in (json.loads(line) for line in metrics.read_text().splitlines() if line.strip()):
+        cpu_s = m["time/step_cpu"]
         tokens = round(m.get("length/mean", m.get("response_length/mean", 0.0)) * args.n)
         row = step_row(m["step"], m["time/step"], cpu_s, m["time/rollout"], m.get("time/reward", 0.0) + m["time/score"],
                        m["time/train"], tokens)  # fmt: skip
