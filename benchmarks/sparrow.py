@@ -16,8 +16,9 @@ Two parts, run together or apart (`--parts`), written into one JSON:
 - **alpha**, per sparse arm: `--alpha-samples` generations of the short chat prompt below (not a calibration
   prompt) to `--alpha-length` new tokens (default: the whole context), temperature 1, EOS ignored, each with
   the arm's KV policy, and the exact alpha_t = sum_v min(p_sparse, p_dense) of every token against the dense
-  model on the same prefix (`eval.acceptance.measure_acceptance`, one sample per call so that one sample's
-  full distributions, 4 bytes x 49,152 ids per token, are held at a time), pooled per `--bin-width` bin of
+  model on the same prefix (`eval.acceptance.measure_acceptance`; an arm's samples are drawn in one call, since a
+  batch-1 step costs about what a batch-2 step does, its weight reads, so their full distributions, 4 bytes x
+  49,152 ids per token, 3.2 GB for 2 x 8140 tokens, are held at once), pooled per `--bin-width` bin of
   absolute position: P5, P1, mean, fraction below tau.
 
     python benchmarks/sparrow.py --resume --parts speed            # every arm at both contexts (~1 CPU hour)
@@ -179,12 +180,13 @@ def run_speed(args: argparse.Namespace, arms: dict[str, KVConfig | None], contex
 
 
 def run_alpha(model, tokenizer, name: str, kv: KVConfig, prompt: list[int], length: int, args) -> dict:
-    """Exact alpha of `--alpha-samples` samples (one per call, seeds seed, seed + 1, ...) per position bin."""
+    """Exact alpha of `--alpha-samples` samples, drawn in one call (a decode step of a batch this small costs
+    about its weight reads, whatever the batch), per position bin."""
     cpu0 = time.process_time()
     with measure() as m:
         alpha = measure_acceptance(
             model, tokenizer, [prompt], kv, args.alpha_samples, length, seed=args.seed, exact=True,
-            samples_per_call=1, ignore_eos=True,
+            samples_per_call=args.alpha_samples, ignore_eos=True,
         )  # fmt: skip
     bins = [b.to_dict() for b in alpha.binned(args.bin_width, args.tau)["exact"]]
     p5 = [b["p5"] for b in bins if b["p5"] is not None]
@@ -404,7 +406,7 @@ class Bench:
             "decode step (block_topk's dense layers read all); held_positions_mean: positions a sequence "
             "holds",
             "alpha_method": f"exact alpha of {args.alpha_samples} samples per sparse arm of the short prompt, "
-            "one per call (seeds seed, seed + 1, ...), temperature 1, EOS ignored, with the arm's KV policy, "
+            "drawn in one call, temperature 1, EOS ignored, with the arm's KV policy, "
             f"scored by the dense model on the same prefixes; P5 per {args.bin_width}-position bin "
             "(eval.acceptance.measure_acceptance)",
             "schedule": provenance,
