@@ -1,0 +1,123 @@
+"""How close is a dense decode step to its weight matmuls? SmolLM2-135M, fp32, one thread by default.
+
+For each batch size (16 and 64): the engine's decode step (one random prompt of `--prompt-len` tokens x batch,
+`--steps` new tokens, EOS ignored; CPU seconds per step clocked between the engine's step callbacks, so the
+prefill is left out: `sparserl.cost.probe.time_decode_steps`), and the same model's weight matmuls alone at that
+batch (every layer's q, k, v, o, gate, up and down projections and the LM head, as `F.linear` on random inputs,
+the same weights), alternating, `--repeats` times; medians. The ratio step / matmuls is what a step costs beyond
+the matmuls it cannot avoid: attention, norms, RoPE, sampling and Python. `--profile` adds the step's top
+operators (torch.profiler, self CPU time) at each batch.
+
+    python benchmarks/decode_step.py --profile     # writes docs/results/decode_step.json
+"""
+
+# ruff: noqa: E402  (the benchmarks folder goes on sys.path before its helpers are imported)
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, command_line, machine_info, write_json
+
+from sparserl.cost.probe import time_decode_steps
+from sparserl.engine import KVConfig, RolloutEngine
+from sparserl.engine.decoder import causal_lm
+from sparserl.models import load_model
+
+GOALS = {16: 1.6, 64: 1.3}  # the most a step may cost, in weight-matmul times, per batch size
+
+
+def weight_matrices(model) -> list[torch.Tensor]:
+    """The matrices one decode step multiplies by: per layer q, k, v, o, gate, up, down, then the LM head."""
+    lm = causal_lm(model)
+    out = []
+    for layer in lm.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out += [m.weight for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)]
+        out += [m.weight for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    return [*out, lm.lm_head.weight]
+
+
+def matmul_seconds(weights: list[torch.Tensor], batch: int, passes: int) -> float:
+    """CPU seconds of one pass of `F.linear` over every weight at `batch` rows (median of `passes`)."""
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    times = []
+    for _ in range(passes + 1):  # the first pass warms up
+        start = time.process_time()
+        for w in weights:
+            F.linear(inputs[w.shape[1]], w)
+        times.append(time.process_time() - start)
+    return statistics.median(times[1:])
+
+
+def profile_step(model, tokenizer, batch: int, prompt_len: int, steps: int, top: int) -> list[dict]:
+    """The top operators of `steps` decode steps by self CPU time, as shares of the profiled total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = RolloutEngine(model, tokenizer)
+    engine.eos_ids = set()
+    prompt = torch.randint(tokenizer.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate([prompt.tolist()], n=batch, max_new_tokens=steps, seed=0)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:top]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
+    ap.add_argument("--batches", default="16,64", help="batch sizes, comma-separated (default 16,64)")
+    ap.add_argument("--prompt-len", type=int, default=100, help="prompt tokens (default 100)")
+    ap.add_argument("--steps", type=int, default=24, help="decode steps per timing (default 24)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternating timings per batch (default 3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--profile", action="store_true", help="also profile the step's top operators")
+    ap.add_argument("--out", type=Path, default=RESULTS / "decode_step.json", help="JSON output")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    weights = weight_matrices(model)
+    step_s: dict[int, list[float]] = {b: [] for b in batches}
+    matmul_s: dict[int, list[float]] = {b: [] for b in batches}
+    for _ in range(args.repeats):
+        for b in batches:
+            t = time_decode_steps(
+                args.model, [args.prompt_len], [KVConfig()], b, args.steps, args.threads, 1, "float32"
+            )
+            step_s[b] += t["dense", args.prompt_len].cpu
+            matmul_s[b].append(matmul_seconds(weights, b, args.steps))
+    rows, goals = [], {}
+    for b in batches:
+        step, matmuls = statistics.median(step_s[b]), statistics.median(matmul_s[b])
+        row = {"batch": b, "step_cpu_s": step, "matmul_cpu_s": matmuls, "ratio": step / matmuls,
+               "tokens_per_cpu_s": b / step, "step_cpu_s_runs": step_s[b], "matmul_cpu_s_runs": matmul_s[b]}  # fmt: skip
+        if args.profile:
+            row["profile"] = profile_step(model, tokenizer, b, args.prompt_len, args.steps, top=12)
+        rows.append(row)
+        print(f"batch {b:>3}: step {1000 * step:.1f} ms CPU, weight matmuls {1000 * matmuls:.1f} ms, "
+              f"ratio {step / matmuls:.2f}", flush=True)  # fmt: skip
+        if b in GOALS:
+            goals[f"Decode at batch {b}, {args.threads} thread(s), within {GOALS[b]}x of its weight matmuls"] = {
+                "value": step / matmuls, "target": GOALS[b], "met": step / matmuls <= GOALS[b],
+                "command": command_line(),
+            }  # fmt: skip
+    write_json(args.out, {
+        "benchmark": "dense decode step vs its weight matmuls alone, sparserl RolloutEngine",
+        "command": command_line(), "model": args.model, "dtype": "float32", "threads": args.threads,
+        "prompt_len": args.prompt_len, "steps": args.steps, "repeats": args.repeats, "goals": goals,
+        "machine": machine_info(), "rows": rows,
+    })  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
