@@ -100,7 +100,7 @@ def stability(tables: dict[tuple[int, int], dict]) -> list[dict]:
 def training_alpha(run: Path) -> list[dict]:
     """The alpha metrics the training run logged per step (trainer.log_acceptance)."""
     return [
-        {k: v for k, v in m.items() if k == "step" or k.startswith("acceptance/")} for m in read_metrics(run)
+        {k: v for k, v in m.items() if k == "step" or k.startswith("alpha/")} for m in read_metrics(run)
     ]
 
 
@@ -124,7 +124,7 @@ def plot(rows: list[dict], tau: float, path: Path) -> None:
         ax.axhline(tau, color="grey", linestyle="--", linewidth=1, label=f"tau {tau}")
         ax.set(title=f"block_topk budget {budget}", xlabel="RL step (checkpoint)", xticks=STEPS)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("P5 of alpha (seed mean, bars: min-max over seeds)")
+    axes[0][0].set_ylabel("P5 of alpha (seed mean; bars: seed range)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
