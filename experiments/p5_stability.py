@@ -99,9 +99,7 @@ def stability(tables: dict[tuple[int, int], dict]) -> list[dict]:
 
 def training_alpha(run: Path) -> list[dict]:
     """The alpha metrics the training run logged per step (trainer.log_acceptance)."""
-    return [
-        {k: v for k, v in m.items() if k == "step" or k.startswith("alpha/")} for m in read_metrics(run)
-    ]
+    return [{k: v for k, v in m.items() if k == "step" or k.startswith("alpha/")} for m in read_metrics(run)]
 
 
 def plot(rows: list[dict], tau: float, path: Path) -> None:
