@@ -46,7 +46,7 @@ def test_uniforms_are_a_function_of_seed_key_and_step():
     assert torch.equal(sample_uniforms(7, [3], 3)[0], table[3, :3])  # and the number of steps
     assert not torch.equal(sample_uniforms(8, range(10), 5), table)
     many = sample_uniforms(0, range(1000), 100).flatten()
-    assert 0 <= float(many.min()) and float(many.max()) < 1
+    assert float(many.min()) >= 0 and float(many.max()) < 1
     histogram = torch.histc(many.float(), bins=10, min=0, max=1)  # 10,000 per decile expected
     assert float((histogram - 10_000).abs().max()) < 500  # ~5 standard deviations
 
