@@ -68,7 +68,9 @@ def processed_logprobs(
     a point mass on the argmax (log-prob 0 there, -inf elsewhere)."""
     if temperature <= 0:
         return point_mass(logits.argmax(dim=-1), logits.shape[-1])
-    logits = logits.float() / temperature
+    logits = (
+        logits.float() if temperature == 1.0 else logits.float() / temperature
+    )  # no pass over [N, V] at T = 1
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
