@@ -40,7 +40,12 @@ class ModelConfig:
         },
     )
     dtype: str = field(
-        default="float32", metadata={"help": f"Weights dtype, one of {', '.join(DTYPES)} (CPU: float32)."}
+        default="float32",
+        metadata={
+            "help": f"Weights dtype, one of {', '.join(DTYPES)}; float32 is the reference. In half precision "
+            "rollouts, scoring and the update run in it; LoRA adapters stay float32 (PEFT), while full "
+            "fine-tuning keeps no float32 master copy (a warning says so)."
+        },
     )
     lora: bool = field(
         default=True,

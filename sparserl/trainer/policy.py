@@ -65,6 +65,13 @@ class Policy:
             self.module = self.peft.get_base_model()
         else:
             self.module = model
+            if cfg.dtype != "float32":
+                warnings.warn(
+                    f"model.dtype={cfg.dtype} with model.lora=false trains the weights themselves in {cfg.dtype}, "
+                    "with no float32 master copy: an update smaller than a weight's rounding step (1/256 of it "
+                    "in bfloat16) is lost. Use model.lora=true (the adapters stay float32) or float32.",
+                    stacklevel=2,
+                )
             if need_ref:
                 self._ref = copy.deepcopy(model).eval().requires_grad_(False)
 
