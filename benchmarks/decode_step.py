@@ -91,7 +91,7 @@ def main() -> None:
     for _ in range(args.repeats):
         for b in batches:
             t = time_decode_steps(
-                args.model, [args.prompt_len], [KVConfig()], b, args.steps, args.threads, 1, "float32"
+                model, tokenizer, [args.prompt_len], [KVConfig()], b, args.steps, args.threads, 1
             )
             step_s[b] += t["dense", args.prompt_len].cpu
             matmul_s[b].append(matmul_seconds(weights, b, args.steps))

@@ -153,16 +153,17 @@ def resolve_length(spec: str, limit: int, flag: str) -> int:
     return length
 
 
-def run_speed(args: argparse.Namespace, arms: dict[str, KVConfig | None], context: int) -> list[dict]:
+def run_speed(bench: Bench, arms: dict[str, KVConfig | None], context: int) -> list[dict]:
     """Every arm's decode steps at contexts context - window + 2 ... context - 1, `--repeats` rounds with the
     arms alternating so that a drifting machine hits all alike."""
-    times = {name: [] for name in arms}
+    args, times = bench.args, {name: [] for name in arms}
     for _ in range(args.repeats):
         for name, kv in arms.items():
             kv = kv or KVConfig()
             got = time_decode_steps(
-                args.model, [context - args.window], [kv], args.batch, args.window, args.threads, 1, "float32"
-            )
+                bench.model, bench.tokenizer, [context - args.window], [kv], args.batch, args.window,
+                args.threads, 1,
+            )  # fmt: skip
             times[name].append(got[kv.method, context - args.window])
     runs = []
     for name, steps in times.items():
@@ -450,7 +451,7 @@ def measure_cells(bench: Bench, arms: dict[str, KVConfig | None], on_disk: dict)
     if "speed" in args.parts:
         for context in args.contexts:
             if any(fresh(on_disk, ("speed", name, context), kv, args.redo) for name, kv in arms.items()):
-                mine += run_speed(args, arms, context)
+                mine += run_speed(bench, arms, context)
                 bench.write(mine)
     if "alpha" in args.parts:
         for name, kv in arms.items():

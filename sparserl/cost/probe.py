@@ -125,20 +125,23 @@ class StepTimes:
     positions: list[dict[str, float]] = field(default_factory=list)
 
 
-def time_decode_steps(
-    spec: str, prompt_lens: list[int], kvs: list[KVConfig], batch: int, steps: int, threads: int, repeats: int,
-    dtype: str,
-) -> dict[tuple[str, int], StepTimes]:  # fmt: skip
-    """Per (kv.method, prompt length), the engine's decode step time (`batch` samples of one random prompt,
-    `steps` new tokens, EOS ignored), clocked between the `on_step` calls that end the decode steps, so the
-    prefill is left out: the steps timed are those at contexts length + 2 ... length + steps - 1. Lengths and
-    methods alternate so that a drifting machine hits all alike."""
-    from sparserl.engine import RolloutEngine
-    from sparserl.models import load_model
-
+def check_timing_request(prompt_lens: list[int], steps: int, repeats: int) -> None:
+    """Refuse a decode timing that cannot clock a step (before any model is loaded)."""
     if steps < 3 or repeats < 1 or not prompt_lens or min(prompt_lens) < 1:
         raise CostInputError("--probe-decode needs prompt lengths >= 1, --decode-steps >= 3, --repeats >= 1")
-    model, tokenizer = load_model(spec, dtype=torch_dtype(dtype))
+
+
+def time_decode_steps(
+    model, tokenizer, prompt_lens: list[int], kvs: list[KVConfig], batch: int, steps: int, threads: int,
+    repeats: int,
+) -> dict[tuple[str, int], StepTimes]:  # fmt: skip
+    """Per (kv.method, prompt length), the engine's decode step time on `model` (`batch` samples of one random
+    prompt, `steps` new tokens, EOS ignored), clocked between the `on_step` calls that end the decode steps, so
+    the prefill is left out: the steps timed are those at contexts length + 2 ... length + steps - 1. Lengths
+    and methods alternate so that a drifting machine hits all alike."""
+    from sparserl.engine import RolloutEngine
+
+    check_timing_request(prompt_lens, steps, repeats)
     clocks: list[tuple[float, float]] = []
     engines = [RolloutEngine(model, tokenizer, kv=kv) for kv in kvs]
     for engine in engines:

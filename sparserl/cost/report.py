@@ -11,8 +11,8 @@ from dataclasses import asdict
 from typing import Any
 
 from sparserl.cost.model import Cost, Estimate, Rollout, estimate
-from sparserl.cost.probe import probe_intensity, resolve_intensity, time_decode_steps
-from sparserl.cost.shape import CostInputError, ModelShape, load_shape
+from sparserl.cost.probe import check_timing_request, probe_intensity, resolve_intensity, time_decode_steps
+from sparserl.cost.shape import CostInputError, ModelShape, load_shape, torch_dtype
 from sparserl.engine.kv_config import KVConfig
 
 SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -160,10 +160,14 @@ def check_decode(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
     """Time the engine's decode steps for every `--methods` entry at each `--probe-decode` prompt length and
     compare with the cost model: each cell's step time relative to dense at the first length (CPU and wall),
     and each method's speed-up over dense at the same length, measured (CPU) and predicted."""
+    from sparserl.models import load_model
+
     lengths = parse_int_list(args.probe_decode, "--probe-decode")
     intensity, kvs = resolve_intensity(args.intensity), kv_configs(args)
+    check_timing_request(lengths, args.decode_steps, args.repeats)
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype))
     times = time_decode_steps(
-        args.model, lengths, kvs, args.n, args.decode_steps, args.threads, args.repeats, args.dtype
+        model, tokenizer, lengths, kvs, args.n, args.decode_steps, args.threads, args.repeats
     )
     predicted = {
         (kv.method, length): timed_steps_estimate(shape, length, args.decode_steps, args.n, kv)

@@ -30,10 +30,10 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def sample_uniforms(seed: int, keys: Sequence[int] | Tensor, steps: int, device=None) -> Tensor:
+def sample_uniforms(seed: int, keys: Sequence[int], steps: int, device=None) -> Tensor:
     """Uniform numbers in [0, 1), float64 [len(keys), steps]: entry (i, t) depends only on (seed, keys[i], t).
     Keys and seed are hashed in turn, then each step's counter, so nearby seeds or keys give unrelated streams."""
-    keys = np.asarray(keys.tolist() if isinstance(keys, Tensor) else list(keys), dtype=np.uint64)
+    keys = np.asarray(list(keys), dtype=np.uint64)
     stream = _splitmix64(_splitmix64(np.uint64(seed % 2**64) + np.zeros_like(keys)) ^ keys)
     bits = _splitmix64(stream[:, None] + np.arange(steps, dtype=np.uint64)[None, :])
     return torch.from_numpy((bits >> np.uint64(11)).astype(np.float64) * 2.0**-53).to(device)
@@ -68,9 +68,9 @@ def processed_logprobs(
     a point mass on the argmax (log-prob 0 there, -inf elsewhere)."""
     if temperature <= 0:
         return point_mass(logits.argmax(dim=-1), logits.shape[-1])
-    logits = (
-        logits.float() if temperature == 1.0 else logits.float() / temperature
-    )  # no pass over [N, V] at T = 1
+    logits = logits.float()
+    if temperature != 1.0:  # at T = 1 the division would be a pass over [N, V] for nothing
+        logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

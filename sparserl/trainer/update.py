@@ -210,8 +210,9 @@ class Learner:
             return False
         self.optimizer.step()
         sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + float(norm)
-        # one fused pass: the norm of all weights is finite iff every weight is (0.07 s for SmolLM2 at one
-        # thread, against 0.83 s for a finiteness check per tensor)
+        # one fused pass: a NaN/inf weight makes the norm of all weights NaN/inf (and finite weights cannot
+        # overflow it: that would take weights near 1e19). 0.07 s for SmolLM2 at one thread, against 0.83 s
+        # for a finiteness check per tensor
         if not torch.isfinite(torch.nn.utils.get_total_norm(self.params)):
             raise WeightsDiverged(
                 f"an optimizer step made the weights NaN/inf (optim.lr={self.cfg.optim.lr}); the run stops "
