@@ -3,10 +3,12 @@
 For each batch size (16 and 64): the engine's decode step (one random prompt of `--prompt-len` tokens x batch,
 `--steps` new tokens, EOS ignored; CPU seconds per step clocked between the engine's step callbacks, so the
 prefill is left out: `sparserl.cost.probe.time_decode_steps`), and the same model's weight matmuls alone at that
-batch (every layer's q, k, v, o, gate, up and down projections and the LM head, as `F.linear` on random inputs,
-the same weights), alternating, `--repeats` times; medians. The ratio step / matmuls is what a step costs beyond
-the matmuls it cannot avoid: attention, norms, RoPE, sampling and Python. `--profile` adds the step's top
-operators (torch.profiler, self CPU time) at each batch.
+batch, on random inputs, the same weights, two ways: the engine's packed matrices (q|k|v and gate|up fused,
+stored [in, out]: `sparserl.engine.weights`), and every projection and the LM head as `F.linear` over the
+module's [out, in] weight. Arms alternate, `--repeats` times; medians. The ratio step / packed matmuls (the
+fastest matmuls known here, so the goal's reference) is what a step costs beyond the matmuls it cannot avoid:
+attention, norms, RoPE, sampling and Python. `--profile` adds the step's top operators (torch.profiler, self CPU
+time) at each batch.
 
     python benchmarks/decode_step.py --profile     # writes docs/results/decode_step.json
 """
@@ -29,6 +31,7 @@ from _common import RESULTS, command_line, machine_info, write_json
 from sparserl.cost.probe import time_decode_steps
 from sparserl.engine import KVConfig, RolloutEngine
 from sparserl.engine.decoder import causal_lm
+from sparserl.engine.weights import PackedProjections
 from sparserl.models import load_model
 
 GOALS = {16: 1.6, 64: 1.3}  # the most a step may cost, in weight-matmul times, per batch size
@@ -45,14 +48,24 @@ def weight_matrices(model) -> list[torch.Tensor]:
     return [*out, lm.lm_head.weight]
 
 
-def matmul_seconds(weights: list[torch.Tensor], batch: int, passes: int) -> float:
-    """CPU seconds of one pass of `F.linear` over every weight at `batch` rows (median of `passes`)."""
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+def packed_matrices(model) -> list[torch.Tensor]:
+    """The engine's own packed [in, out] matrices, in the order a step multiplies by them."""
+    lm = causal_lm(model)
+    packed = PackedProjections.build(lm.model.layers, lm.lm_head, lm.lm_head.weight.dtype)
+    per_layer = zip(packed._qkv, packed._out, packed._gate_up, packed._down, strict=True)
+    return [m.weight_t for group in per_layer for m in group] + [packed._lm_head.weight_t]
+
+
+def matmul_seconds(weights: list[torch.Tensor], batch: int, passes: int, packed: bool) -> float:
+    """CPU seconds of one pass over every weight at `batch` rows (median of `passes`): `torch.mm` by an
+    [in, out] matrix when `packed`, else `F.linear` by an [out, in] one."""
+    fan_in = [w.shape[0] if packed else w.shape[1] for w in weights]
+    inputs = {i: torch.randn(batch, i, dtype=weights[0].dtype) for i in fan_in}
     times = []
     for _ in range(passes + 1):  # the first pass warms up
         start = time.process_time()
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for w, i in zip(weights, fan_in, strict=True):
+            torch.mm(inputs[i], w) if packed else F.linear(inputs[i], w)
         times.append(time.process_time() - start)
     return statistics.median(times[1:])
 
@@ -85,26 +98,30 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    weights = weight_matrices(model)
+    weights, packed = weight_matrices(model), packed_matrices(model)
     step_s: dict[int, list[float]] = {b: [] for b in batches}
     matmul_s: dict[int, list[float]] = {b: [] for b in batches}
+    linear_s: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(args.repeats):
         for b in batches:
             t = time_decode_steps(
                 model, tokenizer, [args.prompt_len], [KVConfig()], b, args.steps, args.threads, 1
             )
             step_s[b] += t["dense", args.prompt_len].cpu
-            matmul_s[b].append(matmul_seconds(weights, b, args.steps))
+            matmul_s[b].append(matmul_seconds(packed, b, args.steps, packed=True))
+            linear_s[b].append(matmul_seconds(weights, b, args.steps, packed=False))
     rows, goals = [], {}
     for b in batches:
         step, matmuls = statistics.median(step_s[b]), statistics.median(matmul_s[b])
+        linear = statistics.median(linear_s[b])
         row = {"batch": b, "step_cpu_s": step, "matmul_cpu_s": matmuls, "ratio": step / matmuls,
-               "tokens_per_cpu_s": b / step, "step_cpu_s_runs": step_s[b], "matmul_cpu_s_runs": matmul_s[b]}  # fmt: skip
+               "linear_matmul_cpu_s": linear, "ratio_to_linear": step / linear, "tokens_per_cpu_s": b / step,
+               "step_cpu_s_runs": step_s[b], "matmul_cpu_s_runs": matmul_s[b], "linear_matmul_cpu_s_runs": linear_s[b]}  # fmt: skip
         if args.profile:
             row["profile"] = profile_step(model, tokenizer, b, args.prompt_len, args.steps, top=12)
         rows.append(row)
-        print(f"batch {b:>3}: step {1000 * step:.1f} ms CPU, weight matmuls {1000 * matmuls:.1f} ms, "
-              f"ratio {step / matmuls:.2f}", flush=True)  # fmt: skip
+        print(f"batch {b:>3}: step {1000 * step:.1f} ms CPU, packed weight matmuls {1000 * matmuls:.1f} ms "
+              f"(F.linear {1000 * linear:.1f} ms), ratio {step / matmuls:.2f}", flush=True)  # fmt: skip
         if b in GOALS:
             goals[f"Decode at batch {b}, {args.threads} thread(s), within {GOALS[b]}x of its weight matmuls"] = {
                 "value": step / matmuls, "target": GOALS[b], "met": step / matmuls <= GOALS[b],

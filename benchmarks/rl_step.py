@@ -79,9 +79,8 @@ DIFFERENCES = [
     "(algo.kl_clamp) and log-ratios to +-20 before exp (algo.log_ratio_clamp), TRL clamps neither",
     "the TRL learner forward also computes per-token entropies (logged; GRPOTrainer always asks for them); "
     "sparserl computes entropy only with algo.entropy_coef > 0",
-    "optimizer implementation: TRL keeps its default fused AdamW (transformers' adamw_torch_fused), sparserl "
-    "uses torch.optim.AdamW (not fused); the hyperparameters are the same (betas, eps, weight decay on >= 2-D "
-    "weights, clipping, constant lr)",
+    "optimizer: both run torch's fused AdamW (TRL: transformers' adamw_torch_fused; sparserl: fused=True) with the "
+    "same hyperparameters (betas, eps, weight decay on >= 2-D weights, clipping, constant lr)",
     "gradient checkpointing is off on both (TRL's default is on; sparserl has none): the benchmark gives each "
     "arm its fastest math-preserving choices",
     "step boundaries: TRL's step excludes fetching the raw prompt from its dataloader and its per-step logging, "
@@ -93,9 +92,9 @@ DIFFERENCES = [
 ]
 
 BF16_DIFFERENCES = [
-    "bfloat16: both arms hold the weights (and AdamW's states) in bf16 with no fp32 master copy; TRL's bf16=True "
-    "also runs its forward passes under CPU autocast. An update of lr 1e-6 is mostly below bf16's resolution "
-    "of the weights on both, so the time is comparable but the training is not meaningful",
+    "bfloat16: both arms keep float32 master weights and AdamW state (the model is loaded in float32). sparserl "
+    "samples from a bfloat16 copy of the weights with a bfloat16 KV cache and runs scoring and the learner "
+    "under CPU autocast; TRL's bf16=True runs the Trainer's forward passes under CPU autocast",
 ]
 
 
@@ -116,7 +115,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--grad-accum", type=int, default=1,
                     help="micro-batches per step on both (TRL: gradient_accumulation_steps, n / this per device)")  # fmt: skip
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="weights dtype of both arms (bfloat16: bf16 weights, TRL with bf16=True)")  # fmt: skip
+                    help="compute dtype of both arms (bfloat16: float32 master weights; TRL with bf16=True)")  # fmt: skip
     ap.add_argument("--warmup-steps", type=int, default=1,
                     help="first steps of each run left out of the medians (default 1: medians of steps 2..N)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="training seed of both arms")
@@ -202,7 +201,7 @@ def trl_child(args: argparse.Namespace) -> None:
 
     t_start = time.perf_counter()
     cfg = load_config(None, spec["overrides"])
-    model, tok = load_model(cfg.model.spec, dtype=getattr(torch, cfg.model.dtype))
+    model, tok = load_model(cfg.model.spec, dtype=getattr(torch, cfg.model.weights_dtype))  # master weights
     prepare_for_training(model)  # the GGUF marker would make transformers' Trainer refuse to train it
     task = make_task(cfg.task, "train")
     indices = spec["prompt_indices"]

@@ -133,19 +133,3 @@ def test_weights_that_turn_non_finite_stop_the_run_and_save_nothing(
     with pytest.raises(WeightsDiverged, match="optim.lr"):
         trainer.train()
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-000001"]
-
-
-def test_half_precision_full_fine_tuning_warns_that_small_updates_are_lost(tmp_path):
-    """bfloat16 without LoRA keeps no float32 master weights: the policy says so; with LoRA it does not."""
-    import warnings
-
-    from sparserl.trainer.policy import Policy
-
-    full = tiny_cfg(tmp_path, "model.dtype=bfloat16")
-    with pytest.warns(UserWarning, match="no float32 master copy"):
-        Policy(full.model, seed=0)
-    lora = tiny_cfg(tmp_path, "model.dtype=bfloat16", "model.lora=true", name="lora")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        policy = Policy(lora.model, seed=0)
-    assert all(p.dtype == torch.float32 for p in policy.trainable_parameters())  # PEFT keeps adapters float32

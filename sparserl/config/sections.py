@@ -42,9 +42,10 @@ class ModelConfig:
     dtype: str = field(
         default="float32",
         metadata={
-            "help": f"Weights dtype, one of {', '.join(DTYPES)}; float32 is the reference. In half precision "
-            "rollouts, scoring and the update run in it; LoRA adapters stay float32 (PEFT), while full "
-            "fine-tuning keeps no float32 master copy (a warning says so)."
+            "help": f"Compute dtype, one of {', '.join(DTYPES)}; float32 is the reference. In half precision "
+            "rollouts (and their KV cache) run in it, and scoring and the update run under its autocast; "
+            "full fine-tuning keeps float32 master weights and optimizer state, LoRA keeps its frozen base "
+            "in it and its adapters in float32. float16 is meant for GPUs."
         },
     )
     lora: bool = field(
@@ -65,6 +66,12 @@ class ModelConfig:
             "help": "Module names that get adapters (comma-separated on the command line), or 'all-linear'."
         },
     )
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the weights are kept in: float32 master weights when they are trained (full fine-tuning),
+        the compute dtype for LoRA's frozen base."""
+        return self.dtype if self.lora else "float32"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -345,6 +352,21 @@ class LoggingConfig:
 
 
 @dataclass
+class EngineConfig:
+    """How the rollout engine runs its decode step (not what it computes)."""
+
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the decode step through torch.compile with static shapes (finished rows stay in the "
+            "batch, masked; attention spans the whole preallocated cache), so that on CUDA it can be "
+            "captured in a graph. The first call of each cache size compiles (~30 s on CPU for a tiny model); "
+            "dense rollouts only. Same tokens and log-probs as the eager step."
+        },
+    )
+
+
+@dataclass
 class TrainConfig:
     """A whole training run. The defaults are the embedded default run (`sparserl train` with no config)."""
 
@@ -372,6 +394,9 @@ class TrainConfig:
         default_factory=TrainerConfig, metadata={"help": "Run length, seeds, checkpoints."}
     )
     logging: LoggingConfig = field(default_factory=LoggingConfig, metadata={"help": "Metric sinks."})
+    engine: EngineConfig = field(
+        default_factory=EngineConfig, metadata={"help": "How the rollout engine runs (compiled or eager)."}
+    )
 
     def __post_init__(self) -> None:
         if self.algo.loss_agg_mode == "seq-mean-token-sum-norm" and self.algo.loss_token_norm is None:
@@ -406,6 +431,11 @@ class TrainConfig:
             raise ConfigError(
                 f"optim.grad_accum={self.optim.grad_accum} exceeds the mini-batch size {mini}: "
                 "each micro-batch needs at least one sequence"
+            )
+        if self.engine.compile and self.algo.sparse_rollout:
+            raise ConfigError(
+                f"engine.compile=true runs dense rollouts only for now; algo.preset={self.algo.preset!r} samples "
+                f"sparse ones (kv.method={self.kv.method!r}): set engine.compile=false or algo.preset=dense"
             )
         if self.algo.sparse_rollout and not self.kv.sparse:
             raise ConfigError(

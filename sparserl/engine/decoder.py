@@ -1,7 +1,8 @@
 """The engine's own forward pass over a Hugging Face decoder's modules, so that the KV cache and attention are ours.
 
-Only the glue is ours: projections, norms, MLPs, embeddings and the rotary tables are the model's own modules
-(PEFT LoRA layers included), so a weight update or an enabled adapter is seen here at once.
+Only the glue is ours: norms, embeddings, activations and the rotary tables are the model's own modules, and the
+projections are the model's weights, either called through its modules or packed once per `generate` call
+(`sparserl.engine.weights`): a weight update or an enabled adapter is seen by the next call.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
+from sparserl.engine.weights import ModuleProjections, PackedProjections
 from sparserl.models import check_supported
 
 
@@ -35,9 +37,13 @@ class LayerQKV:
 
 
 class Decoder:
-    """Runs a Llama/Mistral/Qwen2/Qwen3 decoder layer by layer, leaving attention to the caller."""
+    """Runs a Llama/Mistral/Qwen2/Qwen3 decoder layer by layer, leaving attention to the caller.
 
-    def __init__(self, model: nn.Module):
+    `dtype` is the compute dtype of the projections, attention and KV cache (default: the weights' own). The
+    residual stream stays in the weights' dtype, as under autocast: bfloat16 matmuls over float32 master weights.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None):
         lm = causal_lm(model)
         check_supported(lm, getattr(lm.config, "name_or_path", "model") or "model")
         cfg = lm.config
@@ -49,14 +55,30 @@ class Decoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.scale = self.head_dim**-0.5
+        self.dtype = dtype or self.model.lm_head.weight.dtype
+        self.proj: ModuleProjections | PackedProjections = ModuleProjections(self.layers, lm.lm_head)
 
     @property
     def device(self) -> torch.device:
         return self.model.lm_head.weight.device
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
+    def prepare(self) -> None:
+        """Read the current weights: pack them (CPU, or a compute dtype other than the weights'), else use the
+        modules. Called at the start of every `generate`, since the weights may have changed since the last."""
+        lm, weights_dtype = self.model, self.model.lm_head.weight.dtype
+        packed = None
+        if self.device.type == "cpu" or self.dtype != weights_dtype:
+            packed = PackedProjections.build(self.layers, lm.lm_head, self.dtype)
+        if packed is None and self.dtype != weights_dtype:
+            raise NotImplementedError(
+                f"rollouts in {self.dtype} over {weights_dtype} weights need plain or LoRA Linear projections; "
+                f"{type(lm).__name__} has another kind (load the model in {self.dtype} instead)"
+            )
+        self.proj = packed or ModuleProjections(self.layers, lm.lm_head)
+
+    def release(self) -> None:
+        """Drop the packed copy (its memory) between calls."""
+        self.proj = ModuleProjections(self.layers, self.model.lm_head)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.model.model.embed_tokens(input_ids)
@@ -69,24 +91,24 @@ class Decoder:
         attn = self.layers[layer].self_attn
         x = self.layers[layer].input_layernorm(hidden)
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = attn.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.proj.qkv(layer, x)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = attn.q_norm(q).to(self.dtype), attn.k_norm(k).to(self.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = (r.unsqueeze(1) for r in rope)
+        cos, sin = (r.unsqueeze(1).to(self.dtype) for r in rope)
         return LayerQKV(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v)
 
     def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
         """Output projection, residuals and MLP; `attn_out` is [B, Hq, T, D]."""
-        mod = self.layers[layer]
         b, _, t, _ = attn_out.shape
-        hidden = hidden + mod.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1))
-        return hidden + mod.mlp(mod.post_attention_layernorm(hidden))
+        hidden = hidden + self.proj.out(layer, attn_out.transpose(1, 2).reshape(b, t, -1))
+        return hidden + self.proj.mlp(layer, self.layers[layer].post_attention_layernorm(hidden))
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.model.lm_head(self.model.model.norm(hidden)).float()
+        return self.proj.logits(self.model.model.norm(hidden)).float()
 
 
 def prefill_attention(qkv: LayerQKV, valid: Tensor) -> Tensor:
@@ -109,9 +131,9 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: floa
     """
     n, hq, _, d = q.shape
     hkv = k.shape[1]
-    qg = q.view(n, hkv, hq // hkv, d)
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale
+    qg = q.view(n, hkv, hq // hkv, d) * scale  # scale the few queries rather than the many scores
+    scores = torch.matmul(qg, k.transpose(-1, -2))
     mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
     out = torch.matmul(probs.to(v.dtype), v)
     return out.view(n, hq, 1, d), probs

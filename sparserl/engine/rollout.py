@@ -25,6 +25,8 @@ from sparserl.engine.sampling import (
 )
 from sparserl.engine.sparse_attention import make_sparse_attention
 
+CAPACITY_BUCKET = 128  # a compiled step's cache capacity is a multiple of this
+
 
 @dataclass
 class Sample:
@@ -68,7 +70,11 @@ def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[i
 class RolloutEngine:
     """Samples n completions per prompt. The KV cache is preallocated and, with an eviction method, bounded.
 
-    A prompt is prefilled once (dense) and its KV copied to its n samples. With `kv.method` an eviction
+    With `compile`, the decode step runs through `torch.compile` with static shapes (rows that finish stay in the
+    batch, masked, and attention spans the whole preallocated capacity), so that on CUDA it can be captured in a
+    graph; the tokens and log-probs are the eager step's (tested). A prompt is prefilled once (dense) and its KV
+    copied to its n samples. `dtype` is the compute dtype of the
+    rollout and its KV cache (default: the weights' own; bfloat16 over float32 weights runs a bfloat16 copy). With `kv.method` an eviction
     method, a prompt longer than `kv.budget` is cut to the budget right after prefill, and during decoding every
     `kv.interval` steps each sequence holding `budget` or more positions is cut back so that it holds exactly
     `budget` after the step's token is written: no row ever holds more than `budget + interval - 1` positions.
@@ -80,11 +86,25 @@ class RolloutEngine:
     the sample index of cache row r): a read-only window on the cache for tests and instrumentation.
     """
 
-    def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, kv: KVConfig | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        kv: KVConfig | None = None,
+        dtype: torch.dtype | None = None,
+        compile: bool = False,
+    ):
         self.model = model
         self.tokenizer = tokenizer
-        self.decoder = Decoder(model)
+        self.decoder = Decoder(model, dtype)
         self.kv = kv or KVConfig()
+        if compile and self.kv.method != "dense":
+            raise NotImplementedError(
+                f"engine.compile=true runs the dense decode step only for now; kv.method={self.kv.method!r} "
+                "decodes eagerly (set engine.compile=false)"
+            )
+        # static shapes: every row stays in the batch until the call ends and attends over the whole capacity
+        self.compiled_step = torch.compile(self._decode_step, dynamic=False) if compile else None
         self.evictor = make_evictor(self.kv, self.decoder.scale) if self.kv.evicting else None
         self.sparse = (
             make_sparse_attention(self.kv, self.decoder.num_layers) if self.kv.sparse_attention else None
@@ -172,16 +192,22 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            self.decoder.prepare()
             rollouts = self._generate(
                 prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, keys, recorder
             )
         finally:
+            self.decoder.release()
             self.model.train(was_training)
         if recorder is not None:
             recorder.attach(rollouts.samples)
         return rollouts
 
     def _decode_capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
+        if (
+            self.compiled_step is not None
+        ):  # a few sizes, each compiled once, rather than one per prompt length
+            return -(-(longest_prompt + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET
         if self.evictor is None:
             return longest_prompt + max_new_tokens
         return min(self.kv.max_budget + self.kv.interval - 1, longest_prompt + max_new_tokens)
@@ -218,7 +244,9 @@ class RolloutEngine:
         prefill_s = time.perf_counter() - t0
 
         rows = len(expand)
-        alive = torch.arange(rows, device=dev)  # sample index of each cache row
+        alive = torch.arange(rows, device=dev)  # sample index of each running sequence
+        slot = torch.arange(rows, device=dev)  # its cache row (= its rank while the eager cache is compacted)
+        feed, feed_pos = torch.zeros(rows, dtype=torch.long, device=dev), total.clone()  # static: every row
         tokens = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
         logps = torch.zeros(rows, max_new_tokens, device=dev)
         length = torch.zeros(rows, dtype=torch.long, device=dev)
@@ -242,8 +270,10 @@ class RolloutEngine:
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break
-                alive, tok = alive[keep], tok[keep]
-                cache.select_rows(keep)
+                alive, tok, slot = alive[keep], tok[keep], slot[keep]
+                if self.compiled_step is None:
+                    cache.select_rows(keep)
+                    slot = torch.arange(len(keep), device=dev)
             # each sequence's budget, from its length once this step's token is written
             self.step_budget = self.schedule.budget(total[alive] + 1) if kv.sparse else None
             if self.evictor is not None and (step + 1) % kv.interval == 0:
@@ -252,13 +282,19 @@ class RolloutEngine:
                 self.evictor.compress_to(cache, over, self.step_budget[over] - 1, kv.window - 1)
                 events[alive[over]] += 1
                 compress_s += time.perf_counter() - c0
-            logits = self._decode_step(tok, total[alive], cache)
+            if self.compiled_step is None:
+                logits = self._decode_step(tok, total[alive], cache)
+            else:  # finished rows keep decoding their last token, unread
+                feed[slot], feed_pos[slot] = tok, total[alive]
+                logits = self.compiled_step(feed, feed_pos, cache, cache.capacity)[slot]
             total[alive] += 1
-            read = self.sparse.plan.read if self.sparse is not None else cache.length
-            positions.add(alive, cache.length, read, total[alive])
+            read = self.sparse.plan.read if self.sparse is not None else cache.length[slot]
+            positions.add(alive, cache.length[slot], read, total[alive])
             peak_bytes = max(peak_bytes, cache.nbytes())
-            if self.on_step is not None:
-                self.on_step(step, cache, alive)
+            if self.on_step is not None:  # static rows never move: row r is sample r
+                self.on_step(
+                    step, cache, alive if self.compiled_step is None else torch.arange(rows, device=dev)
+                )
         decode_s = time.perf_counter() - t1
         return self._collect(
             expand, tokens, logps, length, finish, positions, events, cache,
@@ -309,12 +345,13 @@ class RolloutEngine:
         cache.query_count = prompt_len.clone()
         return dec.logits(hidden[torch.arange(p, device=dev), prompt_len - 1])
 
-    def _decode_step(self, tok: Tensor, positions: Tensor, cache: KVCache) -> Tensor:
-        """Feed one token per row at its true position; returns next-token logits [rows, V]."""
+    def _decode_step(self, tok: Tensor, positions: Tensor, cache: KVCache, span: int = 0) -> Tensor:
+        """Feed one token per row at its true position; returns next-token logits [rows, V]. Attention reads
+        the first `span` slots of every row (default: up to the longest row's)."""
         dec = self.decoder
         hidden = dec.embed(tok[:, None])
         rope = dec.rope(hidden, positions[:, None])
-        span = int(cache.length.max()) + 1
+        span = span or int(cache.length.max()) + 1
         valid = cache.valid(span, extra=1)
         if self.sparse is not None:
             self.sparse.begin_step(cache.length + 1, self.step_budget)

@@ -22,30 +22,74 @@ def _completion_logits(
     model: nn.Module, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Logits [B, T, V] predicting each completion token from its prompt and the tokens before it, the targets
-    [B, T] and the mask [B, T]. T is the longest completion; rows are right-padded (mask 0)."""
+    [B, T] and the mask [B, T]. T is the longest completion; rows are right-padded (mask 0).
+
+    Rows that share their prompt (a GRPO group) share its forward pass: the prompt (but its last token) runs once,
+    its KV is repeated to the group's rows, and only the last prompt token and the completions run per row. The
+    gradient flows back through the shared pass (repeating is differentiable), so the result is the per-row
+    forward's up to rounding, for a fraction of its work: with 1 prompt x 8 samples of 76 + ~48 tokens, ~460
+    tokens instead of ~990."""
     lm = causal_lm(model)
     device = lm.lm_head.weight.device
-    b = len(prompt_ids)
-    lens_p = [len(p) for p in prompt_ids]
-    lens_c = [len(c) for c in completion_ids]
-    t_c = max(max(lens_c), 1)
-    width = max(lp + lc for lp, lc in zip(lens_p, lens_c, strict=True))
-    ids = torch.zeros(b, width, dtype=torch.long)
-    attn = torch.zeros(b, width, dtype=torch.long)
-    gather_pos = torch.zeros(b, t_c, dtype=torch.long)
-    targets = torch.zeros(b, t_c, dtype=torch.long)
-    mask = torch.zeros(b, t_c, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        row = list(p) + list(c)
-        ids[i, : len(row)] = torch.tensor(row)
-        attn[i, : len(row)] = 1
-        gather_pos[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompt_ids):
+        groups.setdefault(tuple(p), []).append(i)
+    t_c = max(max(len(c) for c in completion_ids), 1)
+    targets = torch.zeros(len(prompt_ids), t_c, dtype=torch.long)
+    mask = torch.zeros(len(prompt_ids), t_c, dtype=torch.bool)
+    for i, c in enumerate(completion_ids):
         targets[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
         mask[i, : len(c)] = True
-    ids, attn, gather_pos, targets, mask = (x.to(device) for x in (ids, attn, gather_pos, targets, mask))
+    if all(len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items()):
+        hidden = _hidden_at_completions(lm, list(prompt_ids), list(completion_ids), t_c, device)
+    else:
+        parts = [
+            (rows, _shared_prompt_hidden(lm, list(prompt), [completion_ids[i] for i in rows], t_c, device))
+            for prompt, rows in groups.items()
+        ]
+        hidden = torch.empty(
+            len(prompt_ids), t_c, parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=device
+        )
+        hidden = hidden.index_put((torch.tensor([i for rows, _ in parts for i in rows], device=device),),
+                                  torch.cat([h for _, h in parts]))  # fmt: skip
+    return lm.lm_head(hidden).float(), targets.to(device), mask.to(device)
+
+
+def _right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Token ids and attention mask [B, W] of right-padded rows."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+        attn[i, : len(r)] = 1
+    return ids.to(device), attn.to(device)
+
+
+def _hidden_at_completions(lm, prompt_ids, completion_ids, t_c: int, device) -> Tensor:
+    """Final hidden states [B, t_c, H] at the positions that predict each completion token, one forward per row."""
+    ids, attn = _right_padded(
+        [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)], device
+    )
+    gather = torch.zeros(len(prompt_ids), t_c, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        gather[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
     hidden = lm.model(input_ids=ids, attention_mask=attn).last_hidden_state
-    hidden = hidden.gather(1, gather_pos[..., None].expand(-1, -1, hidden.shape[-1]))
-    return lm.lm_head(hidden).float(), targets, mask
+    return hidden.gather(1, gather.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def _shared_prompt_hidden(lm, prompt: list[int], completions, t_c: int, device) -> Tensor:
+    """`_hidden_at_completions` for rows of one prompt: the prompt but its last token runs once."""
+    if len(prompt) < 2:
+        return _hidden_at_completions(lm, [prompt] * len(completions), completions, t_c, device)
+    head = torch.tensor([prompt[:-1]], dtype=torch.long, device=device)
+    past = lm.model(input_ids=head, use_cache=True).past_key_values
+    past.batch_repeat_interleave(len(completions))
+    ids, attn = _right_padded([[prompt[-1], *c] for c in completions], device)
+    attn = torch.cat([attn.new_ones(len(completions), head.shape[1]), attn], dim=1)
+    hidden = lm.model(input_ids=ids, attention_mask=attn, past_key_values=past).last_hidden_state
+    hidden = hidden[:, :t_c]
+    return torch.nn.functional.pad(hidden, (0, 0, 0, t_c - hidden.shape[1]))
 
 
 def completion_logprobs(

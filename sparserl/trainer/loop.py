@@ -123,11 +123,16 @@ class Trainer:
 
         from sparserl.engine import RolloutEngine
 
-        self.engine = RolloutEngine(self.policy.module, self.tokenizer, cfg.kv if cfg.sparse else None)
-        self.dense_engine = (
-            self.engine if not cfg.sparse else RolloutEngine(self.policy.module, self.tokenizer)
+        dtype = self.policy.compute_dtype
+        self.engine = RolloutEngine(
+            self.policy.module, self.tokenizer, cfg.kv if cfg.sparse else None, dtype, cfg.engine.compile
         )
-        self.learner = Learner(cfg, self.policy.module, self.policy.trainable_parameters())
+        self.dense_engine = (
+            self.engine if not cfg.sparse else RolloutEngine(self.policy.module, self.tokenizer, dtype=dtype)
+        )
+        self.learner = Learner(
+            cfg, self.policy.module, self.policy.trainable_parameters(), autocast=self.policy.autocast
+        )
         self.reuse_learner_logprobs = cfg.trainer.reuse_learner_logprobs and self.learner.single_update()
         self.state = TrainerState()
         self._prompt_cache: dict[tuple[int, int], list[int]] = {}
@@ -244,7 +249,8 @@ class Trainer:
     ) -> Tensor:
         from sparserl.engine import score
 
-        rows = score(model, prompts, completions, temperature=self.cfg.rollout.temperature)
+        with self.policy.autocast():
+            rows = score(model, prompts, completions, temperature=self.cfg.rollout.temperature)
         return pad(rows, length)[0]
 
     # ------------------------------------------------------------------------------------------- one step
@@ -284,7 +290,8 @@ class Trainer:
                 with self.policy.reference() as ref:
                     logp_ref = self._score(ref, prompts, completions, length)
         t2 = time.perf_counter()
-        metrics.update(acceptance_step_metrics(cfg, self.policy.module, prompts, samples))
+        with self.policy.autocast():
+            metrics.update(acceptance_step_metrics(cfg, self.policy.module, prompts, samples))
 
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)

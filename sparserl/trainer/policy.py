@@ -21,10 +21,10 @@ ModelLoader = Callable[[ModelConfig], tuple[Any, Any]]
 
 
 def default_loader(cfg: ModelConfig) -> tuple[Any, Any]:
-    """`sparserl.models.load_model(cfg.spec)` in the configured dtype."""
+    """`sparserl.models.load_model(cfg.spec)` in the dtype its weights are kept in (`cfg.weights_dtype`)."""
     from sparserl.models import load_model
 
-    return load_model(cfg.spec, dtype=getattr(torch, cfg.dtype))
+    return load_model(cfg.spec, dtype=getattr(torch, cfg.weights_dtype))
 
 
 class Policy:
@@ -37,6 +37,7 @@ class Policy:
         from sparserl.models import prepare_for_training
 
         model, tokenizer = (loader or default_loader)(cfg)
+        model.to(getattr(torch, cfg.weights_dtype))  # a custom loader's model too: master weights are float32
         prepare_for_training(model)  # a GGUF-loaded model carries a quantization marker that blocks training
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -65,15 +66,19 @@ class Policy:
             self.module = self.peft.get_base_model()
         else:
             self.module = model
-            if cfg.dtype != "float32":
-                warnings.warn(
-                    f"model.dtype={cfg.dtype} with model.lora=false trains the weights themselves in {cfg.dtype}, "
-                    "with no float32 master copy: an update smaller than a weight's rounding step (1/256 of it "
-                    "in bfloat16) is lost. Use model.lora=true (the adapters stay float32) or float32.",
-                    stacklevel=2,
-                )
             if need_ref:
                 self._ref = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype rollouts, scoring and the update compute in (`model.dtype`)."""
+        return getattr(torch, self.cfg.dtype)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Scoring and the learner's forward: matmuls in the compute dtype when it is half precision (autocast
+        casts the float32 master weights, or multiplies the LoRA base as it is), else plain float32."""
+        device = self.module.get_input_embeddings().weight.device.type
+        return torch.autocast(device, dtype=self.compute_dtype, enabled=self.cfg.dtype != "float32")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters the optimizer updates (adapters only with LoRA)."""

@@ -16,7 +16,7 @@ from sparserl.trainer.checkpoint import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
-# Settings a resume may change (run length, checkpoints, evaluation, logging and diagnostics, threads): they do not change
+# Settings a resume may change (run length, checkpoints, evaluation, logging and diagnostics, threads, compiling): they do not change
 # what was trained so far. `output_dir`/`run_name` only locate the run. Everything else is fixed for a run.
 RESUMABLE_KEYS = (
     "trainer.steps",
@@ -31,6 +31,7 @@ RESUMABLE_KEYS = (
     "trainer.log_acceptance",
     "trainer.acceptance_",
     "logging.",
+    "engine.",
 )
 LOCATION_KEYS = ("trainer.output_dir", "trainer.run_name")
 

@@ -5,7 +5,8 @@ weights that turn non-finite stop the run before anything is saved."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,12 +69,19 @@ def _unusable(mask: Tensor, *logps: Tensor) -> bool:
 class Learner:
     """Owns the optimizer and the lr schedule of the policy's trainable parameters."""
 
-    def __init__(self, cfg: TrainConfig, module: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        module: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        autocast: Callable[[], AbstractContextManager] = nullcontext,
+    ) -> None:
+        """`autocast()` wraps each micro-batch's forward (half-precision matmuls over float32 master weights)."""
         from transformers import get_scheduler
 
         if not params:
             raise ValueError(f"model {cfg.model.spec!r} has no trainable parameters")
-        self.cfg, self.module, self.params = cfg, module, params
+        self.cfg, self.module, self.params, self.autocast = cfg, module, params, autocast
         o = cfg.optim
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
@@ -142,13 +150,14 @@ class Learner:
                     if len(micro) == 0:
                         continue
                     idx = micro.tolist()
-                    out = completion_logprobs(
-                        self.module,
-                        [batch.prompts[i] for i in idx],
-                        [batch.completions[i] for i in idx],
-                        temperature=cfg.rollout.temperature,
-                        with_entropy=algo.entropy_coef > 0,
-                    )
+                    with self.autocast():
+                        out = completion_logprobs(
+                            self.module,
+                            [batch.prompts[i] for i in idx],
+                            [batch.completions[i] for i in idx],
+                            temperature=cfg.rollout.temperature,
+                            with_entropy=algo.entropy_coef > 0,
+                        )
                     logp, entropy = out[0], (out[2] if len(out) > 2 else None)
                     T = logp.shape[1]
                     mask = batch.mask[micro, :T]
