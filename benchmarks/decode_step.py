@@ -7,8 +7,9 @@ batch, on random inputs, the same weights, two ways: the engine's packed matrice
 stored [in, out]: `sparserl.engine.weights`), and every projection and the LM head as `F.linear` over the
 module's [out, in] weight. Arms alternate, `--repeats` times; medians. The ratio step / packed matmuls (the
 fastest matmuls known here, so the goal's reference) is what a step costs beyond the matmuls it cannot avoid:
-attention, norms, RoPE, sampling and Python. `--profile` adds the step's top operators (torch.profiler, self CPU
-time) at each batch.
+attention, norms, RoPE, sampling and Python. Two arms: the eager step and `engine.compile=true` (torch.compile,
+static shapes; compiled once per batch before its steps are clocked). `--profile` adds the eager step's top
+operators (torch.profiler, self CPU time) at each batch.
 
     python benchmarks/decode_step.py --profile     # writes docs/results/decode_step.json
 """
@@ -71,14 +72,18 @@ def matmul_seconds(weights: list[torch.Tensor], batch: int, passes: int, packed:
 
 
 def profile_step(model, tokenizer, batch: int, prompt_len: int, steps: int, top: int) -> list[dict]:
-    """The top operators of `steps` decode steps by self CPU time, as shares of the profiled total."""
+    """The top operators of the eager decode steps 2 .. `steps` - 1 by self CPU time, as shares of their total."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = RolloutEngine(model, tokenizer)
     engine.eos_ids = set()
     prompt = torch.randint(tokenizer.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.generate([prompt.tolist()], n=batch, max_new_tokens=steps, seed=0)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    # decode steps only: from the end of the first step to the end of the last (no weight packing, no prefill)
+    engine.on_step = lambda step, *_: (
+        prof.start() if step == 0 else prof.stop() if step == steps - 2 else None
+    )
+    engine.generate([prompt.tolist()], n=batch, max_new_tokens=steps, seed=0)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:top]]
@@ -93,40 +98,44 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="alternating timings per batch (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--profile", action="store_true", help="also profile the step's top operators")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out the engine.compile=true arm (its first call per batch compiles, ~70 s)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_step.json", help="JSON output")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
     weights, packed = weight_matrices(model), packed_matrices(model)
-    step_s: dict[int, list[float]] = {b: [] for b in batches}
+    arms = ["eager"] + ([] if args.no_compile else ["compiled"])
+    step_s = {(arm, b): [] for arm in arms for b in batches}
     matmul_s: dict[int, list[float]] = {b: [] for b in batches}
     linear_s: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(args.repeats):
         for b in batches:
-            t = time_decode_steps(
-                model, tokenizer, [args.prompt_len], [KVConfig()], b, args.steps, args.threads, 1
-            )
-            step_s[b] += t["dense", args.prompt_len].cpu
+            for arm in arms:
+                t = time_decode_steps(model, tokenizer, [args.prompt_len], [KVConfig()], b, args.steps,
+                                      args.threads, 1, compile=arm == "compiled")  # fmt: skip
+                step_s[arm, b] += t["dense", args.prompt_len].cpu
             matmul_s[b].append(matmul_seconds(packed, b, args.steps, packed=True))
             linear_s[b].append(matmul_seconds(weights, b, args.steps, packed=False))
     rows, goals = [], {}
     for b in batches:
-        step, matmuls = statistics.median(step_s[b]), statistics.median(matmul_s[b])
-        linear = statistics.median(linear_s[b])
-        row = {"batch": b, "step_cpu_s": step, "matmul_cpu_s": matmuls, "ratio": step / matmuls,
-               "linear_matmul_cpu_s": linear, "ratio_to_linear": step / linear, "tokens_per_cpu_s": b / step,
-               "step_cpu_s_runs": step_s[b], "matmul_cpu_s_runs": matmul_s[b], "linear_matmul_cpu_s_runs": linear_s[b]}  # fmt: skip
+        matmuls, linear = statistics.median(matmul_s[b]), statistics.median(linear_s[b])
+        row = {"batch": b, "matmul_cpu_s": matmuls, "linear_matmul_cpu_s": linear,
+               "matmul_cpu_s_runs": matmul_s[b], "linear_matmul_cpu_s_runs": linear_s[b]}  # fmt: skip
+        for arm in arms:
+            step = statistics.median(step_s[arm, b])
+            row[arm] = {"step_cpu_s": step, "ratio": step / matmuls, "ratio_to_linear": step / linear,
+                        "tokens_per_cpu_s": b / step, "step_cpu_s_runs": step_s[arm, b]}  # fmt: skip
+            print(f"batch {b:>3} {arm:>8}: step {1000 * step:.1f} ms CPU, packed weight matmuls "
+                  f"{1000 * matmuls:.1f} ms (F.linear {1000 * linear:.1f} ms), ratio {step / matmuls:.2f}", flush=True)  # fmt: skip
+            if b in GOALS:
+                name = f"Decode at batch {b}, {args.threads} thread(s), within {GOALS[b]}x of its weight matmuls ({arm})"
+                goals[name] = {"value": step / matmuls, "target": GOALS[b], "met": step / matmuls <= GOALS[b],
+                               "command": command_line()}  # fmt: skip
         if args.profile:
-            row["profile"] = profile_step(model, tokenizer, b, args.prompt_len, args.steps, top=12)
+            row["eager"]["profile"] = profile_step(model, tokenizer, b, args.prompt_len, args.steps, top=12)
         rows.append(row)
-        print(f"batch {b:>3}: step {1000 * step:.1f} ms CPU, packed weight matmuls {1000 * matmuls:.1f} ms "
-              f"(F.linear {1000 * linear:.1f} ms), ratio {step / matmuls:.2f}", flush=True)  # fmt: skip
-        if b in GOALS:
-            goals[f"Decode at batch {b}, {args.threads} thread(s), within {GOALS[b]}x of its weight matmuls"] = {
-                "value": step / matmuls, "target": GOALS[b], "met": step / matmuls <= GOALS[b],
-                "command": command_line(),
-            }  # fmt: skip
     write_json(args.out, {
         "benchmark": "dense decode step vs its weight matmuls alone, sparserl RolloutEngine",
         "command": command_line(), "model": args.model, "dtype": "float32", "threads": args.threads,

@@ -20,8 +20,7 @@ def test_draws_follow_the_distribution(block):
     """60,000 draws from a 6-id distribution with one removed id: chi-square against the probabilities."""
     probs = torch.tensor([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
     draws = 60_000
-    logp = probs.log().expand(draws, -1)
-    tokens = draw(logp, sample_uniforms(0, range(draws), 1)[:, 0], block=block)
+    tokens = draw(probs.expand(draws, -1), sample_uniforms(0, range(draws), 1)[:, 0], block=block)
     counts = torch.bincount(tokens, minlength=6).double()
     assert counts[2] == 0  # a zero-probability id is never drawn
     live = probs > 0
@@ -33,7 +32,7 @@ def test_draws_follow_the_distribution(block):
 def test_a_biased_sampler_fails_the_same_check():
     """The check can fail: draws from a distribution 2% off on two ids exceed the critical value."""
     probs, off = torch.tensor([0.05, 0.3, 0.15, 0.4, 0.1]), torch.tensor([0.05, 0.32, 0.13, 0.4, 0.1])
-    tokens = draw(off.log().expand(60_000, -1), sample_uniforms(0, range(60_000), 1)[:, 0])
+    tokens = draw(off.expand(60_000, -1), sample_uniforms(0, range(60_000), 1)[:, 0])
     expected = probs.double() * 60_000
     chi2 = float(((torch.bincount(tokens, minlength=5).double() - expected) ** 2 / expected).sum())
     assert chi2 > CHI2_CRIT_DF4
@@ -58,7 +57,8 @@ def test_never_draws_outside_top_k_top_p(top_p, top_k):
     tokens, logp, dist = sample_next(logits, uniforms, 1.0, top_p, top_k, with_distribution=True)
     assert torch.isfinite(logp).all()
     assert torch.equal(logp, dist.gather(-1, tokens[:, None]).squeeze(-1))
-    assert torch.equal(dist, processed_logprobs(logits, 1.0, top_p, top_k))
+    # the same distribution as the scorer's processing, up to float32 rounding of the normaliser
+    assert torch.allclose(dist, processed_logprobs(logits, 1.0, top_p, top_k), atol=1e-5, rtol=0)
 
 
 def test_a_sample_keeps_its_tokens_in_another_batch():

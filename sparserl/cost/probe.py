@@ -133,17 +133,18 @@ def check_timing_request(prompt_lens: list[int], steps: int, repeats: int) -> No
 
 def time_decode_steps(
     model, tokenizer, prompt_lens: list[int], kvs: list[KVConfig], batch: int, steps: int, threads: int,
-    repeats: int,
+    repeats: int, compile: bool = False,
 ) -> dict[tuple[str, int], StepTimes]:  # fmt: skip
     """Per (kv.method, prompt length), the engine's decode step time on `model` (`batch` samples of one random
     prompt, `steps` new tokens, EOS ignored), clocked between the `on_step` calls that end the decode steps, so
     the prefill is left out: the steps timed are those at contexts length + 2 ... length + steps - 1. Lengths
-    and methods alternate so that a drifting machine hits all alike."""
+    and methods alternate so that a drifting machine hits all alike. With `compile`, the engines run
+    `engine.compile=true` (each cache size compiles once, before the first step clocked)."""
     from sparserl.engine import RolloutEngine
 
     check_timing_request(prompt_lens, steps, repeats)
     clocks: list[tuple[float, float]] = []
-    engines = [RolloutEngine(model, tokenizer, kv=kv) for kv in kvs]
+    engines = [RolloutEngine(model, tokenizer, kv=kv, compile=compile) for kv in kvs]
     for engine in engines:
         engine.eos_ids = set()
         engine.on_step = lambda *_: clocks.append((time.perf_counter(), time.process_time()))
