@@ -125,9 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `sparserl` console script."""
-    # Idle OpenMP threads sleep instead of spinning: on a shared or busy CPU, spinning threads slowed small
-    # matmuls ~8x here (2 cores, other processes running). Set before torch is imported; a user's value wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Idle OpenMP threads spin ~10 us, then sleep. benchmarks/shared_cpu.py (docs/results/shared_cpu.json; a
+    # SmolLM2-135M rollout, 8 x 64 tokens, 2 threads on 2 cores, alone / beside a one-core busy process):
+    # libgomp's default ~3 ms spin took 6.3 s / 26.0 s (4.2x), OMP_WAIT_POLICY=PASSIVE 9.8 s / 11.3 s, one thread
+    # 9.5-10.3 s / 9.6-11.0 s, GOMP_SPINCOUNT=1000 8.8 s / 11.9 s (1.3x). KMP_BLOCKTIME=0 makes LLVM and Intel
+    # OpenMP sleep at once, as PASSIVE did (torch's Linux wheels load libgomp, which ignores it). Set before torch
+    # is imported; a user's own OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME wins, and then none is set
+    # (GOMP_SPINCOUNT would override their policy).
+    if not any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
+        os.environ["GOMP_SPINCOUNT"] = "1000"
+        os.environ["KMP_BLOCKTIME"] = "0"
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:

@@ -262,7 +262,12 @@ class TrainerConfig:
         },
     )
     threads: int = field(
-        default=0, metadata={"help": "torch CPU threads; 0 leaves torch's default (all cores)."}
+        default=0,
+        metadata={
+            "help": "torch CPU threads; 0 leaves torch's default (all cores). The `sparserl` command lets idle "
+            "threads spin only ~10 us before they sleep (GOMP_SPINCOUNT=1000), so all cores stay the faster "
+            "choice beside another busy process (docs/engine.md, Threads)."
+        },
     )
     reuse_learner_logprobs: bool = field(
         default=True,
