@@ -332,3 +332,20 @@ def test_embedded_default_one_step_on_smollm2(tmp_path: Path) -> None:
     assert summary["steps"] == 1 and summary["kv_saved_fraction"] > 0
     assert (tmp_path / "smol" / "final" / "config.json").is_file()
     assert (tmp_path / "smol" / "checkpoints" / "step-000001" / "adapter.safetensors").is_file()
+
+
+def test_a_prompts_samples_do_not_depend_on_the_other_prompts_of_its_batch(tmp_path):
+    """Sample j of task row i is keyed by (row, j): the same step draws the same tokens for it whichever prompt
+    shares its batch, and in whichever order."""
+    got = {}
+    for name, rows in (("ab", [3, 7]), ("ba", [7, 3]), ("ac", [3, 11])):
+        trainer = make_trainer(tiny_cfg(tmp_path, "rollout.max_new_tokens=8", name=name))
+        trainer.sampler.take = lambda k, rows=rows: rows
+        trainer.train_rows = list(range(50))
+        batch, _ = trainer.rollout(1)
+        got[name] = {(row, j): batch.completions[p * 4 + j] for p, row in enumerate(rows) for j in range(4)}
+    assert got["ab"] == got["ba"]
+    assert {k: v for k, v in got["ac"].items() if k[0] == 3} == {
+        k: v for k, v in got["ab"].items() if k[0] == 3
+    }
+    assert got["ab"][3, 0] != got["ab"][3, 1] or got["ab"][3, 1] != got["ab"][3, 2]  # samples still differ

@@ -120,6 +120,7 @@ class RolloutEngine:
         n: int,
         max_new_tokens: int,
         sampling: tuple[float, float, int, list[str]],
+        keys: list[int],
     ) -> None:
         if not prompt_ids:
             raise ValueError("generate: the prompt list is empty")
@@ -133,6 +134,10 @@ class RolloutEngine:
             )
         if any(not s for s in stop):
             raise ValueError(f"generate: stop strings must be non-empty, got {stop!r}")
+        if len(keys) != len(prompt_ids) * n or any(not isinstance(k, int) or k < 0 for k in keys):
+            raise ValueError(
+                f"generate: sample_keys must be {len(prompt_ids) * n} integers >= 0 (one per sample), got {keys!r}"
+            )
         limit = self.decoder.max_positions
         vocab = self.decoder.model.get_input_embeddings().weight.shape[0]
         for i, p in enumerate(prompt_ids):
@@ -179,13 +184,9 @@ class RolloutEngine:
         `Sample.distributions`; off by default, nothing is computed then. The samples drawn do not change.
         """
         stop = [stop] if isinstance(stop, str) else list(stop or [])  # one string is one stop, not its chars
-        self._check(prompt_ids, n, max_new_tokens, (temperature, top_p, top_k, stop))
-        check_distribution_request(top_logprobs, self.decoder.model.lm_head.out_features, "generate")
         keys = list(range(len(prompt_ids) * n)) if sample_keys is None else list(sample_keys)
-        if len(keys) != len(prompt_ids) * n or any(not isinstance(k, int) or k < 0 for k in keys):
-            raise ValueError(
-                f"generate: sample_keys must be {len(prompt_ids) * n} integers >= 0 (one per sample), got {keys!r}"
-            )
+        self._check(prompt_ids, n, max_new_tokens, (temperature, top_p, top_k, stop), keys)
+        check_distribution_request(top_logprobs, self.decoder.model.lm_head.out_features, "generate")
         recorder = DistributionRecorder.maybe(
             len(prompt_ids) * n, max_new_tokens, top_logprobs, full_logprobs, self.decoder.device
         )

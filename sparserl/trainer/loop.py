@@ -264,12 +264,15 @@ class Trainer:
         examples = [self.task[i] for i in indices]
         prompt_ids = [self._prompt_ids(self.task, i, 0) for i in indices]
         self.state.engine_seed = derive_seed(cfg.trainer.seed, step, _ROLLOUT)
+        # sample j of task row i draws from key i * n + j: its tokens depend on (seed, step, row, j) and the
+        # weights, not on which other prompts share the batch (up to float batch non-invariance, docs/engine.md)
         self.policy.module.eval()
         record = acceptance_request(cfg)  # the sampler's distributions, when alpha is logged
         with torch.no_grad():
             rollouts = self._generate(
-                prompt_ids, cfg.rollout.n, cfg.rollout.temperature, self.state.engine_seed, **record
-            )
+                prompt_ids, cfg.rollout.n, cfg.rollout.temperature, self.state.engine_seed,
+                sample_keys=[i * cfg.rollout.n + j for i in indices for j in range(cfg.rollout.n)], **record,
+            )  # fmt: skip
         samples = list(rollouts.samples)
         t1 = time.perf_counter()
 
@@ -339,7 +342,14 @@ class Trainer:
             t0 = time.perf_counter()
             with torch.no_grad():
                 seed = derive_seed(self.cfg.trainer.seed, _EVAL)
-                rollouts = self._generate(prompt_ids, 1, self.cfg.trainer.eval_temperature, seed, engine)
+                rollouts = self._generate(
+                    prompt_ids,
+                    1,
+                    self.cfg.trainer.eval_temperature,
+                    seed,
+                    engine,
+                    sample_keys=list(self.eval_rows),
+                )
             samples = list(rollouts.samples)
             texts = self.tokenizer.batch_decode(
                 [list(s.completion_ids) for s in samples], skip_special_tokens=True
