@@ -56,7 +56,8 @@ class Decoder:
         self.max_positions = getattr(cfg, "max_position_embeddings", None)
         self.scale = self.head_dim**-0.5
         self.dtype = dtype or self.model.lm_head.weight.dtype
-        self.proj: ModuleProjections | PackedProjections = ModuleProjections(self.layers, lm.lm_head)
+        self.modules = ModuleProjections(self.layers, lm.lm_head)
+        self.proj: ModuleProjections | PackedProjections = self.modules
 
     @property
     def device(self) -> torch.device:
@@ -74,11 +75,11 @@ class Decoder:
                 f"rollouts in {self.dtype} over {weights_dtype} weights need plain or LoRA Linear projections; "
                 f"{type(lm).__name__} has another kind (load the model in {self.dtype} instead)"
             )
-        self.proj = packed or ModuleProjections(self.layers, lm.lm_head)
+        self.proj = packed or self.modules
 
     def release(self) -> None:
         """Drop the packed copy (its memory) between calls."""
-        self.proj = ModuleProjections(self.layers, self.model.lm_head)
+        self.proj = self.modules
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.model.model.embed_tokens(input_ids)

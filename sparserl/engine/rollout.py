@@ -70,11 +70,11 @@ def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[i
 class RolloutEngine:
     """Samples n completions per prompt. The KV cache is preallocated and, with an eviction method, bounded.
 
+    A prompt is prefilled once (dense) and its KV copied to its n samples. `dtype` is the compute dtype of the
+    rollout and its KV cache (default: the weights' own; bfloat16 over float32 weights runs a bfloat16 copy).
     With `compile`, the decode step runs through `torch.compile` with static shapes (rows that finish stay in the
     batch, masked, and attention spans the whole preallocated capacity), so that on CUDA it can be captured in a
-    graph; the tokens and log-probs are the eager step's (tested). A prompt is prefilled once (dense) and its KV
-    copied to its n samples. `dtype` is the compute dtype of the
-    rollout and its KV cache (default: the weights' own; bfloat16 over float32 weights runs a bfloat16 copy). With `kv.method` an eviction
+    graph; the tokens and log-probs are the eager step's (tested). With `kv.method` an eviction
     method, a prompt longer than `kv.budget` is cut to the budget right after prefill, and during decoding every
     `kv.interval` steps each sequence holding `budget` or more positions is cut back so that it holds exactly
     `budget` after the step's token is written: no row ever holds more than `budget + interval - 1` positions.
@@ -205,9 +205,8 @@ class RolloutEngine:
         return rollouts
 
     def _decode_capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
-        if (
-            self.compiled_step is not None
-        ):  # a few sizes, each compiled once, rather than one per prompt length
+        # compiled: a few sizes, each compiled once, rather than one per prompt length
+        if self.compiled_step is not None:
             return -(-(longest_prompt + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET
         if self.evictor is None:
             return longest_prompt + max_new_tokens

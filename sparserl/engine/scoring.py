@@ -47,11 +47,8 @@ def _completion_logits(
             (rows, _shared_prompt_hidden(lm, list(prompt), [completion_ids[i] for i in rows], t_c, device))
             for prompt, rows in groups.items()
         ]
-        hidden = torch.empty(
-            len(prompt_ids), t_c, parts[0][1].shape[-1], dtype=parts[0][1].dtype, device=device
-        )
-        hidden = hidden.index_put((torch.tensor([i for rows, _ in parts for i in rows], device=device),),
-                                  torch.cat([h for _, h in parts]))  # fmt: skip
+        order = torch.tensor([i for rows, _ in parts for i in rows], device=device)
+        hidden = torch.cat([h for _, h in parts])[order.argsort()]  # back to the callers' row order
     return lm.lm_head(hidden).float(), targets.to(device), mask.to(device)
 
 
@@ -79,8 +76,9 @@ def _hidden_at_completions(lm, prompt_ids, completion_ids, t_c: int, device) -> 
 
 
 def _shared_prompt_hidden(lm, prompt: list[int], completions, t_c: int, device) -> Tensor:
-    """`_hidden_at_completions` for rows of one prompt: the prompt but its last token runs once."""
-    if len(prompt) < 2:
+    """`_hidden_at_completions` for rows of one prompt: the prompt but its last token runs once (a single row,
+    or a one-token prompt, has nothing to share and runs as one)."""
+    if len(prompt) < 2 or len(completions) == 1:
         return _hidden_at_completions(lm, [prompt] * len(completions), completions, t_c, device)
     head = torch.tensor([prompt[:-1]], dtype=torch.long, device=device)
     past = lm.model(input_ids=head, use_cache=True).past_key_values

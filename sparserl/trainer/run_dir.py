@@ -16,8 +16,9 @@ from sparserl.trainer.checkpoint import latest_checkpoint
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
-# Settings a resume may change (run length, checkpoints, evaluation, logging and diagnostics, threads, compiling): they do not change
-# what was trained so far. `output_dir`/`run_name` only locate the run. Everything else is fixed for a run.
+# Settings a resume may change (run length, checkpoints, evaluation, logging and diagnostics, threads, compiling):
+# they do not change what was trained so far. `output_dir`/`run_name` only locate the run. Everything else is
+# fixed for a run.
 RESUMABLE_KEYS = (
     "trainer.steps",
     "trainer.save_every",
