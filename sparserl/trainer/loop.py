@@ -1,6 +1,6 @@
 """The training loop: sample prompts, roll out (sparse or dense), reward, advantages, dense old/reference
 log-probs, corrections, K passes of AdamW over mini-batches, metrics, checkpoint. The next rollout sees the new
-weights because the engine runs the very modules being trained."""
+weights because the engine reads the trained model's weights afresh at every `generate` call."""
 
 from __future__ import annotations
 
@@ -20,15 +20,12 @@ from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metr
 from sparserl.trainer.checkpoint import (
     Checkpoint,
     TrainerState,
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
 from sparserl.trainer.data import PromptSampler, derive_seed, usable_rows
 from sparserl.trainer.logging import (
-    METRICS_FILE,
-    TB_DIR,
     MetricSinks,
     ProgressDisplay,
     check_backends,
@@ -37,6 +34,7 @@ from sparserl.trainer.logging import (
 )
 from sparserl.trainer.policy import ModelLoader, Policy
 from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, check_resume_changes, new_run_dir
+from sparserl.trainer.summary import accumulate, run_summary
 from sparserl.trainer.update import Batch, Learner, pad
 
 SUMMARY_FILE = "summary.json"
@@ -425,7 +423,7 @@ class Trainer:
                 metrics["time/step"] = time.perf_counter() - t0
                 metrics["time/step_cpu"] = time.process_time() - cpu0
                 metrics.update(self._task_counters())
-                self._accumulate(metrics)
+                accumulate(self.state.history, metrics)
                 sinks.log(step, metrics)
                 progress.update(step, metrics)
                 if step == total or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
@@ -439,63 +437,12 @@ class Trainer:
                     sinks.log(total, after)
                     self._print_samples(progress, "after training")
                 hist["export"] = str(self.policy.export(self.run_dir / EXPORT_DIR))
-                summary = self.summary(time.perf_counter() - started)
+                summary = run_summary(self, time.perf_counter() - started)
                 (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
         finally:
             progress.close()
             sinks.close()
         return summary
-
-    def _accumulate(self, metrics: dict[str, float]) -> None:
-        """Running totals the end-of-run summary reports (kept in the checkpoint, so a resume keeps them)."""
-        h = self.state.history
-        h.setdefault("first_reward", metrics.get("reward/mean"))
-        h["last_reward"] = metrics.get("reward/mean")
-        h["steps_seen"] = h.get("steps_seen", 0) + 1
-        for key in (
-            "rejection_rate",
-            "kv/saved_fraction",
-            "rollout/peak_kv_bytes",
-            "kv/dense_kv_bytes",
-            "time/step",
-        ):
-            if key in metrics and is_number(metrics[key]) and math.isfinite(metrics[key]):
-                h[f"sum:{key}"] = h.get(f"sum:{key}", 0.0) + metrics[key]
-                h[f"n:{key}"] = h.get(f"n:{key}", 0) + 1
-
-    def _mean(self, key: str) -> float | None:
-        h = self.state.history
-        n = h.get(f"n:{key}", 0)
-        return h[f"sum:{key}"] / n if n else None
-
-    def summary(self, wall_s: float) -> dict[str, Any]:
-        """End-of-run numbers: reward before/after, KV saved, rejection rate, where everything is."""
-        h = self.state.history
-        ckpt = latest_checkpoint(self.run_dir)
-        return {
-            "steps": self.state.step,
-            "eval_reward_before": h.get("eval_before"),
-            "eval_reward_after": h.get("eval_after"),
-            "eval_sparse_reward_before": h.get("eval_sparse_before"),
-            "eval_sparse_reward_after": h.get("eval_sparse_after"),
-            "train_reward_first_step": h.get("first_reward"),
-            "train_reward_last_step": h.get("last_reward"),
-            "rollouts": f"sparse ({self.cfg.kv.method}, budget {self.cfg.kv.budget})"
-            if self.cfg.sparse
-            else "dense",
-            "kv_saved_fraction": self._mean("kv/saved_fraction"),
-            "peak_kv_bytes_mean": self._mean("rollout/peak_kv_bytes"),
-            "dense_kv_bytes_mean": self._mean("kv/dense_kv_bytes"),
-            "rejection_rate_mean": self._mean("rejection_rate"),
-            "nonfinite_skipped_updates": self.state.counters.get("train/nonfinite_skips", 0),
-            "seconds_per_step": self._mean("time/step"),
-            "wall_s_this_session": wall_s,
-            "run_dir": str(self.run_dir),
-            "metrics": str(self.run_dir / METRICS_FILE) if self.cfg.logging.jsonl else None,
-            "tensorboard": str(self.run_dir / TB_DIR) if self.cfg.logging.tensorboard else None,
-            "checkpoint": str(ckpt) if ckpt else None,
-            "model": h.get("export"),
-        }
 
     def _print_samples(self, progress: ProgressDisplay, when: str) -> None:
         k = self.cfg.logging.print_samples
