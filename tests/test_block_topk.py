@@ -165,14 +165,14 @@ def test_engine_reads_the_pages_the_rule_picks_from_summaries_kept_while_decodin
     kv = KVConfig(method="block_topk", budget=24, page_size=4, dense_layers=[0])
     e = engine(kv, arch)
     holder: list = [None]
-    e.on_step = lambda step, cache, samples: holder.__setitem__(0, cache)
-    original_start = e.sparse.start
+    original_run = e.start_run
 
-    def start(cache):
-        holder[0] = cache
-        original_start(cache)
+    def start_run(*args, **kwargs):  # the decoding cache, which the prompts' rows join after prefill
+        run = original_run(*args, **kwargs)
+        holder[0] = run.cache
+        return run
 
-    e.sparse.start = start
+    e.start_run = start_run
     recorder = PageRecorder(e.sparse, holder)
     out = e.generate(random_prompts([30, 7, 18], 2), n=2, max_new_tokens=30, seed=1)
     assert recorder.check(page_size=4) > 30

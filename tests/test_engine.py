@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparserl.engine import RolloutEngine, Rollouts, completion_logprobs, score
-from sparserl.engine import rollout as rollout_mod
+from sparserl.engine import decoding as rollout_mod
 from sparserl.engine.sampling import processed_logprobs
 from sparserl.models import ModelLoadError, encode_prompt, load_model, tiny_model
 

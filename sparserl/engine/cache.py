@@ -2,6 +2,10 @@
 
 Why not transformers' caches: they grow by concatenation (a full copy per step), pad ragged batches, and have no
 notion of evicting positions per row and per head while keeping their true RoPE positions.
+
+Rows come and go (continuous batching): a finished row is filled by the last row (a move of one row, not a
+copy of the cache), and new rows are appended into storage reserved beyond the live rows. The public tensors
+(`k`, `v`, `pos`, `extras`, `queries`, `length`, `query_count`, `row_state`) are views of the live rows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ class KVCache:
     may differ per layer and head after per-head eviction. Slots stay in chronological order.
     Per-slot extras (e.g. H2O's accumulated attention) and the last `window` queries of each layer travel with
     their rows so that eviction methods can score at any step; so does `row_state`, any tensors whose first
-    dimension is the row (e.g. block-sparse attention's page summaries), which their owner adds.
+    dimension is the row (e.g. block-sparse attention's page summaries), which their owner adds; those named in
+    `paged_state` (name -> page size) have a page axis (dim 2) that grows with the capacity.
     """
 
     def __init__(
@@ -34,33 +39,48 @@ class KVCache:
         extras: tuple[str, ...] = (),
     ):
         shape = (rows, kv_heads, capacity, head_dim)
-        self.capacity = capacity
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.pos = [torch.zeros(shape[:3], dtype=torch.int32, device=device) for _ in range(num_layers)]
-        self.extras = {
-            name: [torch.zeros(shape[:3], dtype=torch.float32, device=device) for _ in range(num_layers)]
-            for name in extras
-        }
-        self.queries = [
-            torch.zeros(rows, num_heads, window, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
-        self.query_count = torch.zeros(rows, dtype=torch.long, device=device)
-        self.length = torch.zeros(rows, dtype=torch.long, device=device)
-        self.row_state: dict[str, Tensor] = {}
+        self.capacity, self.num_layers = capacity, num_layers
+        self._rows = rows
+        self._store: dict[str, Tensor] = {}  # every per-row tensor, [reserved rows, ...]
+        for layer in range(num_layers):
+            self._store[f"k.{layer}"] = torch.zeros(shape, dtype=dtype, device=device)
+            self._store[f"v.{layer}"] = torch.zeros(shape, dtype=dtype, device=device)
+            self._store[f"pos.{layer}"] = torch.zeros(shape[:3], dtype=torch.int32, device=device)
+            for name in extras:
+                self._store[f"x.{name}.{layer}"] = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            self._store[f"q.{layer}"] = torch.zeros(
+                rows, num_heads, window, head_dim, dtype=dtype, device=device
+            )
+        self._store["length"] = torch.zeros(rows, dtype=torch.long, device=device)
+        self._store["query_count"] = torch.zeros(rows, dtype=torch.long, device=device)
+        self._extra_names = extras
+        self.paged_state: dict[str, int] = {}
+        self._views()
+
+    def _views(self) -> None:
+        """Point the public tensors at the live rows of the storage."""
+        s, n, layers = self._store, self._rows, range(self.num_layers)
+        self.k = [s[f"k.{i}"][:n] for i in layers]
+        self.v = [s[f"v.{i}"][:n] for i in layers]
+        self.pos = [s[f"pos.{i}"][:n] for i in layers]
+        self.extras = {name: [s[f"x.{name}.{i}"][:n] for i in layers] for name in self._extra_names}
+        self.queries = [s[f"q.{i}"][:n] for i in layers]
+        self.length, self.query_count = s["length"][:n], s["query_count"][:n]
+        self.row_state = _RowState(self, {k[6:]: t[:n] for k, t in s.items() if k.startswith("state.")})
 
     @property
     def rows(self) -> int:
-        return self.length.shape[0]
+        return self._rows
 
     @property
-    def num_layers(self) -> int:
-        return len(self.k)
+    def reserved_rows(self) -> int:
+        return self._store["length"].shape[0]
 
     def nbytes(self) -> int:
-        """Bytes allocated for keys and values (the memory that grows with context)."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes allocated for keys and values (the memory that grows with context), reserved rows included."""
+        return sum(
+            t.numel() * t.element_size() for name, t in self._store.items() if name[:2] in ("k.", "v.")
+        )
 
     def bytes_per_position(self) -> int:
         """Bytes one held position costs across all layers (keys + values)."""
@@ -73,7 +93,7 @@ class KVCache:
         self.k[layer][:, :, :t] = k
         self.v[layer][:, :, :t] = v
         self.pos[layer][:, :, :t] = positions.to(torch.int32)[:, None, :]
-        self.length = lengths.clone()
+        self.length.copy_(lengths)
 
     def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> None:
         """Write one new token [rows, H, 1, D] at slot `length[row]` of every row (committed by `advance`)."""
@@ -116,27 +136,98 @@ class KVCache:
         for store in self.extras.values():  # freed slots start from zero when a new token is written there
             store[layer][rows, :, b:] = 0
 
-    def select_rows(self, rows: Tensor, capacity: int | None = None) -> None:
-        """Keep (or repeat) the given rows in that order, optionally cutting every row to `capacity` slots.
+    # ---------------------------------------------------------------------------------------- rows and slots
 
-        Used to drop finished sequences and to give a prompt's KV to each of its n samples. Keeping every row
-        in place at the same capacity (n = 1, dense) is a no-op rather than a copy of the whole cache.
-        """
-        same_capacity = capacity is None or capacity == self.capacity
-        if (
-            same_capacity
-            and rows.numel() == self.rows
-            and bool((rows == torch.arange(self.rows, device=rows.device)).all())
-        ):
+    def _slot_axis(self, name: str) -> int | None:
+        """The axis of a stored tensor that grows with the capacity (in pages for paged row state)."""
+        if name[:2] in ("k.", "v.") or name.startswith(("pos.", "x.")):
+            return 2
+        return 2 if name.startswith("state.") and name[6:] in self.paged_state else None
+
+    def _slots(self, name: str, capacity: int | None = None) -> int:
+        """The size of a stored tensor's slot axis at `capacity` (default: the current one)."""
+        capacity = self.capacity if capacity is None else capacity
+        return -(-capacity // self.paged_state[name[6:]]) if name.startswith("state.") else capacity
+
+    def resize(self, capacity: int, reserve: int | None = None) -> None:
+        """Hold `capacity` slots per row from now on (grow, or shrink when no row holds more), with storage for
+        `reserve` rows (default: as many as now; never fewer than the live rows)."""
+        reserve = max(self.rows, self.reserved_rows if reserve is None else reserve)
+        if capacity == self.capacity and reserve == self.reserved_rows:
             return
-        if capacity is not None:
-            if int(self.length.max()) > capacity:
-                raise RuntimeError(f"cannot shrink the KV cache to {capacity} slots: a row holds more")
-            self.capacity = capacity
-        for store in (self.k, self.v, self.pos, *self.extras.values()):
-            for i, t in enumerate(store):
-                store[i] = t[:, :, : self.capacity].index_select(0, rows)
-        self.queries = [t.index_select(0, rows) for t in self.queries]
-        self.row_state = {name: t.index_select(0, rows) for name, t in self.row_state.items()}
-        self.length = self.length.index_select(0, rows)
-        self.query_count = self.query_count.index_select(0, rows)
+        if self.rows and int(self.length.max()) > capacity:
+            raise RuntimeError(f"cannot shrink the KV cache to {capacity} slots: a row holds more")
+        for name, t in self._store.items():
+            shape, axis, live = [reserve, *t.shape[1:]], self._slot_axis(name), t[: self.rows]
+            if axis is not None:
+                shape[axis] = self._slots(name, capacity)
+                live = live.narrow(axis, 0, min(t.shape[axis], shape[axis]))
+            grown = t.new_zeros(shape)
+            grown[tuple(slice(0, n) for n in live.shape)] = live
+            self._store[name] = grown
+        self.capacity = capacity
+        self._views()
+
+    def reserve_rows(self, rows: int) -> None:
+        """Make room for `rows` rows in storage (new rows are appended there without moving the others)."""
+        if rows > self.reserved_rows:
+            self.resize(self.capacity, rows)
+
+    def retire(self, rows: Tensor) -> Tensor:
+        """Drop the given rows; the last live rows move into the holes (one row copy each). Returns, for each
+        remaining row, its index before the call, so that owners of per-row data can follow."""
+        n = self._rows
+        gone = torch.zeros(n, dtype=torch.bool, device=rows.device)
+        gone[rows] = True
+        order = torch.arange(n, device=rows.device)
+        new_n = n - int(gone.sum())
+        holes = gone[:new_n].nonzero().squeeze(-1)
+        movers = (~gone[new_n:]).nonzero().squeeze(-1) + new_n
+        if holes.numel():
+            for t in self._store.values():
+                t[holes] = t[movers]
+            order[holes] = movers
+        self._rows = new_n
+        self._views()
+        return order[:new_n]
+
+    def append(self, src: KVCache, rows: Tensor) -> None:
+        """Add rows `rows` of `src` (repeats allowed: a prompt's KV for each of its samples) after the live
+        rows; no row may hold more slots than this cache has. Slots past a source row's storage start empty."""
+        if int(src.length[rows].max()) > self.capacity:
+            raise RuntimeError(f"cannot append rows holding {int(src.length.max())} slots to {self.capacity}")
+        for name, t in src._store.items():  # state its owner added to the source (e.g. page summaries)
+            if name not in self._store:
+                self.paged_state.update(src.paged_state)
+                shape = [self.reserved_rows, *t.shape[1:]]
+                if (axis := self._slot_axis(name)) is not None:
+                    shape[axis] = self._slots(name)
+                self._store[name] = t.new_zeros(shape)
+        n, k = self._rows, rows.numel()
+        self.reserve_rows(n + k)
+        for name, t in self._store.items():
+            part, axis, dst = src._store[name][rows], self._slot_axis(name), t[n : n + k]
+            if axis is None:
+                dst.copy_(part)
+            else:
+                width = min(part.shape[axis], t.shape[axis])
+                dst.narrow(axis, 0, width).copy_(part.narrow(axis, 0, width))
+                dst.narrow(axis, width, t.shape[axis] - width).zero_()
+        self._rows = n + k
+        self._views()
+
+
+class _RowState(dict):
+    """`cache.row_state`: setting an entry stores it with the cache's rows (it then moves with them)."""
+
+    def __init__(self, cache: KVCache, views: dict[str, Tensor]):
+        super().__init__(views)
+        self._cache = cache
+
+    def __setitem__(self, name: str, value: Tensor) -> None:
+        if value.shape[0] != self._cache.rows:
+            raise ValueError(f"row_state[{name!r}] has {value.shape[0]} rows, the cache {self._cache.rows}")
+        store = value.new_zeros((self._cache.reserved_rows, *value.shape[1:]))
+        store[: value.shape[0]] = value
+        self._cache._store[f"state.{name}"] = store
+        super().__setitem__(name, store[: value.shape[0]])

@@ -24,6 +24,11 @@ class PositionStats:
         self.held_sum, self.read_sum, self.read_peak, self.retained_sum = (zeros.clone() for _ in range(4))
         self.steps = torch.zeros_like(held_after_prefill)
 
+    def start(self, samples: Tensor, held: Tensor) -> None:
+        """The given samples were (re-)admitted and hold `held` positions after their prefill."""
+        self.initial[samples] = held.double()
+        self.held_peak[samples] = torch.maximum(self.held_peak[samples], held)
+
     def add(self, samples: Tensor, held: Tensor, read: Tensor, total: Tensor) -> None:
         """One decode step of the given samples: positions held, read, and in the whole sequence (total)."""
         self.held_peak[samples] = torch.maximum(self.held_peak[samples], held)

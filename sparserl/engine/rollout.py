@@ -3,8 +3,8 @@ with sampler log-probs."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -14,18 +14,10 @@ from transformers import PreTrainedTokenizerBase
 from sparserl.engine.cache import KVCache
 from sparserl.engine.compression import make_evictor
 from sparserl.engine.decoder import Decoder, decode_attention, prefill_attention
+from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.kv_config import KVConfig
-from sparserl.engine.position_stats import PositionStats
-from sparserl.engine.sampling import (
-    DistributionRecorder,
-    TokenDistributions,
-    check_distribution_request,
-    sample_next,
-    sample_uniforms,
-)
+from sparserl.engine.sampling import DistributionRecorder, TokenDistributions, check_distribution_request
 from sparserl.engine.sparse_attention import make_sparse_attention
-
-CAPACITY_BUCKET = 128  # a compiled step's cache capacity is a multiple of this
 
 
 @dataclass
@@ -190,133 +182,52 @@ class RolloutEngine:
         recorder = DistributionRecorder.maybe(
             len(prompt_ids) * n, max_new_tokens, top_logprobs, full_logprobs, self.decoder.device
         )
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            self.decoder.prepare()
+        with self.decoding():
             rollouts = self._generate(
                 prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, keys, recorder
             )
-        finally:
-            self.decoder.release()
-            self.model.train(was_training)
         if recorder is not None:
             recorder.attach(rollouts.samples)
         return rollouts
 
-    def _decode_capacity(self, longest_prompt: int, max_new_tokens: int) -> int:
-        # compiled: a few sizes, each compiled once, rather than one per prompt length
-        if self.compiled_step is not None:
-            return -(-(longest_prompt + max_new_tokens) // CAPACITY_BUCKET) * CAPACITY_BUCKET
-        if self.evictor is None:
-            return longest_prompt + max_new_tokens
-        return min(self.kv.max_budget + self.kv.interval - 1, longest_prompt + max_new_tokens)
-
     def _generate(
         self, prompt_ids, n, max_new_tokens, temperature, top_p, top_k, stop, seed, keys, recorder=None
     ) -> Rollouts:
-        dec, kv, dev = self.decoder, self.kv, self.decoder.device
-        t0 = time.perf_counter()
-        prompt_len = torch.tensor([len(p) for p in prompt_ids], device=dev)
-        longest = int(prompt_len.max())
-        capacity = self._decode_capacity(longest, max_new_tokens)
-        cache = KVCache(
-            dec.num_layers, len(prompt_ids), dec.num_kv_heads, dec.num_heads, dec.head_dim,
-            max(capacity, longest), kv.window, dec.dtype, dev,
-            extras=self.evictor.method.extras if self.evictor else (),
-        )  # fmt: skip
-        logits = self._prefill(prompt_ids, prompt_len, cache)
-        prefill_bytes = cache.nbytes()
-        compress_s, events = 0.0, torch.zeros(len(prompt_ids), dtype=torch.long, device=dev)
+        """A static batch: every sample admitted at once (one prefill per prompt), decoded until all finish."""
+        requests = [
+            Request(list(prompt_ids[i // n]), key, seed, max_new_tokens) for i, key in enumerate(keys)
+        ]
+        run = self.start_run(requests, Sampling(temperature, top_p, top_k, stop), recorder)
+        run.admit(list(range(len(requests))))
+        while run.running:
+            run.step()
+        return self._collect(run, n)
+
+    def start_run(
+        self,
+        requests: list[Request],
+        sampling: Sampling,
+        recorder: DistributionRecorder | None = None,
+        kv_memory_cap: int | None = None,
+    ) -> DecodeRun:
+        """A decoding run over `requests` (the caller admits, steps and retires; see engine/decoding.py).
+        Call inside `decoding()` so that the packed weights exist."""
         if self.evictor is not None:
-            c0 = time.perf_counter()
-            self.evictor.method.start(seed)
-            budget = self.schedule.budget(prompt_len)
-            long_rows = (cache.length > budget).nonzero().squeeze(-1)
-            self.evictor.compress_to(cache, long_rows, budget[long_rows], kv.window)
-            events[long_rows] += 1
-            compress_s += time.perf_counter() - c0
-        if self.sparse is not None:
-            self.sparse.start(cache)
-        expand = torch.arange(len(prompt_ids), device=dev).repeat_interleave(n)
-        cache.select_rows(expand, capacity=capacity)
-        logits, events, total = logits[expand], events[expand], prompt_len[expand].clone()
-        prefill_s = time.perf_counter() - t0
+            self.evictor.method.start(requests[0].seed if requests else 0)
+        return DecodeRun(self, requests, sampling, recorder, kv_memory_cap)
 
-        rows = len(expand)
-        alive = torch.arange(rows, device=dev)  # sample index of each running sequence
-        slot = torch.arange(rows, device=dev)  # its cache row (= its rank while the eager cache is compacted)
-        feed, feed_pos = torch.zeros(rows, dtype=torch.long, device=dev), total.clone()  # static: every row
-        tokens = torch.zeros(rows, max_new_tokens, dtype=torch.long, device=dev)
-        logps = torch.zeros(rows, max_new_tokens, device=dev)
-        length = torch.zeros(rows, dtype=torch.long, device=dev)
-        finish = ["length"] * rows
-        positions = PositionStats(cache.length)
-        peak_bytes = max(prefill_bytes, cache.nbytes())
-        uniforms = sample_uniforms(seed, keys, max_new_tokens, dev)  # [rows, steps]: each row's own draws
-        t1 = time.perf_counter()
-        for step in range(max_new_tokens):
-            tok, lp, dist = sample_next(
-                logits, uniforms[alive, step], temperature, top_p, top_k, recorder is not None
-            )
-            tokens[alive, step], logps[alive, step] = tok, lp
-            if recorder is not None:
-                recorder.record(step, alive, dist)
-            length[alive] = step + 1
-            done = self._finished(tok, alive, tokens, step, stop, finish)
-            if step == max_new_tokens - 1:
-                break
-            if done.any():
-                keep = (~done).nonzero().squeeze(-1)
-                if keep.numel() == 0:
-                    break
-                alive, tok, slot = alive[keep], tok[keep], slot[keep]
-                if self.compiled_step is None:
-                    cache.select_rows(keep)
-                    slot = torch.arange(len(keep), device=dev)
-            # each sequence's budget, from its length once this step's token is written
-            self.step_budget = self.schedule.budget(total[alive] + 1) if kv.sparse else None
-            if self.evictor is not None and (step + 1) % kv.interval == 0:
-                c0 = time.perf_counter()
-                over = (cache.length >= self.step_budget).nonzero().squeeze(-1)
-                self.evictor.compress_to(cache, over, self.step_budget[over] - 1, kv.window - 1)
-                events[alive[over]] += 1
-                compress_s += time.perf_counter() - c0
-            if self.compiled_step is None:
-                logits = self._decode_step(tok, total[alive], cache)
-            else:  # finished rows keep decoding their last token, unread
-                feed[slot], feed_pos[slot] = tok, total[alive]
-                logits = self.compiled_step(feed, feed_pos, cache, cache.capacity)[slot]
-            total[alive] += 1
-            read = self.sparse.plan.read if self.sparse is not None else cache.length[slot]
-            positions.add(alive, cache.length[slot], read, total[alive])
-            peak_bytes = max(peak_bytes, cache.nbytes())
-            if self.on_step is not None:  # static rows never move: row r is sample r
-                self.on_step(
-                    step, cache, alive if self.compiled_step is None else torch.arange(rows, device=dev)
-                )
-        decode_s = time.perf_counter() - t1
-        return self._collect(
-            expand, tokens, logps, length, finish, positions, events, cache,
-            prefill_s=prefill_s, decode_s=decode_s, compress_s=compress_s, peak_bytes=peak_bytes,
-        )  # fmt: skip
-
-    def _finished(
-        self, tok: Tensor, alive: Tensor, tokens: Tensor, step: int, stop: list[str], finish
-    ) -> Tensor:
-        """Mark rows whose new token is an EOS or completes a stop string."""
-        done = torch.zeros_like(tok, dtype=torch.bool)
-        if self.eos_ids:
-            done |= torch.isin(tok, torch.tensor(sorted(self.eos_ids), device=tok.device))
-        if stop:
-            tail = max(len(s) for s in stop) + 2
-            for i, sample in enumerate(alive.tolist()):
-                if not done[i]:
-                    text = self.tokenizer.decode(tokens[sample, max(0, step + 1 - tail) : step + 1].tolist())
-                    done[i] = any(s in text for s in stop)
-        for i in done.nonzero().squeeze(-1).tolist():
-            finish[alive[i]] = "stop"
-        return done
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """The model in eval mode with the packed weights built, for the duration of a run; restored after."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                self.decoder.prepare()
+                yield
+        finally:
+            self.decoder.release()
+            self.model.train(was_training)
 
     def _prefill(self, prompt_ids, prompt_len: Tensor, cache: KVCache) -> Tensor:
         """Dense forward over the right-padded prompts, filling the cache; returns next-token logits [P, V]."""
@@ -342,7 +253,7 @@ class RolloutEngine:
             q_last = qkv.q.gather(2, last[:, None, :, None].expand(-1, dec.num_heads, -1, dec.head_dim))
             cache.queries[layer].scatter_(2, (last % w)[:, None, :, None].expand_as(q_last), q_last)
             hidden = dec.finish_layer(layer, hidden, out)
-        cache.query_count = prompt_len.clone()
+        cache.query_count.copy_(prompt_len)
         return dec.logits(hidden[torch.arange(p, device=dev), prompt_len - 1])
 
     def _decode_step(self, tok: Tensor, positions: Tensor, cache: KVCache, span: int = 0) -> Tensor:
@@ -371,37 +282,30 @@ class RolloutEngine:
         cache.query_count += 1
         return dec.logits(hidden[:, 0])
 
-    def _collect(self, expand, tokens, logps, length, finish, positions, events, cache, **t) -> Rollouts:
+    def _collect(self, run: DecodeRun, n: int) -> Rollouts:
         samples = []
-        position_stats = positions.sample_stats()
-        for i in range(len(expand)):
-            k = int(length[i])
-            samples.append(
-                Sample(
-                    prompt_index=int(expand[i]),
-                    completion_ids=tokens[i, :k].tolist(),
-                    logprobs=logps[i, :k].float().cpu(),
-                    finish_reason=finish[i],
-                    stats={
-                        **position_stats[i],
-                        "compression_events": int(events[i]),
-                    },
-                )
-            )
-        generated = int(length.sum())
-        wall = t["prefill_s"] + t["decode_s"]
-        stats = {
-            "tokens_per_s": generated / wall if wall > 0 else 0.0,
-            "generated_tokens": float(generated),
-            **positions.summary(),
-            "peak_kv_bytes": float(t["peak_bytes"]),
-            "kv_bytes_per_position": float(cache.bytes_per_position()),
-            "compression_events": float(events.sum()),
-            "prefill_s": t["prefill_s"],
-            "decode_s": t["decode_s"],
-            "compress_s": t["compress_s"],
-        }
-        return Rollouts(samples, stats)
+        position_stats = run.positions.sample_stats()
+        for i in range(len(run.requests)):
+            tokens, logps = run.completion(i)
+            stats = {**position_stats[i], "compression_events": int(run.events[i])}
+            samples.append(Sample(i // n, tokens, logps, run.finish[i] or "length", stats))
+        return Rollouts(samples, run_stats(run))
+
+
+def run_stats(run: DecodeRun) -> dict[str, float]:
+    """A decoding run's totals: tokens, throughput, positions held and read, KV bytes, eviction, timings."""
+    generated = int((run.count - run.start_count).sum())
+    t = run.timing
+    wall = t["prefill_s"] + t["decode_s"]
+    return {
+        "tokens_per_s": generated / wall if wall > 0 else 0.0,
+        "generated_tokens": float(generated),
+        **run.positions.summary(),
+        "peak_kv_bytes": float(run.peak_bytes),
+        "kv_bytes_per_position": float(run.bytes_per_position),
+        "compression_events": float(run.events.sum()),
+        **t,
+    }
 
 
 def prefill_probs(qkv, valid: Tensor, scale: float) -> Tensor:

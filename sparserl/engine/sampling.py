@@ -166,14 +166,14 @@ class DistributionRecorder:
             cls(rows, steps, top_logprobs, full_logprobs, device) if top_logprobs or full_logprobs else None
         )
 
-    def record(self, step: int, rows: Tensor, logp: Tensor) -> None:
-        """Keep step `step`'s distributions `logp` [len(rows), V] of the sample rows `rows`."""
+    def record(self, steps: Tensor, rows: Tensor, logp: Tensor) -> None:
+        """Keep the distributions `logp` [len(rows), V] of the sample rows `rows` at their tokens `steps`."""
         values, ids = logp.topk(self.k, dim=-1)
-        self.top_ids[rows, step], self.top_logprobs[rows, step] = ids, values
+        self.top_ids[rows, steps], self.top_logprobs[rows, steps] = ids, values
         if self.full_logprobs:
             if not self.full:
                 self.full = [torch.empty(self.steps, logp.shape[-1]) for _ in range(len(self.top_ids))]
-            for row, row_logp in zip(rows.tolist(), logp.float().cpu(), strict=True):
+            for row, step, row_logp in zip(rows.tolist(), steps.tolist(), logp.float().cpu(), strict=True):
                 self.full[row][step] = row_logp
 
     def attach(self, samples: Sequence) -> None:

@@ -107,6 +107,7 @@ class PageSparseAttention:
                 cache.k[layer][:, :, : whole * ps].reshape(rows, hkv, whole, ps, d)
             )
             store = summaries.new_zeros(rows, hkv, -(-capacity // ps), *summaries.shape[3:])
+            cache.paged_state[summary_key(layer)] = ps
             store[:, :, :whole] = summaries
             cache.row_state[summary_key(layer)] = store
 

@@ -1,0 +1,328 @@
+"""One decoding run of the engine: sequences are admitted (prefilled into the running cache) and retired
+(finished, preempted or aborted) at any step while the others keep decoding: continuous batching.
+
+`RolloutEngine.generate` admits every request at once and steps until all finish (a static batch); the
+rollout layer's scheduler (sparserl/rollout) admits them under a KV memory cap instead. Either way each sample
+draws its tokens from its own uniforms, (seed, key, token index), so it does not depend on its batch mates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from sparserl.engine.cache import KVCache
+from sparserl.engine.position_stats import PositionStats
+from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
+
+if TYPE_CHECKING:
+    from sparserl.engine.rollout import RolloutEngine
+
+CAPACITY_BUCKET = 128  # slots are allocated in blocks of this many positions (a compiled step's capacity too)
+
+
+@dataclass
+class Request:
+    """One sequence to sample: a prompt, and the completion tokens it already has when it is resumed.
+
+    Its tokens are drawn at uniforms that depend only on (`seed`, `key`, the token's index in the completion),
+    so a resumed sample continues the stream it started on. `max_new_tokens` counts `prefix` too.
+    """
+
+    prompt: list[int]
+    key: int
+    seed: int
+    max_new_tokens: int
+    prefix: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Sampling:
+    """The processed distribution tokens are drawn from, and the stop strings."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: list[str] = field(default_factory=list)
+
+
+class DecodeRun:
+    """The running batch of one engine over a fixed list of requests (sample id = index in that list).
+
+    `admit(ids)` prefills the requests (identical inputs once: a GRPO group's prompt) and appends their rows;
+    `step()` samples one token for every running row, retires those that finished and runs the forward step of
+    the rest; `retire(ids)` stops sequences early (preemption, abort) keeping their tokens, so that admitting
+    them again re-prefills prompt + tokens so far and continues. Memory: every row holds `cache.capacity` slots
+    (dense and block-sparse caches grow in blocks of CAPACITY_BUCKET positions as their longest row does;
+    evicting caches stop at the bound, budget + interval - 1); with `kv_memory_cap` the cache reserves as many
+    rows as the cap affords at the current capacity, so its allocation never exceeds the cap.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        requests: list[Request],
+        sampling: Sampling,
+        recorder: DistributionRecorder | None = None,
+        kv_memory_cap: int | None = None,
+    ):
+        self.engine, self.requests, self.sampling, self.recorder = engine, requests, sampling, recorder
+        self.kv_memory_cap = kv_memory_cap
+        dec, dev, n = engine.decoder, engine.decoder.device, len(requests)
+        steps = max(r.max_new_tokens for r in requests)
+        self.tokens = torch.zeros(n, steps, dtype=torch.long, device=dev)
+        self.logps = torch.zeros(n, steps, device=dev)
+        self.count = torch.tensor([len(r.prefix) for r in requests], device=dev)  # completion tokens so far
+        for i, r in enumerate(requests):
+            if r.prefix:
+                self.tokens[i, : len(r.prefix)] = torch.tensor(r.prefix, device=dev)
+        self.start_count = self.count.clone()
+        self.limit = torch.tensor([r.max_new_tokens for r in requests], device=dev)
+        self.longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        self.uniforms = torch.cat(
+            [sample_uniforms(r.seed, [r.key], steps, dev) for r in requests]
+        )  # [n, steps]: each sample's own draws
+        self.finish: list[str | None] = [None] * n
+        self.prompt_len = torch.tensor([len(r.prompt) for r in requests], device=dev)
+        self.events = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = PositionStats(torch.zeros(n, dtype=torch.long, device=dev))
+        self.cache = KVCache(
+            dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, 0, engine.kv.window, dec.dtype,
+            dev, extras=engine.evictor.method.extras if engine.evictor else (),
+        )  # fmt: skip
+        self.sample_of_row = torch.zeros(0, dtype=torch.long, device=dev)
+        self.logits: Tensor | None = None
+        self.static = engine.compiled_step is not None  # compiled: rows never move, finished ones are masked
+        self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
+        self.peak_bytes = 0
+        self.decode_steps = 0
+
+    # --------------------------------------------------------------------------------------------- memory
+
+    @property
+    def bytes_per_position(self) -> int:
+        dec = self.engine.decoder
+        return 2 * dec.num_layers * dec.num_kv_heads * dec.head_dim * torch.finfo(dec.dtype).bits // 8
+
+    def fit_capacity(self, need: int) -> int:
+        """Slots per row for rows needing `need` positions: blocks of CAPACITY_BUCKET, at most what the longest
+        request can reach (prompt + max_new_tokens) and the eviction bound (which no row ever exceeds)."""
+        blocks = -(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        most = max(need, self.longest)  # no request of the run ever holds more
+        if self.engine.evictor is not None:
+            most = min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
+        return min(blocks, most)
+
+    def input_length(self, i: int) -> int:
+        """Tokens a (re-)admission of sample i prefills: its prompt and the completion tokens it holds."""
+        return int(self.prompt_len[i] + self.count[i])
+
+    def bytes_after_admit(self, ids: list[int]) -> int:
+        """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have."""
+        need = max(self.input_length(i) + 1 for i in ids)
+        capacity = max(self.cache.capacity, self.fit_capacity(need))
+        return (self.running + len(ids)) * capacity * self.bytes_per_position
+
+    def bytes_next_step(self) -> int:
+        """KV bytes the running rows hold after the next step (the cache grows when its longest row fills it)."""
+        if not self.running:
+            return 0
+        capacity = max(self.cache.capacity, self.fit_capacity(int(self.cache.length.max()) + 1))
+        return self.running * capacity * self.bytes_per_position
+
+    def held_bytes(self) -> int:
+        """KV bytes charged to the running sequences now (their rows at the current capacity)."""
+        return self.running * self.cache.capacity * self.bytes_per_position
+
+    def held_positions(self) -> int:
+        """Positions the running sequences actually hold (<= rows x capacity)."""
+        return int(self.cache.length[self._rows()].sum()) if self.running else 0
+
+    def _resize(self, capacity: int, rows: int) -> None:
+        """Grow the cache to `capacity` slots, reserving the rows the cap affords at that size (or `rows`)."""
+        reserve = rows
+        if self.kv_memory_cap is not None and capacity:
+            reserve = max(rows, self.kv_memory_cap // (capacity * self.bytes_per_position))
+        self.cache.resize(capacity, reserve)
+
+    # --------------------------------------------------------------------------------------------- rows
+
+    @property
+    def running(self) -> int:
+        """Sequences in the batch."""
+        return int((self.sample_of_row >= 0).sum())
+
+    def _rows(self) -> Tensor:
+        """Cache rows of the running sequences (all rows, unless compiled rows are kept after finishing)."""
+        if not self.static:
+            return torch.arange(self.cache.rows, device=self.sample_of_row.device)
+        return (self.sample_of_row >= 0).nonzero().squeeze(-1)
+
+    def admit(self, ids: list[int]) -> None:
+        """Prefill the given samples (identical inputs once) and add them to the batch."""
+        if not ids:
+            return
+        if self.static and self.cache.rows:
+            raise NotImplementedError(
+                "engine.compile=true decodes a static batch: every sequence is admitted at the start "
+                "(continuous batching, rollout.kv_memory_cap, runs eagerly: set engine.compile=false)"
+            )
+        t0 = time.perf_counter()
+        engine, dev = self.engine, self.cache.length.device
+        inputs: dict[tuple[int, ...], int] = {}
+        source = []
+        for i in ids:
+            seq = tuple(self.requests[i].prompt) + tuple(self.tokens[i, : int(self.count[i])].tolist())
+            source.append(inputs.setdefault(seq, len(inputs)))
+        prompts = [list(seq) for seq in inputs]
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        dec = engine.decoder
+        tmp = KVCache(
+            dec.num_layers, len(prompts), dec.num_kv_heads, dec.num_heads, dec.head_dim, int(lengths.max()),
+            engine.kv.window, dec.dtype, dev, extras=self.cache._extra_names,
+        )  # fmt: skip
+        logits = engine._prefill(prompts, lengths, tmp)
+        events = torch.zeros(len(prompts), dtype=torch.long, device=dev)
+        if engine.evictor is not None:
+            c0 = time.perf_counter()
+            budget = engine.schedule.budget(lengths)
+            long_rows = (tmp.length > budget).nonzero().squeeze(-1)
+            engine.evictor.compress_to(tmp, long_rows, budget[long_rows], engine.kv.window)
+            events[long_rows] += 1
+            self.timing["compress_s"] += time.perf_counter() - c0
+        if engine.sparse is not None:
+            engine.sparse.start(tmp)
+        expand = torch.tensor(source, device=dev)
+        new = torch.tensor(ids, device=dev)
+        capacity = self._first_capacity(int(lengths.max())) if not self.cache.rows else self.cache.capacity
+        capacity = max(capacity, self.fit_capacity(int(tmp.length.max()) + 1))
+        self._resize(capacity, self.cache.rows + len(ids))
+        self.cache.append(tmp, expand)
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes() + tmp.nbytes())  # both exist until here
+        self.sample_of_row = torch.cat([self.sample_of_row, new])
+        self.logits = logits[expand] if self.logits is None else torch.cat([self.logits, logits[expand]])
+        self.events[new] += events[expand]
+        self.positions.start(new, self.cache.length[-len(ids) :])
+        self.timing["prefill_s"] += time.perf_counter() - t0
+
+    def _first_capacity(self, longest: int) -> int:
+        """A compiled batch's capacity is fixed for the run: a few sizes, each compiled once."""
+        if not self.static:
+            return 0
+        return -(-max(self.longest, longest + 1) // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+    def retire(self, ids: list[int]) -> None:
+        """Take running samples out of the batch (their tokens stay; admitting them again continues them)."""
+        if not ids:
+            return
+        rows = torch.isin(self.sample_of_row, torch.tensor(ids, device=self.sample_of_row.device))
+        self._drop(rows.nonzero().squeeze(-1))
+
+    def _drop(self, rows: Tensor) -> Tensor | None:
+        """Remove cache rows; returns each remaining row's former index (None: compiled rows do not move)."""
+        if self.static:
+            self.sample_of_row[rows] = -1
+            return None
+        order = self.cache.retire(rows)
+        self.sample_of_row, self.logits = self.sample_of_row[order], self.logits[order]
+        return order
+
+    # --------------------------------------------------------------------------------------------- decoding
+
+    def step(self) -> list[int]:
+        """Sample a token for every running sequence; returns the samples that finished with it."""
+        engine, kv, s = self.engine, self.engine.kv, self.sampling
+        t0 = time.perf_counter()
+        rows = self._rows()
+        ids = self.sample_of_row[rows]
+        at = self.count[ids]
+        tok, lp, dist = sample_next(
+            self.logits[rows],
+            self.uniforms[ids, at],
+            s.temperature,
+            s.top_p,
+            s.top_k,
+            self.recorder is not None,
+        )
+        self.tokens[ids, at], self.logps[ids, at] = tok, lp
+        if self.recorder is not None:
+            self.recorder.record(at - self.start_count[ids], ids, dist)
+        self.count[ids] += 1
+        done = self._finished(tok, ids)
+        finished = ids[done].tolist()
+        if done.any():
+            order = self._drop(rows[done])
+            tok = tok[~done] if order is None else tok[order]  # eager rows moved: follow them
+            rows = self._rows()
+            ids = self.sample_of_row[rows]
+        if ids.numel():
+            total = self.prompt_len[ids] + self.count[ids] - 1  # the position of the token being fed
+            engine.step_budget = engine.schedule.budget(total + 1) if kv.sparse else None
+            if engine.evictor is not None and bool(
+                ((self.count[ids] - self.start_count[ids]) % kv.interval == 0).any()
+            ):
+                self._compress(rows, ids)
+            need = int(self.cache.length[rows].max()) + 1
+            if need > self.cache.capacity:
+                self._resize(self.fit_capacity(need), self.cache.rows)
+            if engine.compiled_step is None:
+                self.logits = engine._decode_step(tok, total, self.cache)
+            else:  # finished rows keep decoding their last token, unread
+                feed = torch.zeros(self.cache.rows, dtype=torch.long, device=tok.device)
+                pos = (
+                    self.prompt_len[self.sample_of_row.clamp(min=0)]
+                    + self.count[self.sample_of_row.clamp(min=0)]
+                    - 1
+                )
+                feed[rows], pos[rows] = tok, total
+                self.logits = engine.compiled_step(feed, pos, self.cache, self.cache.capacity)
+            read = engine.sparse.plan.read[rows] if engine.sparse is not None else self.cache.length[rows]
+            self.positions.add(ids, self.cache.length[rows], read, total + 1)
+            self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+            self.decode_steps += 1
+            if engine.on_step is not None:
+                engine.on_step(self.decode_steps - 1, self.cache, self.sample_of_row)
+        self.timing["decode_s"] += time.perf_counter() - t0
+        return finished
+
+    def _compress(self, rows: Tensor, ids: Tensor) -> None:
+        """Cut the rows due this step (every `interval` tokens of their own) that hold their budget or more."""
+        engine = self.engine
+        c0 = time.perf_counter()
+        due = (self.count[ids] - self.start_count[ids]) % engine.kv.interval == 0
+        over = due & (self.cache.length[rows] >= engine.step_budget)
+        picked = over.nonzero().squeeze(-1)
+        engine.evictor.compress_to(
+            self.cache, rows[picked], engine.step_budget[picked] - 1, engine.kv.window - 1
+        )
+        self.events[ids[picked]] += 1
+        self.timing["compress_s"] += time.perf_counter() - c0
+
+    def _finished(self, tok: Tensor, ids: Tensor) -> Tensor:
+        """Rows whose new token is an EOS, completes a stop string, or reaches the sample's length cap."""
+        engine, stop = self.engine, self.sampling.stop
+        done = torch.zeros_like(tok, dtype=torch.bool)
+        if engine.eos_ids:
+            done |= torch.isin(tok, torch.tensor(sorted(engine.eos_ids), device=tok.device))
+        if stop:
+            tail = max(len(x) for x in stop) + 2
+            for r, sample in enumerate(ids.tolist()):
+                if not done[r]:
+                    end = int(self.count[sample])
+                    text = engine.tokenizer.decode(self.tokens[sample, max(0, end - tail) : end].tolist())
+                    done[r] = any(x in text for x in stop)
+        for r in done.nonzero().squeeze(-1).tolist():
+            self.finish[int(ids[r])] = "stop"
+        capped = ~done & (self.count[ids] >= self.limit[ids])
+        for r in capped.nonzero().squeeze(-1).tolist():
+            self.finish[int(ids[r])] = "length"
+        return done | capped
+
+    def completion(self, i: int) -> tuple[list[int], Tensor]:
+        """Sample i's tokens generated in this run and their sampler log-probs (its prefix excluded)."""
+        a, b = int(self.start_count[i]), int(self.count[i])
+        return self.tokens[i, a:b].tolist(), self.logps[i, a:b].float().cpu()
