@@ -318,12 +318,16 @@ def test_training_logs_alpha_below_one_under_a_tight_budget(tmp_path: Path):
 
 def test_training_without_the_flag_records_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     seen = []
-    real = RolloutEngine.generate
+    real = RolloutEngine.start_run
     monkeypatch.setattr(
-        RolloutEngine, "generate", lambda self, *a, **kw: seen.append(kw) or real(self, *a, **kw)
+        RolloutEngine,
+        "start_run",
+        lambda self, requests, sampling, recorder=None, *a: (
+            seen.append(recorder) or real(self, requests, sampling, recorder, *a)
+        ),
     )
     make_trainer(tiny_cfg(tmp_path, "trainer.steps=1")).train()
-    assert seen and all("top_logprobs" not in kw for kw in seen)
+    assert seen and all(recorder is None for recorder in seen)
     assert not any(k.startswith("alpha/") for r in rows(tmp_path / "run") for k in r)
 
 

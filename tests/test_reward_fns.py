@@ -198,10 +198,14 @@ def test_trainer_takes_a_python_reward_function(tmp_path: Path) -> None:
         seen.append(len(completions))
         return [1.0] * len(completions)
 
-    cfg = tiny_cfg(tmp_path, "trainer.steps=1", "trainer.eval_prompts=2")
+    cfg = tiny_cfg(tmp_path, "trainer.steps=1", "trainer.eval_prompts=2", "rollout.async_rewards=false")
     Trainer(cfg, task=ParityTask(), eval_task=ParityTask(), reward_fn=always_one).train()
     step = [r for r in rows(tmp_path / "run") if "reward/mean" in r][0]
     assert step["reward/mean"] == 1.0
-    assert 8 in seen  # one call for the whole rollout batch (2 prompts x 4)
+    assert 8 in seen  # synchronous: one call for the whole rollout batch (2 prompts x 4)
+    seen.clear()
+    cfg = tiny_cfg(tmp_path, "trainer.steps=1", name="async")
+    Trainer(cfg, task=ParityTask(), reward_fn=always_one).train()
+    assert seen == [4, 4]  # asynchronous (the default): one call per group, as each group finishes
     evals = [r["eval/dense/reward"] for r in rows(tmp_path / "run") if "eval/dense/reward" in r]
     assert evals == [1.0, 1.0]

@@ -195,7 +195,12 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
                     base = (
                         TaskConfig()
                     )  # another task: the default run's arithmetic prompt does not carry over
-                section = {**{g.name: getattr(base, g.name) for g in fields(base)}, **section}
+                defaults = {g.name: getattr(base, g.name) for g in fields(base)}
+                defaults = {
+                    k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                    for k, v in defaults.items()
+                }
+                section = {**defaults, **section}
             else:
                 section = dict(section)
             if cls is TrainConfig and key == "algo" and "group_size" not in section:

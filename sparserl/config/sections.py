@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.algo import PRESETS, AlgoConfig
+from sparserl.config.errors import ConfigError
+from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
-from sparserl.errors import UserError
 from sparserl.tasks import TaskConfig
 from sparserl.tasks.config import GENERATED_TASKS
 
@@ -19,10 +20,6 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
 DEFAULT_PRESET = "sparse-rl"
-
-
-class ConfigError(UserError):
-    """A config file or override that does not fit TrainConfig; the message names the culprit."""
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -82,37 +79,6 @@ class ModelConfig:
             raise ConfigError(f"model.lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.lora and not self.lora_targets:
             raise ConfigError("model.lora_targets is empty: name the modules that get adapters")
-
-
-@dataclass
-class RolloutConfig:
-    """How many completions are sampled per step, and how."""
-
-    prompts_per_step: int = field(default=4, metadata={"help": "Prompts drawn from the task per step."})
-    n: int = field(default=8, metadata={"help": "Completions sampled per prompt: the GRPO group size G."})
-    max_new_tokens: int = field(
-        default=64, metadata={"help": "Completion length cap; longer ones finish with reason 'length'."}
-    )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
-    top_p: float = field(
-        default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set with mass >= top_p."}
-    )
-    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens; 0 disables."})
-    stop: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Extra stop strings (the tokenizer's EOS always stops a completion)."},
-    )
-
-    def __post_init__(self) -> None:
-        for key in ("prompts_per_step", "n", "max_new_tokens"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"rollout.{key}={getattr(self, key)} must be >= 1")
-        if not 0 < self.temperature < math.inf:
-            raise ConfigError(f"rollout.temperature={self.temperature} must be a finite number > 0")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError(f"rollout.top_k={self.top_k} must be >= 0")
 
 
 def _kv_default() -> KVConfig:
@@ -442,6 +408,16 @@ class TrainConfig:
             raise ConfigError(
                 f"engine.compile=true runs dense rollouts only for now; algo.preset={self.algo.preset!r} samples "
                 f"sparse ones (kv.method={self.kv.method!r}): set engine.compile=false or algo.preset=dense"
+            )
+        if self.engine.compile and self.rollout.kv_memory_cap is not None:
+            raise ConfigError(
+                "engine.compile=true decodes one static batch; rollout.kv_memory_cap (continuous batching) runs "
+                "eagerly for now: set engine.compile=false or unset rollout.kv_memory_cap"
+            )
+        if self.trainer.log_acceptance and self.rollout.partial.enable:
+            raise ConfigError(
+                "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "
+                "resumed sample's earlier distributions are gone: turn one of them off"
             )
         if self.algo.sparse_rollout and not self.kv.sparse:
             raise ConfigError(

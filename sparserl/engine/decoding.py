@@ -109,21 +109,24 @@ class DecodeRun:
         return 2 * dec.num_layers * dec.num_kv_heads * dec.head_dim * torch.finfo(dec.dtype).bits // 8
 
     def fit_capacity(self, need: int) -> int:
-        """Slots per row for rows needing `need` positions: blocks of CAPACITY_BUCKET, at most what the longest
-        request can reach (prompt + max_new_tokens) and the eviction bound (which no row ever exceeds)."""
-        blocks = -(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        """Slots per row for rows needing `need` positions: an evicting cache's bound (no row ever holds more),
+        else blocks of CAPACITY_BUCKET; never more than the longest request can reach (prompt + max_new)."""
         most = max(need, self.longest)  # no request of the run ever holds more
-        if self.engine.evictor is not None:
-            most = min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
-        return min(blocks, most)
+        if self.engine.evictor is not None:  # charged the bound from the start: it never grows
+            return min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
+        return min(-(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET, most)
 
     def input_length(self, i: int) -> int:
         """Tokens a (re-)admission of sample i prefills: its prompt and the completion tokens it holds."""
         return int(self.prompt_len[i] + self.count[i])
 
-    def bytes_after_admit(self, ids: list[int]) -> int:
-        """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have."""
-        need = max(self.input_length(i) + 1 for i in ids)
+    def bytes_after_admit(self, ids: list[int], whole: bool = False) -> int:
+        """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have
+        (`whole`: the capacity their whole length needs, prompt + max_new_tokens)."""
+        if whole:
+            need = max(int(self.prompt_len[i] + self.limit[i]) for i in ids)
+        else:
+            need = max(self.input_length(i) + 1 for i in ids)
         capacity = max(self.cache.capacity, self.fit_capacity(need))
         return (self.running + len(ids)) * capacity * self.bytes_per_position
 
@@ -214,6 +217,11 @@ class DecodeRun:
         if not self.static:
             return 0
         return -(-max(self.longest, longest + 1) // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+    def truncate(self, i: int) -> None:
+        """End running sample i now, as if it had reached its length cap."""
+        self.finish[i] = "length"
+        self.retire([i])
 
     def retire(self, ids: list[int]) -> None:
         """Take running samples out of the batch (their tokens stay; admitting them again continues them)."""

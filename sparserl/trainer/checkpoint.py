@@ -34,6 +34,7 @@ class TrainerState:
     engine_seed: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     history: dict[str, Any] = field(default_factory=dict)
+    rollout: dict[str, Any] = field(default_factory=dict)  # the rollout layer's leftover groups and counters
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:

@@ -4,6 +4,7 @@ weights because the engine reads the trained model's weights afresh at every `ge
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, load_config, save_config
+from sparserl.rollout import PromptSource, RolloutLayer, RolloutState
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
 from sparserl.trainer.checkpoint import (
     Checkpoint,
@@ -141,6 +143,7 @@ class Trainer:
             else []
         )
         self.sampler = PromptSampler(len(self.train_rows), seed)
+        self.rollouts = RolloutLayer(self.engine, cfg.rollout, acceptance_request(cfg))
 
         if ckpt is not None:
             self.policy.load_weights(ckpt.weights)
@@ -148,6 +151,7 @@ class Trainer:
             self.learner.scheduler.load_state_dict(ckpt.scheduler)
             self.state = ckpt.state
             self.sampler.position = self.state.data_position
+            self.rollouts.state = RolloutState(**self.state.rollout)
             ckpt.restore_rng()
         self.resumed_from: Path | None = ckpt.path if ckpt is not None else None
         save_config(cfg, self.run_dir / CONFIG_FILE)  # a resume writes the settings it was allowed to change
@@ -168,6 +172,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (the lock); the Trainer should not be used afterwards."""
+        if getattr(self, "rollouts", None) is not None:
+            self.rollouts.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -254,34 +260,31 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- one step
 
     def rollout(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """Steps 1-6: prompts, rollouts, rewards, advantages, dense old/reference log-probs, corrections."""
+        """Steps 1-6: complete, scored groups from the rollout layer, advantages, dense old/reference
+        log-probs."""
         cfg = self.cfg
-        metrics: dict[str, float] = {}
         t0 = time.perf_counter()
-        indices = [self.train_rows[i] for i in self.sampler.take(cfg.rollout.prompts_per_step)]
-        examples = [self.task[i] for i in indices]
-        prompt_ids = [self._prompt_ids(self.task, i, 0) for i in indices]
         self.state.engine_seed = derive_seed(cfg.trainer.seed, step, _ROLLOUT)
-        # sample j of task row i draws from key i * n + j: its tokens depend on (seed, step, row, j) and the
-        # weights, not on which other prompts share the batch (up to float batch non-invariance, docs/engine.md)
-        self.policy.module.eval()
-        record = acceptance_request(cfg)  # the sampler's distributions, when alpha is logged
-        with torch.no_grad():
-            rollouts = self._generate(
-                prompt_ids, cfg.rollout.n, cfg.rollout.temperature, self.state.engine_seed,
-                sample_keys=[i * cfg.rollout.n + j for i in indices for j in range(cfg.rollout.n)], **record,
-            )  # fmt: skip
-        samples = list(rollouts.samples)
+        # the weights have had step - 1 updates: that is the version of every token sampled now
+        source = PromptSource(
+            take=lambda k: [self.train_rows[i] for i in self.sampler.take(k)],
+            prompt_ids=lambda row: self._prompt_ids(self.task, row, 0),
+            example=lambda row: self.task[row],
+            score=lambda texts, examples: self._rewards(self.task, texts, examples).tolist(),
+            decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
+        )
+        groups, stats, recorded = self.rollouts.collect(step - 1, self.state.engine_seed, source)
+        samples = [s for g in groups for s in g.samples]
         t1 = time.perf_counter()
-
-        completions = [list(s.completion_ids) for s in samples]
-        prompts = [prompt_ids[s.prompt_index] for s in samples]
-        texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        rewards = self._rewards(self.task, texts, [examples[s.prompt_index] for s in samples])
+        completions = [list(s.tokens) for s in samples]
+        prompts = [self._prompt_ids(self.task, s.prompt_id, 0) for s in samples]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         advantages = advantages_from_config(rewards, cfg.algo)
-        t_reward = time.perf_counter()
-        logp_sampler, mask = pad([s.logprobs for s in samples])
+        logp_sampler, mask = pad([s.sampler_logps for s in samples])
+        loss_mask = pad([s.loss_mask for s in samples])[0].bool()  # 0: a stale token (partial.mode=mask_old)
+        mask &= loss_mask
         length = mask.shape[1]
+        metrics: dict[str, float] = {}
 
         logp_old = logp_ref = None
         with torch.no_grad():
@@ -292,7 +295,7 @@ class Trainer:
                     logp_ref = self._score(ref, prompts, completions, length)
         t2 = time.perf_counter()
         with self.policy.autocast():
-            metrics.update(acceptance_step_metrics(cfg, self.policy.module, prompts, samples))
+            metrics.update(acceptance_step_metrics(cfg, self.policy.module, prompts, recorded))
 
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
         truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
@@ -306,14 +309,11 @@ class Trainer:
                 "length/truncated_frac": truncated.mean().item(),
                 "adv/abs_mean": advantages.abs().mean().item(),
                 "time/rollout": t1 - t0,
-                "time/reward": t_reward - t1,
-                "time/score": t2 - t_reward,
+                "time/score": t2 - t1,
             }
         )
-        metrics.update({f"rollout/{k}": float(v) for k, v in rollouts.stats.items() if is_number(v)})
-        metrics.update(
-            kv_saving_metrics(rollouts.stats, prompts, completions, cfg.rollout.max_new_tokens, cfg.sparse)
-        )
+        metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
+        metrics.update(kv_saving_metrics(stats, prompts, completions, cfg.rollout.max_new_tokens, cfg.sparse))
         batch = Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages)
         return batch, metrics
 
@@ -379,6 +379,7 @@ class Trainer:
     def save(self) -> Path:
         """Write a checkpoint of the current step."""
         self.state.data_position = self.sampler.position
+        self.state.rollout = dataclasses.asdict(self.rollouts.state)
         return save_checkpoint(
             self.run_dir,
             self.state,

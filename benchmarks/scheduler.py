@@ -1,0 +1,219 @@
+"""The rollout layer's scheduling under one KV memory cap (issue 17), SmolLM2-135M, EOS ignored.
+
+(a) Memory wall -> throughput: 4k-token generations of one prompt under `--cap-a`. Dense continuous batching,
+    R-KV continuous batching and static batching (dense, every sequence charged prompt + 4096 positions up front)
+    each decode as many sequences as the cap holds at once (one wave: the lengths are equal, so more waves
+    would repeat it); completed tokens per CPU second and per wall second.
+(b) A long-tailed length mix (lognormal per sample, `--median`, `--sigma`, clipped to [8, `--longest`]) under
+    `--cap-b` with an R-KV cache: `--steps` rollout steps of `--groups` groups x `--n` samples through the
+    rollout layer, for static batching, continuous batching, and continuous batching with APRIL at 2x
+    over-provisioning (leftover samples continue at the next step; no training in between, so the weights do
+    not change). Occupancy = mean fraction of the cap charged to running sequences per decode step; completed
+    samples per CPU second.
+
+    python benchmarks/scheduler.py            # both parts, ~25 min on 2 cores
+    python benchmarks/scheduler.py --part b   # one part; --resume keeps the arms already in the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, command_line, machine_info, print_table, write_json  # noqa: E402
+
+from sparserl.config.rollout import PartialConfig, RolloutConfig, parse_bytes  # noqa: E402
+from sparserl.engine import KVConfig, RolloutEngine  # noqa: E402
+from sparserl.engine.decoding import Request, Sampling  # noqa: E402
+from sparserl.models import encode_prompt, load_model  # noqa: E402
+from sparserl.rollout import PromptSource, RolloutLayer, Scheduler  # noqa: E402
+
+PROMPT = "Write a very long story about a lighthouse keeper who counts ships. Go on for as long as you can."
+OUT = RESULTS / "scheduler.json"
+GOALS = {
+    "sparse_vs_dense_tokens_per_cpu_s": 3.0,
+    "continuous_occupancy": 0.85,
+    "april_samples_per_cpu_s_gain": 0.20,
+}
+
+
+def clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def part_a(model, tok, prompt: list[int], args) -> dict:
+    """One wave of 4k-token sequences per arm: as many as the cap admits."""
+    cap = parse_bytes(args.cap_a, "--cap-a")
+    arms = {
+        "dense_continuous": (None, "continuous"),
+        "rkv_continuous": (KVConfig(method="rkv", budget=args.budget_a, interval=16), "continuous"),
+        "static": (None, "static"),
+    }
+    out = {}
+    for name, (kv, batching) in arms.items():
+        engine = RolloutEngine(model, tok, kv)
+        engine.eos_ids = set()
+        scheduler = Scheduler(engine, cap, batching)
+        probe = engine.start_run([Request(prompt, 0, 0, args.length)], Sampling(), kv_memory_cap=cap)
+        per_row = probe.bytes_after_admit([0], whole=batching == "static" or kv is not None)
+        rows = max(1, cap // per_row)  # what the cap holds at the sequences' full length
+        requests = [Request(prompt, key, 1, args.length) for key in range(rows)]
+        (w0, c0) = clock()
+        run, unfinished, stats = scheduler.run(requests, Sampling())
+        (w1, c1) = clock()
+        tokens = int((run.count - run.start_count).sum())
+        out[name] = {
+            "sequences": rows,
+            "completed_tokens": tokens,
+            "wall_s": w1 - w0,
+            "cpu_s": c1 - c0,
+            "tokens_per_cpu_s": tokens / (c1 - c0),
+            "tokens_per_s": tokens / (w1 - w0),
+            "peak_kv_bytes": run.peak_bytes,
+            **stats.as_metrics(),
+        }
+        print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in out[name].items()}, flush=True)
+    return out
+
+
+def part_b(model, tok, prompt: list[int], args) -> dict:
+    """`--steps` rollout steps per arm through the rollout layer, on a scripted long-tailed length mix."""
+    rng = np.random.default_rng(0)
+    rows = args.groups * args.steps * 3  # enough prompt rows for every arm (APRIL takes 2x per step)
+    lengths = np.clip(rng.lognormal(np.log(args.median), args.sigma, (rows, args.n)), 8, args.longest).astype(
+        int
+    )
+    kv = KVConfig(method="rkv", budget=args.budget_b, interval=16)
+    arms = {
+        "static": RolloutConfig(batching="static"),
+        "continuous": RolloutConfig(),
+        "continuous_april_2x": RolloutConfig(
+            partial=PartialConfig(enable=True, over_provision=2.0, max_staleness=10)
+        ),
+    }
+    out = {}
+    for name, base in arms.items():
+        cfg = RolloutConfig(
+            prompts_per_step=args.groups, n=args.n, max_new_tokens=args.longest, kv_memory_cap=args.cap_b,
+            batching=base.batching, async_rewards=False, partial=base.partial,
+        )  # fmt: skip
+        engine = RolloutEngine(model, tok, kv)
+        engine.eos_ids = set()
+        layer = RolloutLayer(engine, cfg)
+
+        def take(k: int, position: list[int] = [0]) -> list[int]:  # noqa: B006 - one counter per arm
+            position[0] += k
+            return list(range(position[0] - k, position[0]))
+
+        source = PromptSource(
+            take=take, prompt_ids=lambda row: prompt, example=lambda row: None,
+            score=lambda texts, examples: [0.0] * len(texts), decode=lambda ids: [""] * len(ids),
+            max_new_tokens=lambda row, j: int(lengths[row, j]),
+        )  # fmt: skip
+        w0, c0 = clock()
+        per_step = []
+        samples = tokens = 0
+        for step in range(args.steps):
+            groups, metrics, _ = layer.collect(step, 1000 + step, source)
+            samples += sum(len(g.samples) for g in groups)
+            tokens += sum(len(s.tokens) for g in groups for s in g.samples)
+            per_step.append({k: metrics[k] for k in ("occupancy", "kv_fill", "off_policy_token_frac",
+                                                     "recycled_frac", "staleness_mean", "staleness_max",
+                                                     "preemptions", "generated_tokens")})  # fmt: skip
+        w1, c1 = clock()
+        layer.close()
+        mean = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
+        out[name] = {
+            "completed_samples": samples,
+            "completed_tokens": tokens,
+            "wall_s": w1 - w0,
+            "cpu_s": c1 - c0,
+            "samples_per_cpu_s": samples / (c1 - c0),
+            "samples_per_s": samples / (w1 - w0),
+            **{f"{k}_mean": v for k, v in mean.items()},
+            "staleness_max": max(m["staleness_max"] for m in per_step),
+            "per_step": per_step,
+        }
+        print(name, {k: round(v, 3) for k, v in out[name].items() if isinstance(v, float)}, flush=True)
+    return out
+
+
+def goals(a: dict, b: dict, cmd: str) -> dict:
+    g = {}
+    if a:
+        ratio = a["rkv_continuous"]["tokens_per_cpu_s"] / a["dense_continuous"]["tokens_per_cpu_s"]
+        g["sparse_vs_dense_tokens_per_cpu_s"] = {
+            "value": round(ratio, 3),
+            "target": GOALS["sparse_vs_dense_tokens_per_cpu_s"],
+        }
+    if b:
+        occ = b["continuous"]["occupancy_mean"]
+        gain = b["continuous_april_2x"]["samples_per_cpu_s"] / b["continuous"]["samples_per_cpu_s"] - 1
+        g["continuous_occupancy"] = {"value": round(occ, 3), "target": GOALS["continuous_occupancy"]}
+        g["april_samples_per_cpu_s_gain"] = {
+            "value": round(gain, 3),
+            "target": GOALS["april_samples_per_cpu_s_gain"],
+        }
+    for v in g.values():
+        v["met"] = v["value"] >= v["target"]
+        v["command"] = cmd
+    return g
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["a", "b", "both"], default="both")
+    p.add_argument("--cap-a", default="512MiB")
+    p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--budget-a", type=int, default=512)
+    p.add_argument("--cap-b", default="64MiB")
+    p.add_argument("--budget-b", type=int, default=128)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--median", type=float, default=64)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--longest", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--resume", action="store_true", help="keep the parts already in the JSON")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model("smollm2-135m")
+    prompt = encode_prompt(tok, [{"role": "user", "content": PROMPT}])
+    import json
+
+    old = json.loads(OUT.read_text()) if args.resume and OUT.is_file() else {}
+    a = old.get("a", {}) if args.part == "b" or (args.resume and old.get("a")) else {}
+    b = old.get("b", {}) if args.part == "a" or (args.resume and old.get("b")) else {}
+    with torch.no_grad():
+        if args.part in ("a", "both") and not a:
+            a = part_a(model, tok, prompt, args)
+            write_json(OUT, {"a": a, "b": b})  # partial result, so an interruption keeps part a
+        if args.part in ("b", "both") and not b:
+            b = part_b(model, tok, prompt, args)
+    cmd = command_line()
+    payload = {
+        "goals": goals(a, b, cmd),
+        "settings": vars(args),
+        "machine": machine_info(),
+        "a": a,
+        "b": b,
+    }
+    write_json(OUT, payload)
+    if a:
+        print_table(["arm", "seqs", "tok/cpu-s", "tok/s", "occupancy"],
+                    [[k, v["sequences"], v["tokens_per_cpu_s"], v["tokens_per_s"], v["occupancy"]] for k, v in a.items()])  # fmt: skip
+    if b:
+        print_table(["arm", "samples/cpu-s", "occupancy", "kv_fill", "off-policy"],
+                    [[k, v["samples_per_cpu_s"], v["occupancy_mean"], v["kv_fill_mean"], v["off_policy_token_frac_mean"]] for k, v in b.items()])  # fmt: skip
+    print(payload["goals"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The rollout section: what is sampled per step, and how the rollout layer schedules it (a KV memory cap for
+continuous batching, asynchronous rewards, APRIL partial rollouts)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from sparserl.config.errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+PARTIAL_MODES = ("train_all", "mask_old")
+BATCHING = ("continuous", "static")
+
+
+def parse_bytes(value: str | int | float, key: str) -> int:
+    """Bytes from an int or a string with a unit (512MiB, 4GiB, 1.5GB, 1000000); `key` names it in errors."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{key}={value!r} is not a size: write bytes or a number with a unit ({', '.join(['KiB', 'MiB', 'GiB', 'KB', 'MB', 'GB'])})"
+            )
+        number, unit = float(m.group(1)), m.group(2).lower()
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ConfigError(f"{key}={value!r} must be a positive size")
+    return size
+
+
+@dataclass
+class PartialConfig:
+    """APRIL: over-provision prompts, stop when enough groups finished, continue the rest at the next step."""
+
+    enable: bool = field(
+        default=False,
+        metadata={
+            "help": "Active partial rollouts: start over_provision x prompts_per_step groups, stop decoding once "
+            "prompts_per_step groups have finished and been scored, and keep the unfinished samples (tokens, "
+            "sampler log-probs, the policy version of each token) to continue at the next step under the new "
+            "weights (prompt + partial completion re-prefilled). Groups left over are served before new prompts."
+        },
+    )
+    over_provision: float = field(
+        default=2.0,
+        metadata={"help": "Groups started per step, as a multiple of rollout.prompts_per_step (>= 1)."},
+    )
+    mode: str = field(
+        default="train_all",
+        metadata={
+            "help": "What the loss does with tokens drawn by an older policy: 'train_all' trains them (their "
+            "recorded sampler log-probs let the corrections weigh staleness and sparsity together), "
+            "'mask_old' leaves them out of the loss (they still condition the newer tokens)."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "A leftover group whose oldest token is more than this many policy versions old is dropped "
+            "(counted in rollout/partial_dropped_groups) instead of continued."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not self.over_provision >= 1:
+            raise ConfigError(
+                f"rollout.partial.over_provision={self.over_provision} must be >= 1 (it multiplies prompts_per_step)"
+            )
+        if self.mode not in PARTIAL_MODES:
+            raise ConfigError(f"rollout.partial.mode={self.mode!r}: choose one of {', '.join(PARTIAL_MODES)}")
+        if self.max_staleness < 0:
+            raise ConfigError(f"rollout.partial.max_staleness={self.max_staleness} must be >= 0")
+
+
+@dataclass
+class RolloutConfig:
+    """How many completions are sampled per step, and how."""
+
+    prompts_per_step: int = field(default=4, metadata={"help": "Prompts drawn from the task per step."})
+    n: int = field(default=8, metadata={"help": "Completions sampled per prompt: the GRPO group size G."})
+    max_new_tokens: int = field(
+        default=64, metadata={"help": "Completion length cap; longer ones finish with reason 'length'."}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
+    top_p: float = field(
+        default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set with mass >= top_p."}
+    )
+    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens; 0 disables."})
+    stop: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Extra stop strings (the tokenizer's EOS always stops a completion)."},
+    )
+    kv_memory_cap: str | None = field(
+        default=None,
+        metadata={
+            "help": "KV cache memory the rollout may hold, in bytes or with a unit (512MiB, 4GiB). Sequences are "
+            "admitted as memory frees (rollout.batching), so the saved memory of a sparse cache becomes a "
+            "larger concurrent batch. None: all of a step's sequences decode at once."
+        },
+    )
+    batching: str = field(
+        default="continuous",
+        metadata={
+            "help": "Under kv_memory_cap: 'continuous' admits a waiting sequence whenever one fits and preempts "
+            "the newest when the cache must grow past the cap; 'static' fills the cap with whole-length "
+            "sequences and waits for all of them to finish before admitting more."
+        },
+    )
+    async_rewards: bool = field(
+        default=True,
+        metadata={
+            "help": "Score each group as soon as its samples finish, on a worker thread, while decoding goes on."
+        },
+    )
+    partial: PartialConfig = field(
+        default_factory=PartialConfig, metadata={"help": "APRIL active partial rollouts."}
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("prompts_per_step", "n", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"rollout.{key}={getattr(self, key)} must be >= 1")
+        if not 0 < self.temperature < math.inf:
+            raise ConfigError(f"rollout.temperature={self.temperature} must be a finite number > 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"rollout.top_k={self.top_k} must be >= 0")
+        if self.kv_memory_cap is not None:
+            parse_bytes(self.kv_memory_cap, "rollout.kv_memory_cap")
+        if self.batching not in BATCHING:
+            raise ConfigError(f"rollout.batching={self.batching!r}: choose one of {', '.join(BATCHING)}")
+
+    @property
+    def kv_memory_cap_bytes(self) -> int | None:
+        """rollout.kv_memory_cap in bytes (None: no cap)."""
+        return (
+            None if self.kv_memory_cap is None else parse_bytes(self.kv_memory_cap, "rollout.kv_memory_cap")
+        )

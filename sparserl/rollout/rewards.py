@@ -1,0 +1,50 @@
+"""Rewards of finished groups, computed while decoding goes on.
+
+The math-verify checks already run in their own worker process (tasks/rewards.py), so a single thread that
+submits a group and waits on that process is enough to overlap scoring with decoding without taking a core
+from it; a user's pure-Python reward function shares the interpreter with the decode loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+
+class RewardWorker:
+    """`submit(key, score, texts, examples)` scores one group (`score` returns a list of floats): at once on a
+    worker thread when `asynchronous`; else all groups of the step in one call at `wait()` (a TRL-style reward
+    function then sees the whole batch). `wait()` returns every result by key."""
+
+    def __init__(self, asynchronous: bool = True):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewards") if asynchronous else None
+        self.pending: dict[Any, Future] = {}
+        self.batch: list[tuple[Any, Callable, list[str], list[Any]]] = []
+
+    def submit(
+        self,
+        key: Any,
+        score: Callable[[list[str], list[Any]], list[float]],
+        texts: list[str],
+        examples: list[Any],
+    ) -> None:
+        if self.pool is not None:
+            self.pending[key] = self.pool.submit(score, texts, examples)
+        else:
+            self.batch.append((key, score, texts, examples))
+
+    def wait(self) -> dict[Any, list[float]]:
+        """Every submitted group's rewards (a reward function's exception is raised here)."""
+        out = {k: f.result() for k, f in self.pending.items()}
+        if self.batch:
+            score = self.batch[0][1]
+            scores = list(score([t for b in self.batch for t in b[2]], [e for b in self.batch for e in b[3]]))
+            for key, _, texts, _ in self.batch:
+                out[key], scores = scores[: len(texts)], scores[len(texts) :]
+        self.pending, self.batch = {}, []
+        return out
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,147 @@
+"""Which sequences decode when: admission under a KV memory cap (continuous or static batching), preemption.
+
+Policy. Every running sequence is charged its cache row: `capacity` slots x the bytes of one position. An evicting
+cache's rows hold their bound (budget + interval - 1) from the start; dense and block-sparse rows grow in
+blocks of 128 positions, all together, as the longest one does (the cache is one [rows, heads, capacity] tensor
+per layer, which is what lets attention read it without a gather; a paged layout would charge each sequence
+only its own blocks). Continuous batching admits waiting sequences, oldest first, whenever they fit at the
+current capacity; when the cache must grow past the cap, the most recently admitted sequences are preempted
+(their KV is released, their tokens kept) and wait at the front of the queue, to be re-prefilled (prompt +
+tokens so far) when memory frees. Static batching admits only into an empty batch, charging every sequence
+its full length (prompt + max_new_tokens), and waits for the whole batch to finish.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sparserl.config.rollout import BATCHING
+from sparserl.engine.decoding import DecodeRun, Request, Sampling
+from sparserl.engine.sampling import DistributionRecorder
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@dataclass
+class SchedulerStats:
+    """One run's scheduling: decode steps, the mean fraction of the cap charged to running sequences
+    (occupancy), the mean fraction of their slots actually holding positions (kv_fill), preemptions,
+    sequences cut at the cap (a lone sequence outgrowing it) and re-admissions."""
+
+    decode_steps: int = 0
+    occupancy_sum: float = 0.0
+    fill_sum: float = 0.0
+    preemptions: int = 0
+    cap_truncated: int = 0
+    admissions: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        steps = max(1, self.decode_steps)
+        return {
+            "occupancy": self.occupancy_sum / steps,
+            "kv_fill": self.fill_sum / steps,
+            "preemptions": float(self.preemptions),
+            "cap_truncated": float(self.cap_truncated),
+            "admissions": float(self.admissions),
+            "decode_steps": float(self.decode_steps),
+        }
+
+
+class Scheduler:
+    """Runs the engine over a list of requests under `kv_memory_cap` bytes (None: everything at once)."""
+
+    def __init__(self, engine, kv_memory_cap: int | None = None, batching: str = "continuous"):
+        if batching not in BATCHING:
+            raise ValueError(f"batching={batching!r}: choose one of {', '.join(BATCHING)}")
+        if kv_memory_cap is not None and engine.compiled_step is not None:
+            raise NotImplementedError(
+                "engine.compile=true decodes one static batch; a KV memory cap (continuous batching) runs "
+                "eagerly for now: set engine.compile=false or unset rollout.kv_memory_cap"
+            )
+        self.engine, self.cap, self.batching = engine, kv_memory_cap, batching
+
+    def _check_cap(self, run: DecodeRun) -> None:
+        """A cap must hold each sequence alone for its prompt and one step (static: for its whole length)."""
+        if self.cap is None:
+            return
+        for i, r in enumerate(run.requests):
+            need = run.bytes_after_admit([i], whole=self.batching == "static")
+            if need > self.cap:
+                held = len(r.prompt) + len(r.prefix)
+                raise ValueError(
+                    f"rollout.kv_memory_cap={format_bytes(self.cap)} is too small for one sequence: a prompt of "
+                    f"{held} tokens plus one step needs {format_bytes(need)} of KV cache (charged "
+                    f"{need // run.bytes_per_position} positions of {run.bytes_per_position} bytes)"
+                )
+
+    def run(
+        self,
+        requests: list[Request],
+        sampling: Sampling,
+        on_finish: Callable[[DecodeRun, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        recorder: DistributionRecorder | None = None,
+    ) -> tuple[DecodeRun, list[int], SchedulerStats]:
+        """Decode until every request finished or `should_stop()` says so after a step; `on_finish(run, i)` is
+        called as each sample finishes. Returns the run, the samples stopped unfinished (their tokens so far
+        are in the run) and the statistics."""
+        stats = SchedulerStats()
+        with self.engine.decoding():
+            run = self.engine.start_run(requests, sampling, recorder, self.cap)
+            self._check_cap(run)
+            waiting, running = deque(range(len(requests))), []
+            while waiting or run.running:
+                self._admit(run, waiting, running, stats)
+                cut = self._preempt(run, waiting, running, stats)
+                if cut is not None and on_finish is not None:
+                    on_finish(run, cut)
+                if not run.running:  # the lone sequence was cut at the cap: admit the next ones
+                    continue
+                if self.cap is not None:
+                    stats.occupancy_sum += run.held_bytes() / self.cap
+                stats.fill_sum += run.held_positions() / max(1, run.running * run.cache.capacity)
+                stats.decode_steps += 1
+                for i in run.step():
+                    running.remove(i)
+                    if on_finish is not None:
+                        on_finish(run, i)
+                if should_stop is not None and should_stop():
+                    break
+            unfinished = sorted(running) + sorted(waiting)
+            run.retire(running)
+        return run, unfinished, stats
+
+    def _admit(self, run: DecodeRun, waiting: deque, running: list, stats: SchedulerStats) -> None:
+        if self.batching == "static" and run.running:
+            return
+        batch: list[int] = []
+        while waiting and (
+            self.cap is None
+            or run.bytes_after_admit(batch + [waiting[0]], whole=self.batching == "static") <= self.cap
+        ):
+            batch.append(waiting.popleft())
+        run.admit(batch)
+        running.extend(batch)
+        stats.admissions += len(batch)
+
+    def _preempt(self, run: DecodeRun, waiting: deque, running: list, stats: SchedulerStats) -> int | None:
+        """Release the newest sequences until the next step fits; a lone sequence at the cap is cut there (it
+        finishes with reason 'length'; returned)."""
+        while self.cap is not None and run.running and run.bytes_next_step() > self.cap:
+            newest = running.pop()
+            if not running:
+                run.truncate(newest)
+                stats.cap_truncated += 1
+                return newest
+            run.retire([newest])
+            waiting.appendleft(newest)
+            stats.preemptions += 1
+        return None
