@@ -341,6 +341,7 @@ def run_sparserl(args, overrides: list[str], tmp: Path, arm: str = "sparserl") -
     for m in (json.loads(line) for line in metrics.read_text().splitlines() if line.strip()):
         cpu_s = m["time/step_cpu"]
         tokens = round(m.get("length/mean", m.get("response_length/mean", 0.0)) * args.n)
+        # time/reward existed until rewards overlapped the rollout (issue 17): it is inside time/rollout since
         row = step_row(m["step"], m["time/step"], cpu_s, m["time/rollout"], m.get("time/reward", 0.0) + m["time/score"],
                        m["time/train"], tokens)  # fmt: skip
         row.update(reward_mean=m.get("reward/mean"), time_reward_s=m.get("time/reward"), time_score_s=m["time/score"])  # fmt: skip

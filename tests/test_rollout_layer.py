@@ -255,9 +255,46 @@ def test_sizes_and_bad_settings():
     assert parse_bytes(4096, "k") == 4096
     with pytest.raises(ConfigError, match="rollout.kv_memory_cap='4 parsecs' is not a size"):
         config_from_dict({"rollout": {"kv_memory_cap": "4 parsecs"}})
-    with pytest.raises(ConfigError, match="over_provision=0.5 must be >= 1"):
+    with pytest.raises(ConfigError, match="over_provision=0.5 must be a finite number >= 1"):
         config_from_dict({"rollout": {"partial": {"over_provision": 0.5}}})
+    with pytest.raises(ConfigError, match="must be non-empty"):
+        config_from_dict({"rollout": {"stop": [""]}})
+    with pytest.raises(ConfigError, match="finite number"):
+        config_from_dict({"rollout": {"partial": {"over_provision": float("inf")}}})
     with pytest.raises(ConfigError, match="engine.compile=true.*kv_memory_cap"):
         config_from_dict(
             {"rollout": {"kv_memory_cap": "1GiB"}, "engine": {"compile": True}, "algo": {"preset": "dense"}}
         )
+
+
+# --- in training: metrics, checkpoint -----------------------------------------------------------------------------
+
+
+def test_partial_rollouts_train_and_resume_exactly_with_their_leftovers(tmp_path):
+    """The leftover groups are in every checkpoint: a run killed after step 2 and resumed ends with the same
+    weights, metrics and leftovers as one run straight through."""
+    from test_trainer import make_trainer, rows, tiny_cfg, weights
+
+    extra = ["rollout.partial.enable=true", "rollout.partial.max_staleness=3", "rollout.kv_memory_cap=1MiB"]
+    straight = make_trainer(tiny_cfg(tmp_path, *extra, name="straight"))
+    straight.train()
+    first = make_trainer(tiny_cfg(tmp_path, *extra, name="killed"))
+    first.train(until_step=2)
+    first.close()
+    saved = first.state.rollout["leftover"]
+    assert saved, "an over-provisioned step leaves groups for the next"
+    resumed = make_trainer(
+        tiny_cfg(tmp_path, *extra, name="killed"), run_dir=tmp_path / "killed", resume=True
+    )
+    assert resumed.rollouts.state.leftover == saved
+    resumed.train()
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.rollouts.state == resumed.rollouts.state
+    ra = {r["step"]: r for r in rows(tmp_path / "straight") if "reward/mean" in r}
+    rb = {r["step"]: r for r in rows(tmp_path / "killed") if "reward/mean" in r}
+    for key in ("reward/mean", "actor/loss", "rollout/off_policy_token_frac", "rollout/occupancy"):
+        assert ra[4].get(key) == rb[4].get(key), key  # occupancy is absent when leftovers filled the step
+    assert max(r["rollout/recycled_frac"] for r in ra.values()) > 0
+    assert all(0 < r["rollout/occupancy"] <= 1 for r in ra.values() if "rollout/occupancy" in r)
+    assert ra[1]["rollout/occupancy"] > 0

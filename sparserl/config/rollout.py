@@ -66,9 +66,9 @@ class PartialConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.over_provision >= 1:
+        if not 1 <= self.over_provision < math.inf:
             raise ConfigError(
-                f"rollout.partial.over_provision={self.over_provision} must be >= 1 (it multiplies prompts_per_step)"
+                f"rollout.partial.over_provision={self.over_provision} must be a finite number >= 1 (it multiplies prompts_per_step)"
             )
         if self.mode not in PARTIAL_MODES:
             raise ConfigError(f"rollout.partial.mode={self.mode!r}: choose one of {', '.join(PARTIAL_MODES)}")
@@ -130,6 +130,8 @@ class RolloutConfig:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise ConfigError(f"rollout.top_k={self.top_k} must be >= 0")
+        if any(not s for s in self.stop):
+            raise ConfigError(f"rollout.stop={self.stop!r}: stop strings must be non-empty")
         if self.kv_memory_cap is not None:
             parse_bytes(self.kv_memory_cap, "rollout.kv_memory_cap")
         if self.batching not in BATCHING:

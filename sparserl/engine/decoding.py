@@ -56,10 +56,11 @@ class DecodeRun:
     `admit(ids)` prefills the requests (identical inputs once: a GRPO group's prompt) and appends their rows;
     `step()` samples one token for every running row, retires those that finished and runs the forward step of
     the rest; `retire(ids)` stops sequences early (preemption, abort) keeping their tokens, so that admitting
-    them again re-prefills prompt + tokens so far and continues. Memory: every row holds `cache.capacity` slots
-    (dense and block-sparse caches grow in blocks of CAPACITY_BUCKET positions as their longest row does;
-    evicting caches stop at the bound, budget + interval - 1); with `kv_memory_cap` the cache reserves as many
-    rows as the cap affords at the current capacity, so its allocation never exceeds the cap.
+    them again re-prefills prompt + tokens so far and continues. Memory: every row holds `cache.capacity` slots:
+    an evicting cache's bound, budget + interval - 1; a dense or block-sparse cache, under `kv_memory_cap`,
+    blocks of CAPACITY_BUCKET positions that grow as its longest row does, and without a cap the longest
+    request's whole length. Under a cap the cache reserves the rows the cap affords at the current capacity (at
+    most one per unfinished request), so its keys and values never exceed the cap between steps.
     """
 
     def __init__(
@@ -109,11 +110,14 @@ class DecodeRun:
         return 2 * dec.num_layers * dec.num_kv_heads * dec.head_dim * torch.finfo(dec.dtype).bits // 8
 
     def fit_capacity(self, need: int) -> int:
-        """Slots per row for rows needing `need` positions: an evicting cache's bound (no row ever holds more),
-        else blocks of CAPACITY_BUCKET; never more than the longest request can reach (prompt + max_new)."""
+        """Slots per row for rows needing `need` positions: an evicting cache's bound (no row ever holds more);
+        else, under a memory cap, blocks of CAPACITY_BUCKET, without one the longest request's whole length
+        (prompt + max_new_tokens, allocated once); never more than the longest request can reach."""
         most = max(need, self.longest)  # no request of the run ever holds more
         if self.engine.evictor is not None:  # charged the bound from the start: it never grows
             return min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
+        if self.kv_memory_cap is None:  # nothing to share: allocate once (no growth, no copies)
+            return most
         return min(-(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET, most)
 
     def input_length(self, i: int) -> int:
@@ -128,6 +132,8 @@ class DecodeRun:
         else:
             need = max(self.input_length(i) + 1 for i in ids)
         capacity = max(self.cache.capacity, self.fit_capacity(need))
+        if self.running:  # and what the running rows need at their next step
+            capacity = max(capacity, self.fit_capacity(int(self.cache.length[self._rows()].max()) + 1))
         return (self.running + len(ids)) * capacity * self.bytes_per_position
 
     def bytes_next_step(self) -> int:
@@ -146,11 +152,16 @@ class DecodeRun:
         return int(self.cache.length[self._rows()].sum()) if self.running else 0
 
     def _resize(self, capacity: int, rows: int) -> None:
-        """Grow the cache to `capacity` slots, reserving the rows the cap affords at that size (or `rows`)."""
+        """Grow the cache to `capacity` slots, reserving `rows` rows, or under a cap as many as it affords at
+        that size and the unfinished requests can use."""
         reserve = rows
         if self.kv_memory_cap is not None and capacity:
-            reserve = max(rows, self.kv_memory_cap // (capacity * self.bytes_per_position))
+            unfinished = sum(f is None for f in self.finish)
+            reserve = max(rows, min(unfinished, self.kv_memory_cap // (capacity * self.bytes_per_position)))
+        before = self.cache.nbytes()
         self.cache.resize(capacity, reserve)
+        if self.cache.nbytes() != before:  # the old storage is released only once copied
+            self.peak_bytes = max(self.peak_bytes, before + self.cache.nbytes())
 
     # --------------------------------------------------------------------------------------------- rows
 
@@ -201,7 +212,7 @@ class DecodeRun:
             engine.sparse.start(tmp)
         expand = torch.tensor(source, device=dev)
         new = torch.tensor(ids, device=dev)
-        capacity = self._first_capacity(int(lengths.max())) if not self.cache.rows else self.cache.capacity
+        capacity = self._first_capacity() if not self.cache.rows else self.cache.capacity
         capacity = max(capacity, self.fit_capacity(int(tmp.length.max()) + 1))
         self._resize(capacity, self.cache.rows + len(ids))
         self.cache.append(tmp, expand)
@@ -212,11 +223,15 @@ class DecodeRun:
         self.positions.start(new, self.cache.length[-len(ids) :])
         self.timing["prefill_s"] += time.perf_counter() - t0
 
-    def _first_capacity(self, longest: int) -> int:
-        """A compiled batch's capacity is fixed for the run: a few sizes, each compiled once."""
+    def _first_capacity(self) -> int:
+        """A compiled batch's capacity is fixed for the run (a few sizes, each compiled once) and fits every
+        row after the most decode steps any row needs: finished rows keep being written, unread."""
         if not self.static:
             return 0
-        return -(-max(self.longest, longest + 1) // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        steps = int((self.limit - self.start_count).max())
+        return (
+            -(-(int((self.prompt_len + self.start_count).max()) + steps) // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        )
 
     def truncate(self, i: int) -> None:
         """End running sample i now, as if it had reached its length cap."""
@@ -270,16 +285,14 @@ class DecodeRun:
         if ids.numel():
             total = self.prompt_len[ids] + self.count[ids] - 1  # the position of the token being fed
             engine.step_budget = engine.schedule.budget(total + 1) if kv.sparse else None
-            if engine.evictor is not None and bool(
-                ((self.count[ids] - self.start_count[ids]) % kv.interval == 0).any()
-            ):
+            if engine.evictor is not None and bool((self.count[ids] % kv.interval == 0).any()):
                 self._compress(rows, ids)
             need = int(self.cache.length[rows].max()) + 1
             if need > self.cache.capacity:
                 self._resize(self.fit_capacity(need), self.cache.rows)
             if engine.compiled_step is None:
                 self.logits = engine._decode_step(tok, total, self.cache)
-            else:  # finished rows keep decoding their last token, unread
+            else:  # finished rows keep decoding (token 0 at a frozen position), unread
                 feed = torch.zeros(self.cache.rows, dtype=torch.long, device=tok.device)
                 pos = (
                     self.prompt_len[self.sample_of_row.clamp(min=0)]
@@ -301,7 +314,7 @@ class DecodeRun:
         """Cut the rows due this step (every `interval` tokens of their own) that hold their budget or more."""
         engine = self.engine
         c0 = time.perf_counter()
-        due = (self.count[ids] - self.start_count[ids]) % engine.kv.interval == 0
+        due = self.count[ids] % engine.kv.interval == 0  # counted over the whole completion, resumed or not
         over = due & (self.cache.length[rows] >= engine.step_budget)
         picked = over.nonzero().squeeze(-1)
         engine.evictor.compress_to(

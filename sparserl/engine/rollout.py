@@ -75,7 +75,7 @@ class RolloutEngine:
     every decode step from its current length (`step_budget` holds the last step's, per cache row).
 
     `on_step`, when set, is called after every decode step as `on_step(step, cache, samples)` (`samples[r]` is
-    the sample index of cache row r): a read-only window on the cache for tests and instrumentation.
+    the sample index of cache row r; -1 for a finished row that a compiled step keeps): a read-only window on the cache for tests and instrumentation.
     """
 
     def __init__(
@@ -197,7 +197,7 @@ class RolloutEngine:
         requests = [
             Request(list(prompt_ids[i // n]), key, seed, max_new_tokens) for i, key in enumerate(keys)
         ]
-        run = self.start_run(requests, Sampling(temperature, top_p, top_k, stop), recorder)
+        run = self.start_run(requests, Sampling(temperature, top_p, top_k, stop), recorder, seed=seed)
         run.admit(list(range(len(requests))))
         while run.running:
             run.step()
@@ -209,11 +209,12 @@ class RolloutEngine:
         sampling: Sampling,
         recorder: DistributionRecorder | None = None,
         kv_memory_cap: int | None = None,
+        seed: int = 0,
     ) -> DecodeRun:
-        """A decoding run over `requests` (the caller admits, steps and retires; see engine/decoding.py).
-        Call inside `decoding()` so that the packed weights exist."""
+        """A decoding run over `requests` (the caller admits, steps and retires; see engine/decoding.py);
+        `seed` seeds stateful eviction methods. Call inside `decoding()` so that the packed weights exist."""
         if self.evictor is not None:
-            self.evictor.method.start(requests[0].seed if requests else 0)
+            self.evictor.method.start(seed)
         return DecodeRun(self, requests, sampling, recorder, kv_memory_cap)
 
     @contextmanager

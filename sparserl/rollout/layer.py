@@ -56,6 +56,11 @@ class RolloutLayer:
     no reference back to its trainer."""
 
     def __init__(self, engine, cfg: RolloutConfig, record_distributions: dict | None = None):
+        if record_distributions and cfg.partial.enable:
+            raise ValueError(
+                "recording the sampler's distributions (for alpha) needs whole samples; a sample resumed by "
+                "rollout.partial has lost its earlier ones"
+            )
         self.engine, self.cfg = engine, cfg
         self.scheduler = Scheduler(engine, cfg.kv_memory_cap_bytes, cfg.batching)
         self.record = record_distributions or {}
@@ -134,17 +139,18 @@ class RolloutLayer:
             )  # fmt: skip
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, list(cfg.stop))
         stop = (lambda: finished_groups >= target) if cfg.partial.enable else None
-        run, unfinished, sched = None, [], None
-        if requests:
-            run, unfinished, sched = self.scheduler.run(requests, sampling, on_finish, stop, recorder)
-        for i in unfinished:  # stopped early (APRIL): keep what they drew
+        run, unfinished, sched = None, list(range(len(requests))), None
+        if requests and not (stop is not None and stop()):  # leftovers may already complete the step
+            run, unfinished, sched = self.scheduler.run(requests, sampling, on_finish, stop, recorder, seed)
+        for i in unfinished if run is not None else ():  # stopped early (APRIL): keep what they drew
             self._append(run, i, pending[i][1], version)
         t0 = time.perf_counter()
         rewards = self.rewards.wait()
         reward_wait = time.perf_counter() - t0
         for g in groups:
-            for s, r in zip(g.samples, rewards.get(g.group_id, []), strict=False):
-                s.reward = r
+            if g.group_id in rewards:
+                for s, r in zip(g.samples, rewards[g.group_id], strict=True):
+                    s.reward = r
         complete = [g for g in groups if g.complete][:target]
         kept = {g.group_id for g in complete}
         self.state.leftover = [g.to_dict() for g in groups if g.group_id not in kept]

@@ -35,7 +35,6 @@ class SampleRecord:
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     reward: float | None = None
-    stats: dict[str, float] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

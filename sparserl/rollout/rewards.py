@@ -7,9 +7,31 @@ from it; a user's pure-Python reward function shares the interpreter with the de
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def task_rewards(task: Any, texts: list[str], examples: list[Any], counters: dict[str, float]) -> Tensor:
+    """One reward per completion, scored as one batch (users' TRL-style reward functions see all of it); a
+    reward that raises, overruns or is not finite scores 0 and is counted. An object with only
+    `reward(text, example)` (not a `Task`) is called per completion under the same rule (errors counted in
+    `counters["reward/errors"]`)."""
+    if hasattr(task, "score_batch"):
+        scores = task.score_batch(texts, examples)
+    else:
+        scores = []
+        for text, ex in zip(texts, examples, strict=True):
+            try:
+                scores.append(float(task.reward(text, ex)))
+            except Exception:  # noqa: BLE001 - a broken reward must not stop training
+                scores.append(0.0)
+                counters["reward/errors"] = counters.get("reward/errors", 0) + 1
+    return torch.tensor([s if math.isfinite(s) else 0.0 for s in scores], dtype=torch.float32)
 
 
 class RewardWorker:

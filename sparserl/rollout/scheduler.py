@@ -89,13 +89,14 @@ class Scheduler:
         on_finish: Callable[[DecodeRun, int], None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         recorder: DistributionRecorder | None = None,
+        seed: int = 0,
     ) -> tuple[DecodeRun, list[int], SchedulerStats]:
         """Decode until every request finished or `should_stop()` says so after a step; `on_finish(run, i)` is
-        called as each sample finishes. Returns the run, the samples stopped unfinished (their tokens so far
+        called as each sample finishes; `seed` seeds stateful eviction (random). Returns the run, the samples stopped unfinished (their tokens so far
         are in the run) and the statistics."""
         stats = SchedulerStats()
         with self.engine.decoding():
-            run = self.engine.start_run(requests, sampling, recorder, self.cap)
+            run = self.engine.start_run(requests, sampling, recorder, self.cap, seed)
             self._check_cap(run)
             waiting, running = deque(range(len(requests))), []
             while waiting or run.running:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from torch import Tensor
 from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, load_config, save_config
 from sparserl.rollout import PromptSource, RolloutLayer, RolloutState
+from sparserl.rollout.rewards import task_rewards
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
 from sparserl.trainer.checkpoint import (
     Checkpoint,
@@ -203,20 +203,7 @@ class Trainer:
         return self._prompt_cache[key]
 
     def _rewards(self, task: Any, texts: list[str], examples: list[Any]) -> Tensor:
-        """One reward per completion, scored as one batch (users' TRL-style reward functions see all of it);
-        a reward that raises, overruns or is not finite scores 0 and is counted. An object with only
-        `reward(text, example)` (not a `Task`) is called per completion under the same rule."""
-        if hasattr(task, "score_batch"):
-            scores = task.score_batch(texts, examples)
-        else:
-            scores = []
-            for text, ex in zip(texts, examples, strict=True):
-                try:
-                    scores.append(float(task.reward(text, ex)))
-                except Exception:  # noqa: BLE001 - a broken reward must not stop training
-                    scores.append(0.0)
-                    self.state.counters["reward/errors"] = self.state.counters.get("reward/errors", 0) + 1
-        return torch.tensor([s if math.isfinite(s) else 0.0 for s in scores], dtype=torch.float32)
+        return task_rewards(task, texts, examples, self.state.counters)
 
     def _usable_rows(self, task: Any, split: int, want: int | None = None) -> list[int]:
         """`data.usable_rows` for this model and rollout length; its note is said when the run starts."""
@@ -231,22 +218,6 @@ class Trainer:
         if note:
             self.notes.append(note)
         return rows
-
-    def _generate(
-        self, prompt_ids: list[list[int]], n: int, temperature: float, seed: int, engine: Any = None, **kw
-    ) -> Any:
-        r = self.cfg.rollout
-        return (engine or self.engine).generate(
-            prompt_ids,
-            n=n,
-            max_new_tokens=r.max_new_tokens,
-            temperature=temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            stop=list(r.stop) or None,
-            seed=seed,
-            **kw,
-        )
 
     def _score(
         self, model: Any, prompts: list[list[int]], completions: list[list[int]], length: int
@@ -266,7 +237,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.state.engine_seed = derive_seed(cfg.trainer.seed, step, _ROLLOUT)
         # the weights have had step - 1 updates: that is the version of every token sampled now
-        source = PromptSource(
+        source = PromptSource(  # built per step: the layer keeps no reference back to the trainer
             take=lambda k: [self.train_rows[i] for i in self.sampler.take(k)],
             prompt_ids=lambda row: self._prompt_ids(self.task, row, 0),
             example=lambda row: self.task[row],
@@ -338,16 +309,12 @@ class Trainer:
         out: dict[str, float] = {}
         for mode, engine in modes.items():
             t0 = time.perf_counter()
-            with torch.no_grad():
-                seed = derive_seed(self.cfg.trainer.seed, _EVAL)
-                rollouts = self._generate(
-                    prompt_ids,
-                    1,
-                    self.cfg.trainer.eval_temperature,
-                    seed,
-                    engine,
-                    sample_keys=list(self.eval_rows),
-                )
+            r = self.cfg.rollout
+            rollouts = engine.generate(
+                prompt_ids, n=1, max_new_tokens=r.max_new_tokens, temperature=self.cfg.trainer.eval_temperature,
+                top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None, seed=derive_seed(self.cfg.trainer.seed, _EVAL),
+                sample_keys=list(self.eval_rows),
+            )  # fmt: skip
             samples = list(rollouts.samples)
             texts = self.tokenizer.batch_decode(
                 [list(s.completion_ids) for s in samples], skip_special_tokens=True
