@@ -99,7 +99,8 @@ class DecodeRun:
         self.logits: Tensor | None = None
         self.static = engine.compiled_step is not None  # compiled: rows never move, finished ones are masked
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # the decoding cache's keys and values (what a dense cache is compared with)
+        self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0
 
     # --------------------------------------------------------------------------------------------- memory
@@ -161,7 +162,7 @@ class DecodeRun:
         before = self.cache.nbytes()
         self.cache.resize(capacity, reserve)
         if self.cache.nbytes() != before:  # the old storage is released only once copied
-            self.peak_bytes = max(self.peak_bytes, before + self.cache.nbytes())
+            self.peak_transient_bytes = max(self.peak_transient_bytes, before + self.cache.nbytes())
 
     # --------------------------------------------------------------------------------------------- rows
 
@@ -216,7 +217,8 @@ class DecodeRun:
         capacity = max(capacity, self.fit_capacity(int(tmp.length.max()) + 1))
         self._resize(capacity, self.cache.rows + len(ids))
         self.cache.append(tmp, expand)
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes() + tmp.nbytes())  # both exist until here
+        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.cache.nbytes() + tmp.nbytes())
         self.sample_of_row = torch.cat([self.sample_of_row, new])
         self.logits = logits[expand] if self.logits is None else torch.cat([self.logits, logits[expand]])
         self.events[new] += events[expand]
@@ -304,6 +306,7 @@ class DecodeRun:
             read = engine.sparse.plan.read[rows] if engine.sparse is not None else self.cache.length[rows]
             self.positions.add(ids, self.cache.length[rows], read, total + 1)
             self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+            self.peak_transient_bytes = max(self.peak_transient_bytes, self.peak_bytes)
             self.decode_steps += 1
             if engine.on_step is not None:
                 engine.on_step(self.decode_steps - 1, self.cache, self.sample_of_row)
