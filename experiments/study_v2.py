@@ -8,7 +8,8 @@ log p_sampler - log p_dense: mean, k3 KL estimate, the share of tokens off by mo
 sparse arms is then chosen by a rule fixed before the run: the smallest scoped budget that saves >= 50% of the
 KV (against prompt + 128 dense positions) while the base sparse sampler's reward stays above zero (R-KV).
 
-    python experiments/study_v2.py scope      # ~15 min on 2 cores; cached in docs/results/study_v2/scoping.json
+    python experiments/study_v2.py scope      # ~30 min on 2 cores -> docs/results/study_v2/scoping.json;
+                                              # re-run after a kill: finished configurations are kept
 
 The training arms (dense, naive and Sparse-RL R-KV, Sparse-RL SnapKV, Sparrow at tau 0.86 and 0.75; 3 seeds,
 >= 40 steps) are the next stage; this driver does not run them yet.
@@ -45,7 +46,8 @@ def mismatch(sampler: list[torch.Tensor], dense: list[torch.Tensor]) -> dict[str
     }
 
 
-def scope(args: argparse.Namespace) -> dict:
+def scope(args: argparse.Namespace, path: Path) -> dict:
+    """Run (or continue: each finished configuration is saved at once) the scoping; returns its result."""
     from sparserl.config import load_config
     from sparserl.engine import KVConfig, RolloutEngine, score
     from sparserl.eval.evaluate import evaluate
@@ -61,17 +63,25 @@ def scope(args: argparse.Namespace) -> dict:
     common = {"samples": args.samples, "limit": args.prompts, "max_new_tokens": r.max_new_tokens,
               "temperature": r.temperature, "top_p": r.top_p, "seed": 1234}  # fmt: skip
     t0 = time.perf_counter()
-    out: dict = {
+    out: dict = json.loads(path.read_text()) if path.is_file() else {}
+    if out.get("setting", {}).get("prompts") not in (None, args.prompts):
+        raise SystemExit(f"{path} holds a scoping of other settings; delete it to start again")
+    out = out or {
         "setting": {"config": str(CONFIG.relative_to(ROOT)), "prompts": args.prompts, "samples": args.samples,
                     "prompt_tokens_mean": sum(prompt_len) / len(prompt_len), "prompt_tokens_max": max(prompt_len),
                     "max_new_tokens": r.max_new_tokens, "interval": cfg.kv.interval, "window": cfg.kv.window},
         "dense": evaluate(model, tok, task, **common)["dense"],
         "sparse": {},
+        "complete": False,
     }  # fmt: skip
-    print("dense", out["dense"]["mean@k"], flush=True)
+    save(out, path)
+    k = args.samples
+    print("dense", out["dense"][f"mean@{k}"], flush=True)
     prompts = [encode_prompt(tok, task[i].messages) for i in range(args.mismatch_prompts)]
     for method in METHODS:
         for budget in BUDGETS:
+            if f"{method}@{budget}" in out["sparse"]:
+                continue
             kv = KVConfig(method=method, budget=budget, interval=cfg.kv.interval, window=cfg.kv.window)
             sparse = evaluate(model, tok, task, kv=kv, dense=False, **common)["sparse"]
             rollouts = RolloutEngine(model, tok, kv).generate(
@@ -82,21 +92,29 @@ def scope(args: argparse.Namespace) -> dict:
             )
             bound = budget + cfg.kv.interval - 1
             row = {
-                "reward": sparse["mean@k"],
-                "pass@k": sparse["pass@k"],
+                "reward": sparse[f"mean@{k}"],
+                f"pass@{k}": sparse[f"pass@{k}"],
                 "kv_saved_fraction": 1 - min(bound, dense_positions) / dense_positions,
                 **mismatch([s.logprobs for s in rollouts], dense_lp),
             }
             out["sparse"][f"{method}@{budget}"] = row
-            print(method, budget, {k: round(v, 4) for k, v in row.items()}, flush=True)
+            save(out, path)
+            print(method, budget, {key: round(v, 4) for key, v in row.items()}, flush=True)
     rkv = [(b, out["sparse"][f"rkv@{b}"]) for b in BUDGETS]
     ok = [b for b, row in rkv if row["kv_saved_fraction"] >= SAVED_MIN and row["reward"] > 0]
     out["chosen_budget"] = min(ok) if ok else None
     out["rule"] = (f"the smallest scoped budget whose R-KV cache saves >= {SAVED_MIN:.0%} of the KV and whose base "
                    "sparse reward is above zero (fixed before the run)")  # fmt: skip
-    out["seconds"] = time.perf_counter() - t0
+    out["seconds"] = out.get("seconds", 0.0) + time.perf_counter() - t0
     out["command"] = "python experiments/study_v2.py scope " + " ".join(sys.argv[2:])
+    out["complete"] = True
+    save(out, path)
     return out
+
+
+def save(out: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
 
 
 def main() -> int:
@@ -110,13 +128,11 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = args.out
-    if path.is_file():
-        print(f"{path} exists (the scoping is done once; delete it to redo)")
+    if path.is_file() and json.loads(path.read_text()).get("complete"):
+        print(f"{path} is complete (the scoping is done once; delete it to redo)")
         return 0
     with torch.no_grad():
-        result = scope(args)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+        result = scope(args, path)
     print("chosen budget:", result["chosen_budget"])
     return 0
 
