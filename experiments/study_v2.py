@@ -8,6 +8,7 @@ log p_sampler - log p_dense: mean, k3 KL estimate, the share of tokens off by mo
 sparse arms is then chosen by a rule fixed before the run: the smallest scoped budget that saves >= 50% of the
 KV (against prompt + 128 dense positions) while the base sparse sampler's reward stays above zero (R-KV).
 
+    python experiments/study_v2.py probe task.num_distractors=10   # the base's dense reward on a variant
     python experiments/study_v2.py scope      # ~30 min on 2 cores -> docs/results/study_v2/scoping.json;
                                               # re-run after a kill: finished configurations are kept
 
@@ -112,21 +113,50 @@ def scope(args: argparse.Namespace, path: Path) -> dict:
     return out
 
 
-def save(out: dict, path: Path) -> None:
+def save(out: dict | list, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
 
 
+def probe(args: argparse.Namespace) -> dict:
+    """The base model's dense reward on a variant of the setting (config overrides), to find a setting it can
+    learn from: appended to docs/results/study_v2/probes.json."""
+    from sparserl.config import load_config
+    from sparserl.eval.evaluate import evaluate
+    from sparserl.models import load_model
+    from sparserl.tasks import make_task
+
+    cfg = load_config(CONFIG, args.overrides)
+    model, tok = load_model(cfg.model.spec)
+    r = cfg.rollout
+    result = evaluate(model, tok, make_task(cfg.task, "test"), samples=args.samples, limit=args.prompts,
+                      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=1234)  # fmt: skip
+    k = args.samples
+    row = {"overrides": args.overrides, "prompts": args.prompts, "samples": k,
+           "prompt_tokens_mean": result["mean_prompt_tokens"], "dense_reward": result["dense"][f"mean@{k}"],
+           "mean_length": result["dense"]["mean_length"],
+           "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
+    path = RESULTS / "probes.json"
+    rows = json.loads(path.read_text()) if path.is_file() else []
+    save(rows + [row], path)
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["scope"])
+    p.add_argument("stage", choices=["scope", "probe"])
+    p.add_argument("overrides", nargs="*", help="probe: config overrides of the setting (key=value)")
     p.add_argument("--prompts", type=int, default=48, help="held-out prompts for rewards")
     p.add_argument("--samples", type=int, default=2, help="samples per prompt")
     p.add_argument("--mismatch-prompts", type=int, default=8, help="prompts whose samples are scored densely")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "scoping.json")
-    args = p.parse_args()
+    args = p.parse_intermixed_args()  # options may come before or after the overrides
     torch.set_num_threads(args.threads)
+    if args.stage == "probe":
+        with torch.no_grad():
+            print(probe(args))
+        return 0
     path = args.out
     if path.is_file() and json.loads(path.read_text()).get("complete"):
         print(f"{path} is complete (the scoping is done once; delete it to redo)")
