@@ -413,3 +413,20 @@ def test_eval_task_config_takes_the_prompt_template_and_drops_reward_shaping(tmp
     task = make_task(cfg, "test")
     assert user_text(task[0]).startswith("Tom has 9 apples. How many?\n")
     assert task.score("\\boxed{9}", task[0]) == 1.0
+
+
+def test_long_arithmetic_question_first_states_the_question_before_the_filler() -> None:
+    cfg = TaskConfig(
+        name="long_arithmetic", layout="question_first", num_facts=4, num_query=2, num_distractors=20
+    )
+    for i in range(5):
+        ex = make_task(cfg)[i]
+        lines = ex.messages[-1]["content"].splitlines()
+        first = lines[0]
+        assert first.startswith("Question: what is ") and not any(n in first for n in FACT_NAMES)
+        a, b = (int(x) for x in first.removeprefix("Question: what is ").split("?")[0].split(" + "))
+        assert ex.answer == str(a + b)
+        assert any("answer the question asked at the start" in line for line in lines[-3:])
+        assert not any(line.startswith("Let " + n + " ") for line in lines for n in FACT_NAMES)
+    with pytest.raises(ValueError, match="task.layout='sideways'"):
+        TaskConfig(name="long_arithmetic", layout="sideways")

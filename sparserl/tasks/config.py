@@ -11,7 +11,8 @@ from sparserl.errors import UserError
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 BUILTIN_TASKS = ("arithmetic", "long_arithmetic", "gsm8k", "math")
 BUILTIN_REWARD = "builtin"  # in task.reward: the task's own verifiable reward
-GENERATED_TASKS = ("arithmetic", "long_arithmetic")  # procedural: they read no data
+GENERATED_TASKS = ("arithmetic", "long_arithmetic")
+LONG_LAYOUTS = ("facts", "question_first")  # procedural: they read no data
 
 
 @dataclass
@@ -96,6 +97,14 @@ class TaskConfig:
     num_query: int = field(
         default=2,
         metadata={"help": "long_arithmetic: early values the final question combines (<= num_facts)."},
+    )
+    layout: str = field(
+        default="facts",
+        metadata={
+            "help": "long_arithmetic: 'facts' states named values first and asks about them at the end; "
+            "'question_first' states the whole question ('What is 4 + 3?') first, then the filler, then asks "
+            "for the answer to the opening question (the same recall, in the plain format of 'arithmetic')."
+        },
     )
     num_distractors: int = field(
         default=40,
@@ -184,6 +193,8 @@ class TaskConfig:
             raise UserError(
                 f"task.num_query={self.num_query} must be between 1 and task.num_facts={self.num_facts}"
             )
+        if self.layout not in LONG_LAYOUTS:
+            raise ValueError(f"task.layout={self.layout!r}: choose one of {', '.join(LONG_LAYOUTS)}")
         if self.num_facts > 26 or self.num_distractors < 0 or self.num_distractors > 10000:
             raise UserError(
                 f"task.num_facts={self.num_facts} must be <= 26 and task.num_distractors="

@@ -8,8 +8,10 @@ prompt; the filler (about 8-10 tokens a line) sets how far back they lie and loo
 sentence shapes and magnitudes), so it cannot be skipped by surface cues. Under an evicting KV cache whose
 budget is below the prompt length, the fact lines are the oldest positions: a method that drops them loses
 the answer, and a dense cache does not. The arithmetic itself stays easy (operators and digits as in
-`arithmetic`), so what is measured is retention, not calculation. Problem i is a pure function of
-(seed, split, i)."""
+`arithmetic`), so what is measured is retention, not calculation. With `layout='question_first'` the opening
+lines are replaced by the question itself in `arithmetic`'s plain format ('Question: what is 4 + 3?'), and the
+prompt ends by asking for the answer to it: the same recall, without the indirection through names (which
+SmolLM2-135M fails even with no filler). Problem i is a pure function of (seed, split, i)."""
 
 from __future__ import annotations
 
@@ -107,7 +109,12 @@ class LongArithmeticTask(ArithmeticTask):
         operators = [rng.choice(c.operators) for _ in range(c.num_query - 1)]
         value = evaluate([values[n] for n in query], operators)
         expression = render([], operators, names=query)
-        lines.append(f"Question: using the values given at the start, what is {expression}?")
+        if c.layout == "question_first":  # the same operands, asked in the plain format before the filler
+            numbers = render([values[n] for n in query], operators)
+            lines[: 1 + c.num_facts] = [f"Question: what is {numbers}? Answer it after reading these notes."]
+            lines.append("Now answer the question asked at the start.")
+        else:
+            lines.append(f"Question: using the values given at the start, what is {expression}?")
         messages = build_messages("\n".join(lines), c.instruction, c.system_prompt)
         meta = {
             "index": i,
