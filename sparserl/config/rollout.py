@@ -4,29 +4,23 @@ continuous batching, asynchronous rewards, APRIL partial rollouts)."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 
 from sparserl.config.errors import ConfigError
+from sparserl.sizes import size_in_bytes
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 PARTIAL_MODES = ("train_all", "mask_old")
 BATCHING = ("continuous", "static")
 
 
 def parse_bytes(value: str | int | float, key: str) -> int:
     """Bytes from an int or a string with a unit (512MiB, 4GiB, 1.5GB, 1000000); `key` names it in errors."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number, unit = float(value), ""
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(
-                f"{key}={value!r} is not a size: write bytes or a number with a unit ({', '.join(['KiB', 'MiB', 'GiB', 'KB', 'MB', 'GB'])})"
-            )
-        number, unit = float(m.group(1)), m.group(2).lower()
-    size = int(number * _UNITS[unit])
+    try:
+        size = size_in_bytes(value)
+    except ValueError:
+        raise ConfigError(
+            f"{key}={value!r} is not a size: write bytes or a number with a unit (KiB, MiB, GiB, KB, MB, GB)"
+        ) from None
     if size <= 0:
         raise ConfigError(f"{key}={value!r} must be a positive size")
     return size

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 from dataclasses import asdict
 from typing import Any
@@ -14,19 +13,18 @@ from sparserl.cost.model import Cost, Estimate, Rollout, estimate
 from sparserl.cost.probe import check_timing_request, probe_intensity, resolve_intensity, time_decode_steps
 from sparserl.cost.shape import CostInputError, ModelShape, load_shape, torch_dtype
 from sparserl.engine.kv_config import KVConfig
-
-SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-SIZE_UNITS |= {unit: 2 ** (10 * (i + 1)) for i, unit in enumerate(("k", "m", "g", "t"))}
-SIZE_UNITS |= {f"{unit}ib": 2 ** (10 * (i + 1)) for i, unit in enumerate(("k", "m", "g", "t"))}
+from sparserl.sizes import size_in_bytes
 
 
 def parse_size(text: str) -> int:
     """Bytes in a human size: '4GiB', '512 MiB', '8GB' (powers of 1000), '4G' (powers of 1024), '1000'."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in SIZE_UNITS or float(match.group(1)) <= 0:
+    try:
+        size = size_in_bytes(text)
+    except ValueError:
+        size = 0
+    if size <= 0:
         raise CostInputError(f"--mem-cap {text!r} is not a positive size such as 4GiB, 512MiB or 8GB")
-    return int(float(match.group(1)) * SIZE_UNITS[unit])
+    return size
 
 
 def parse_int_list(text: str, flag: str) -> list[int]:

@@ -3,7 +3,7 @@
 
 from sparserl.rollout.layer import PromptSource, RolloutLayer, RolloutState
 from sparserl.rollout.records import RESUMED, SAMPLED, GroupRecord, SampleRecord
-from sparserl.rollout.scheduler import Scheduler, SchedulerStats, format_bytes
+from sparserl.rollout.scheduler import Scheduler, SchedulerStats
 
 __all__ = [
     "RESUMED",
@@ -15,5 +15,4 @@ __all__ = [
     "SampleRecord",
     "Scheduler",
     "SchedulerStats",
-    "format_bytes",
 ]

@@ -20,14 +20,7 @@ from dataclasses import dataclass
 from sparserl.config.rollout import BATCHING
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.sampling import DistributionRecorder
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+from sparserl.sizes import format_size
 
 
 @dataclass
@@ -77,8 +70,8 @@ class Scheduler:
             if need > self.cap:
                 held = len(r.prompt) + len(r.prefix)
                 raise ValueError(
-                    f"rollout.kv_memory_cap={format_bytes(self.cap)} is too small for one sequence: a prompt of "
-                    f"{held} tokens plus one step needs {format_bytes(need)} of KV cache (charged "
+                    f"rollout.kv_memory_cap={format_size(self.cap)} is too small for one sequence: a prompt of "
+                    f"{held} tokens plus one step needs {format_size(need)} of KV cache (charged "
                     f"{need // run.bytes_per_position} positions of {run.bytes_per_position} bytes)"
                 )
 
