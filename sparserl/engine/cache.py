@@ -82,6 +82,11 @@ class KVCache:
             t.numel() * t.element_size() for name, t in self._store.items() if name[:2] in ("k.", "v.")
         )
 
+    def bytes_per_position(self) -> int:
+        """Bytes one held position costs across all layers (keys + values)."""
+        _, h, _, d = self.k[0].shape
+        return 2 * self.num_layers * h * d * self.k[0].element_size()
+
     def fill(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, lengths: Tensor) -> None:
         """Write a prefilled block [rows, H, T, D] left-aligned; `lengths` are the real tokens of each row."""
         t = k.shape[2]

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
 CAPACITY_BUCKET = 128  # slots are allocated in blocks of this many positions (a compiled step's capacity too)
 
 
+def in_blocks(positions: int) -> int:
+    """`positions` rounded up to whole blocks of CAPACITY_BUCKET."""
+    return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
 @dataclass
 class Request:
     """One sequence to sample: a prompt, and the completion tokens it already has when it is resumed.
@@ -107,8 +112,7 @@ class DecodeRun:
 
     @property
     def bytes_per_position(self) -> int:
-        dec = self.engine.decoder
-        return 2 * dec.num_layers * dec.num_kv_heads * dec.head_dim * torch.finfo(dec.dtype).bits // 8
+        return self.cache.bytes_per_position()
 
     def fit_capacity(self, need: int) -> int:
         """Slots per row for rows needing `need` positions: an evicting cache's bound (no row ever holds more);
@@ -119,7 +123,7 @@ class DecodeRun:
             return min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
         if self.kv_memory_cap is None:  # nothing to share: allocate once (no growth, no copies)
             return most
-        return min(-(-need // CAPACITY_BUCKET) * CAPACITY_BUCKET, most)
+        return min(in_blocks(need), most)
 
     def input_length(self, i: int) -> int:
         """Tokens a (re-)admission of sample i prefills: its prompt and the completion tokens it holds."""
@@ -231,9 +235,7 @@ class DecodeRun:
         if not self.static:
             return 0
         steps = int((self.limit - self.start_count).max())
-        return (
-            -(-(int((self.prompt_len + self.start_count).max()) + steps) // CAPACITY_BUCKET) * CAPACITY_BUCKET
-        )
+        return in_blocks(int((self.prompt_len + self.start_count).max()) + steps)
 
     def truncate(self, i: int) -> None:
         """End running sample i now, as if it had reached its length cap."""
@@ -296,11 +298,8 @@ class DecodeRun:
                 self.logits = engine._decode_step(tok, total, self.cache)
             else:  # finished rows keep decoding (token 0 at a frozen position), unread
                 feed = torch.zeros(self.cache.rows, dtype=torch.long, device=tok.device)
-                pos = (
-                    self.prompt_len[self.sample_of_row.clamp(min=0)]
-                    + self.count[self.sample_of_row.clamp(min=0)]
-                    - 1
-                )
+                any_sample = self.sample_of_row.clamp(min=0)
+                pos = self.prompt_len[any_sample] + self.count[any_sample] - 1
                 feed[rows], pos[rows] = tok, total
                 self.logits = engine.compiled_step(feed, pos, self.cache, self.cache.capacity)
             read = engine.sparse.plan.read[rows] if engine.sparse is not None else self.cache.length[rows]

@@ -102,9 +102,9 @@ class RolloutLayer:
     def collect(
         self, version: int, seed: int, source: PromptSource
     ) -> tuple[list[GroupRecord], dict[str, float], list]:
-        """Run one step's rollouts with the weights of policy `version`, new groups drawing at `seed`; returns the complete groups, metrics and, per returned sample, its tokens
-        with the sampler's recorded distributions (`completion_ids`, `distributions`: empty unless asked for,
-        for alpha)."""
+        """Run one step's rollouts with the weights of policy `version`, new groups drawing at `seed`; returns
+        the complete groups, metrics and, per returned sample, its tokens with the sampler's recorded
+        distributions (`completion_ids`, `distributions`: empty unless asked for, for alpha)."""
         cfg = self.cfg
         groups = self._groups_for_step(version, seed, source)
         pending = [(g, s) for g in groups for s in g.samples if not s.finished]
@@ -182,7 +182,8 @@ class RolloutLayer:
         versions = torch.tensor([v for s in samples for v in s.versions], dtype=torch.float64)
         stale = version - versions
         out = run_stats(run) if run is not None else {}
-        out.update({k: v for k, v in (sched.as_metrics() if sched else {}).items()})
+        if sched is not None:
+            out.update(sched.as_metrics())
         out.update(
             {
                 "recycled_frac": sum(
