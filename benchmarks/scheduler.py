@@ -47,6 +47,12 @@ def clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
+def rates(done: int, unit: str, start: tuple[float, float], end: tuple[float, float]) -> dict[str, float]:
+    """Wall and CPU seconds between two `clock()` readings, and `done` per CPU second and per wall second."""
+    wall, cpu = end[0] - start[0], end[1] - start[1]
+    return {"wall_s": wall, "cpu_s": cpu, f"{unit}_per_cpu_s": done / cpu, f"{unit}_per_s": done / wall}
+
+
 def part_a(model, tok, prompt: list[int], args) -> dict:
     """One wave of 4k-token sequences per arm: as many as the cap admits."""
     cap = parse_bytes(args.cap_a, "--cap-a")
@@ -63,17 +69,14 @@ def part_a(model, tok, prompt: list[int], args) -> dict:
         probe = engine.start_run([Request(prompt, 0, 0, args.length)], Sampling(), kv_memory_cap=cap)
         rows = max(1, cap // probe.bytes_after_admit([0], whole=True))  # at the sequences' full length
         requests = [Request(prompt, key, 1, args.length) for key in range(rows)]
-        (w0, c0) = clock()
+        start = clock()
         run, unfinished, stats = scheduler.run(requests, Sampling())
-        (w1, c1) = clock()
+        end = clock()
         tokens = int((run.count - run.start_count).sum())
         out[name] = {
             "sequences": rows,
             "completed_tokens": tokens,
-            "wall_s": w1 - w0,
-            "cpu_s": c1 - c0,
-            "tokens_per_cpu_s": tokens / (c1 - c0),
-            "tokens_per_s": tokens / (w1 - w0),
+            **rates(tokens, "tokens", start, end),
             "peak_kv_bytes": run.peak_bytes,
             **stats.as_metrics(),
         }
@@ -115,7 +118,7 @@ def part_b(model, tok, prompt: list[int], args) -> dict:
             score=lambda texts, examples: [0.0] * len(texts), decode=lambda ids: [""] * len(ids),
             max_new_tokens=lambda row, j: int(lengths[row, j]),
         )  # fmt: skip
-        w0, c0 = clock()
+        start = clock()
         per_step = []
         samples = tokens = 0
         for step in range(args.steps):
@@ -125,16 +128,13 @@ def part_b(model, tok, prompt: list[int], args) -> dict:
             per_step.append({k: metrics[k] for k in ("occupancy", "kv_fill", "off_policy_token_frac",
                                                      "recycled_frac", "staleness_mean", "staleness_max",
                                                      "preemptions", "generated_tokens")})  # fmt: skip
-        w1, c1 = clock()
+        end = clock()
         layer.close()
         mean = {k: float(np.mean([m[k] for m in per_step])) for k in per_step[0]}
         out[name] = {
             "completed_samples": samples,
             "completed_tokens": tokens,
-            "wall_s": w1 - w0,
-            "cpu_s": c1 - c0,
-            "samples_per_cpu_s": samples / (c1 - c0),
-            "samples_per_s": samples / (w1 - w0),
+            **rates(samples, "samples", start, end),
             **{f"{k}_mean": v for k, v in mean.items()},
             "staleness_max": max(m["staleness_max"] for m in per_step),
             "per_step": per_step,
