@@ -113,7 +113,29 @@ def scope(args: argparse.Namespace, path: Path) -> dict:
     return out
 
 
-def save(out: dict | list, path: Path) -> None:
+# The issue's goals, none measured until the arms have trained: every result file of the study carries them
+NOT_RUN = "not measured: only the scoping stage has run (no arm has trained)"
+GOALS = {
+    "naive_sparse_degrades": "final held-out gap to Sparse-RL > 2 standard errors, or a visible collapse",
+    "sparse_rl_keeps_dense_gain": ">= 97% of the dense arm's held-out gain with >= 50% of the KV saved",
+    "sparse_rl_model_under_sparse_inference": "Sparse-RL-trained model >= dense-trained one under sparse inference",
+    "sparrow": "tau 0.86 within 2 standard errors of dense and faster per CPU second; tau 0.75 degrades",
+}
+
+
+def save(out: dict, path: Path) -> None:
+    """Write a result file with the study's goals on top (all recorded as not met until measured)."""
+    goals = {
+        name: {
+            "value": None,
+            "target": target,
+            "met": False,
+            "command": "python experiments/study_v2.py",
+            "reason": NOT_RUN,
+        }
+        for name, target in GOALS.items()
+    }
+    out = {"goals": goals, **{k: v for k, v in out.items() if k != "goals"}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
 
@@ -137,8 +159,8 @@ def probe(args: argparse.Namespace) -> dict:
            "mean_length": result["dense"]["mean_length"],
            "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
     path = RESULTS / "probes.json"
-    rows = json.loads(path.read_text()) if path.is_file() else []
-    save(rows + [row], path)
+    rows = json.loads(path.read_text())["probes"] if path.is_file() else []
+    save({"probes": rows + [row]}, path)
     return row
 
 
