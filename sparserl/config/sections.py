@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.algo import PRESETS, AlgoConfig
+from sparserl.config.distill import DistillConfig
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
@@ -369,6 +370,10 @@ class TrainConfig:
     engine: EngineConfig = field(
         default_factory=EngineConfig, metadata={"help": "How the rollout engine runs (compiled or eager)."}
     )
+    distill: DistillConfig = field(
+        default_factory=DistillConfig,
+        metadata={"help": "DistillSparse: a LoRA adapter on the sparse rollout path only (docs/distill.md)."},
+    )
 
     def __post_init__(self) -> None:
         if self.algo.loss_agg_mode == "seq-mean-token-sum-norm" and self.algo.loss_token_norm is None:
@@ -419,11 +424,41 @@ class TrainConfig:
                 "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "
                 "resumed sample's earlier distributions are gone: turn one of them off"
             )
+        self._validate_distill()
         if self.algo.sparse_rollout and not self.kv.sparse:
             raise ConfigError(
                 f"algo.preset={self.algo.preset!r} samples sparse rollouts but kv.method={self.kv.method!r}; "
                 f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
                 f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
+            )
+
+    def _validate_distill(self) -> None:
+        """DistillSparse needs sparse rollouts it can replay teacher-forced: block_topk, whole samples."""
+        d = self.distill
+        if not d.enable:
+            return
+        if not (self.algo.sparse_rollout and self.kv.sparse):
+            raise ConfigError(
+                f"distill.enable=true trains an adapter for sparse rollouts, but rollouts are dense "
+                f"(algo.preset={self.algo.preset!r}, kv.method={self.kv.method!r}): set kv.method=block_topk "
+                "and a sparse preset (e.g. algo.preset=tis), or distill.enable=false"
+            )
+        if not self.kv.sparse_attention:
+            raise ConfigError(
+                f"distill.enable=true with kv.method={self.kv.method!r}: the adapter is trained on a teacher-forced "
+                "replay of the sampler's attention, implemented for block_topk only (replaying eviction needs the "
+                "slots each layer held at every step, not recorded yet)"
+            )
+        if self.model.lora and d.adapter_name == "default":
+            raise ConfigError(
+                "distill.adapter_name='default' is the name of the policy's own LoRA adapter (model.lora=true): "
+                "choose another name"
+            )
+        if self.rollout.partial.enable or self.rollout.kv_memory_cap is not None:
+            raise ConfigError(
+                "distill.enable=true needs each sample decoded in one go: a resumed or preempted sample is "
+                "re-prefilled densely, which the sparse replay cannot reproduce; unset rollout.partial.enable "
+                "and rollout.kv_memory_cap"
             )
 
     @property

@@ -35,6 +35,7 @@ class TrainerState:
     counters: dict[str, float] = field(default_factory=dict)
     history: dict[str, Any] = field(default_factory=dict)
     rollout: dict[str, Any] = field(default_factory=dict)  # the rollout layer's leftover groups and counters
+    distill: dict[str, Any] = field(default_factory=dict)  # DistillSparse's fixed probe batch
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -151,8 +152,10 @@ def save_checkpoint(
     scheduler: Any,
     keep_last: int,
     weights_name: str = "model.safetensors",
+    parts: dict[str, Part] | None = None,
 ) -> Path:
     """Write checkpoint `step-NNNNNN` atomically, then delete all but the newest `keep_last` checkpoints.
+    Each of `parts` (a second trained component, e.g. the DistillSparse adapter) goes to its own sub-folder.
 
     Everything goes to a temp dir beside the final one; a rename publishes it. A kill before the rename
     leaves only a temp dir, which `list_checkpoints` ignores and the next save cleans up.
@@ -164,6 +167,13 @@ def save_checkpoint(
         for name, obj in (("optimizer", optimizer.state_dict()), ("scheduler", scheduler.state_dict())):
             _save(obj, tmp / f"{name}.pt")
         _save(rng_state(), tmp / "rng.pt")
+        for name, part in (parts or {}).items():
+            (tmp / name).mkdir()
+            save_file(
+                {k: v.detach().contiguous().clone() for k, v in part.weights.items()},
+                tmp / name / PART_WEIGHTS,
+            )
+            _save(part.optimizer, tmp / name / "optimizer.pt")
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
         _fsync_tree(tmp)
     prune_checkpoints(run_dir, keep_last)
@@ -179,6 +189,17 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+PART_WEIGHTS = "adapter.safetensors"
+
+
+@dataclass
+class Part:
+    """A trained component besides the policy: its weights and its optimizer's state."""
+
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+
+
 @dataclass
 class Checkpoint:
     """A loaded checkpoint: hand its parts to the model, optimizer and scheduler, then `restore_rng()`."""
@@ -189,6 +210,7 @@ class Checkpoint:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     rng: dict[str, Any]
+    parts: dict[str, Part] = field(default_factory=dict)
 
     def restore_rng(self) -> None:
         """Put python, numpy and torch RNGs back where they were at save time."""
@@ -209,6 +231,11 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         optimizer = torch.load(path / "optimizer.pt", weights_only=True)
         scheduler = torch.load(path / "scheduler.pt", weights_only=True)
         rng = torch.load(path / "rng.pt", weights_only=True)
+        parts = {
+            sub.name: Part(load_file(sub / PART_WEIGHTS), torch.load(sub / "optimizer.pt", weights_only=True))
+            for sub in sorted(path.iterdir())
+            if (sub / PART_WEIGHTS).is_file()
+        }
     except Exception as e:  # noqa: BLE001 - re-raised with the culprit named
         raise RuntimeError(f"checkpoint {path} is damaged: {type(e).__name__}: {e}") from e
-    return Checkpoint(path, state, weights, optimizer, scheduler, rng)
+    return Checkpoint(path, state, weights, optimizer, scheduler, rng, parts)

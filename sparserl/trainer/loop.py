@@ -4,6 +4,7 @@ weights because the engine reads the trained model's weights afresh at every `ge
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from sparserl.algo import advantages_from_config
-from sparserl.config import TrainConfig, load_config, save_config
+from sparserl.config import ConfigError, TrainConfig, load_config, save_config
 from sparserl.rollout import PromptSource, RolloutLayer, RolloutState
 from sparserl.rollout.rewards import task_rewards
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
@@ -27,6 +28,7 @@ from sparserl.trainer.checkpoint import (
     save_checkpoint,
 )
 from sparserl.trainer.data import PromptSampler, derive_seed, usable_rows
+from sparserl.trainer.distill import DistillLearner, probe_batch
 from sparserl.trainer.logging import (
     MetricSinks,
     ProgressDisplay,
@@ -40,6 +42,7 @@ from sparserl.trainer.summary import accumulate, run_summary
 from sparserl.trainer.update import Batch, Learner, pad
 
 SUMMARY_FILE = "summary.json"
+DISTILL_PART = "distill"  # the checkpoint sub-folder of the DistillSparse adapter
 EXPORT_DIR = "final"
 # Seed "purposes", so that the prompt order, sampling, shuffling (update.SHUFFLE = 2) and evaluation draw
 # independent streams.
@@ -117,7 +120,9 @@ class Trainer:
             self.eval_task = make_task(cfg.eval_task_config(), "test")
         if reward_fn is not None and self.eval_task is not None:
             self.eval_task = with_reward_fns(self.eval_task, reward_fn)
-        self.policy = Policy(cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed)
+        self.policy = Policy(
+            cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed, distill=cfg.distill
+        )
         self.tokenizer = self.policy.tokenizer
         check_acceptance(cfg, self.policy.module.get_input_embeddings().weight.shape[0])
 
@@ -133,7 +138,11 @@ class Trainer:
         self.learner = Learner(
             cfg, self.policy.module, self.policy.trainable_parameters(), autocast=self.policy.autocast
         )
-        self.reuse_learner_logprobs = cfg.trainer.reuse_learner_logprobs and self.learner.single_update()
+        self.distill = DistillLearner(cfg, self.policy, self.policy.autocast) if cfg.distill.enable else None
+        # DistillSparse needs the dense log-probs of every sample for its KL term: scored before the update
+        self.reuse_learner_logprobs = (
+            cfg.trainer.reuse_learner_logprobs and self.learner.single_update() and self.distill is None
+        )
         self.state = TrainerState()
         self._prompt_cache: dict[tuple[int, int], list[int]] = {}
         self.train_rows = self._usable_rows(self.task, 0)
@@ -152,9 +161,27 @@ class Trainer:
             self.state = ckpt.state
             self.sampler.position = self.state.data_position
             self.rollouts.state = RolloutState(**self.state.rollout)
+            self._resume_distill(ckpt)
             ckpt.restore_rng()
         self.resumed_from: Path | None = ckpt.path if ckpt is not None else None
         save_config(cfg, self.run_dir / CONFIG_FILE)  # a resume writes the settings it was allowed to change
+
+    def _resume_distill(self, ckpt: Checkpoint) -> None:
+        """The adapter and its optimizer from the checkpoint; one saved without them is refused unless
+        distill.fresh_on_resume asks for a new adapter."""
+        if self.distill is None:
+            return
+        part = ckpt.parts.get(DISTILL_PART)
+        if part is not None:
+            self.distill.load(part)
+        elif self.cfg.distill.fresh_on_resume:
+            self.notes.append(f"{ckpt.path.name} has no DistillSparse adapter: a fresh one starts now")
+        else:
+            raise ConfigError(
+                f"--resume: {ckpt.path} was saved without the DistillSparse adapter (distill was off), so "
+                "distill.enable=true has nothing to continue; add distill.fresh_on_resume=true to start a fresh "
+                "adapter from here"
+            )
 
     def _load_latest_intact(self) -> Checkpoint:
         """The newest checkpoint that reads back whole; damaged newer ones are skipped and said so."""
@@ -244,7 +271,8 @@ class Trainer:
             score=lambda texts, examples: self._rewards(self.task, texts, examples).tolist(),
             decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
         )
-        groups, stats, recorded = self.rollouts.collect(step - 1, self.state.engine_seed, source)
+        with self.policy.sparse_path():  # the distill adapter samples (a no-op without DistillSparse)
+            groups, stats, recorded = self.rollouts.collect(step - 1, self.state.engine_seed, source)
         samples = [s for g in groups for s in g.samples]
         t1 = time.perf_counter()
         completions = [list(s.tokens) for s in samples]
@@ -259,7 +287,7 @@ class Trainer:
 
         logp_old = logp_ref = None
         with torch.no_grad():
-            if cfg.algo.needs_recompute and not self.reuse_learner_logprobs:
+            if (cfg.algo.needs_recompute or self.distill is not None) and not self.reuse_learner_logprobs:
                 logp_old = self._score(self.policy.module, prompts, completions, length)
             if cfg.algo.kl_coef > 0:
                 with self.policy.reference() as ref:
@@ -291,8 +319,23 @@ class Trainer:
     def learn(self, step: int, batch: Batch) -> dict[str, float]:
         """Steps 6-7: corrections and K passes of AdamW (trainer/update.py); skipped updates are counted."""
         out = self.learner.update(step, batch)
+        if self.distill is not None:
+            out.update(self._distill_step(step, batch))
         skips = self.state.counters.get("train/nonfinite_skips", 0) + out["train/nonfinite_skipped_updates"]
         self.state.counters["train/nonfinite_skips"] = skips
+        return out
+
+    def _distill_step(self, step: int, batch: Batch) -> dict[str, float]:
+        """The adapter's update (trainer/distill.py), with alpha's tail on the fixed probe before and after."""
+        d, t0 = self.cfg.distill, time.perf_counter()
+        if d.probe_samples and "probe" not in self.state.distill:
+            self.state.distill["probe"] = probe_batch(batch, d.probe_samples)
+        probe = self.state.distill.get("probe") if step % d.probe_every == 0 else None
+        out = self.distill.probe_alpha(probe, "before") if probe else {}
+        out.update(self.distill.update(batch, self.scheduler.get_last_lr()[0]))
+        if probe:
+            out.update(self.distill.probe_alpha(probe, "after"))
+        out["time/distill"] = time.perf_counter() - t0
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -310,11 +353,12 @@ class Trainer:
         for mode, engine in modes.items():
             t0 = time.perf_counter()
             r = self.cfg.rollout
-            rollouts = engine.generate(
-                prompt_ids, n=1, max_new_tokens=r.max_new_tokens, temperature=self.cfg.trainer.eval_temperature,
-                top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None, seed=derive_seed(self.cfg.trainer.seed, _EVAL),
-                sample_keys=list(self.eval_rows),
-            )  # fmt: skip
+            with self.policy.sparse_path() if mode == "sparse" else contextlib.nullcontext():
+                rollouts = engine.generate(
+                    prompt_ids, n=1, max_new_tokens=r.max_new_tokens, temperature=self.cfg.trainer.eval_temperature,
+                    top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None,
+                    seed=derive_seed(self.cfg.trainer.seed, _EVAL), sample_keys=list(self.eval_rows),
+                )  # fmt: skip
             samples = list(rollouts.samples)
             texts = self.tokenizer.batch_decode(
                 [list(s.completion_ids) for s in samples], skip_special_tokens=True
@@ -355,6 +399,7 @@ class Trainer:
             self.scheduler,
             keep_last=self.cfg.trainer.keep_last,
             weights_name=self.policy.weights_name,
+            parts={DISTILL_PART: self.distill.part()} if self.distill is not None else None,
         )
 
     def train(self, until_step: int | None = None) -> dict[str, Any]:

@@ -14,10 +14,37 @@ import torch
 from torch import nn
 
 from sparserl.config import ConfigError, ModelConfig
+from sparserl.config.distill import DistillConfig
 from sparserl.models import ModelLoadError
 from sparserl.trainer.checkpoint import atomic_dir
 
 ModelLoader = Callable[[ModelConfig], tuple[Any, Any]]
+_ADAPTER_KEY = "lora_"  # PEFT's LoRA parameters carry it in their names
+
+
+def _base_key(key: str) -> str:
+    """A weight's name in the plain model, from its name inside a PEFT LoRA layer (PEFT keeps the wrapped
+    Linear as `base_layer` and has no public inverse for a model it did not merge)."""
+    return key.replace(".base_layer.", ".")
+
+
+def _lora_config(r: int, alpha: float, dropout: float, targets: list[str]) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                      target_modules="all-linear" if targets == ["all-linear"] else targets)  # fmt: skip
+
+
+def _wrap(model: nn.Module, lora: Any, name: str, culprit: str) -> Any:
+    """`get_peft_model` with adapter `name`; a target list that does not fit the model is a ConfigError."""
+    from peft import get_peft_model
+
+    try:
+        with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            return get_peft_model(model, lora, adapter_name=name)
+    except ValueError as e:
+        raise ConfigError(f"{culprit}: {e}") from None
 
 
 def default_loader(cfg: ModelConfig) -> tuple[Any, Any]:
@@ -32,7 +59,12 @@ class Policy:
     LoRA layers injected in place, when LoRA is on)."""
 
     def __init__(
-        self, cfg: ModelConfig, loader: ModelLoader | None = None, need_ref: bool = False, seed: int = 0
+        self,
+        cfg: ModelConfig,
+        loader: ModelLoader | None = None,
+        need_ref: bool = False,
+        seed: int = 0,
+        distill: DistillConfig | None = None,
     ):
         from sparserl.models import prepare_for_training
 
@@ -43,31 +75,74 @@ class Policy:
         self.tokenizer = tokenizer
         self.peft = None
         self._ref: nn.Module | None = None
+        self.own_adapters: list[str] = []  # the policy's own adapters: on everywhere
+        self.distill_adapter: str | None = None  # on only on the sparse path (DistillSparse)
         if cfg.lora:
-            from peft import LoraConfig, get_peft_model
-
-            targets: list[str] | str = cfg.lora_targets
-            if targets == ["all-linear"]:
-                targets = "all-linear"
             torch.manual_seed(seed)  # LoRA's A matrices are randomly initialised
-            lora = LoraConfig(
-                r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets
-            )
-            try:
-                with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
-                    warnings.filterwarnings(
-                        "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
-                    )
-                    self.peft = get_peft_model(model, lora)
-            except ValueError as e:
-                raise ConfigError(
-                    f"model.lora_targets={cfg.lora_targets} do not fit {cfg.spec!r}: {e}"
-                ) from None
+            self.peft = _wrap(model, _lora_config(cfg.lora_r, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_targets),
+                              "default", f"model.lora_targets={cfg.lora_targets} do not fit {cfg.spec!r}")  # fmt: skip
+            self.own_adapters = ["default"]
             self.module = self.peft.get_base_model()
         else:
             self.module = model
             if need_ref:
                 self._ref = copy.deepcopy(model).eval().requires_grad_(False)
+        if distill is not None and distill.enable:
+            self._add_distill_adapter(distill, seed)
+
+    def _add_distill_adapter(self, d: DistillConfig, seed: int) -> None:
+        """The DistillSparse adapter, beside the policy's own LoRA or injected into the full model (whose
+        weights stay trainable), switched off until `sparse_path()` turns it on."""
+        lora = _lora_config(d.lora_r, d.lora_alpha, 0.0, d.lora_targets)
+        culprit = f"distill.lora_targets={d.lora_targets} do not fit {self.cfg.spec!r}"
+        torch.manual_seed(seed + 1)  # its own A matrices, not a copy of the policy's
+        if self.peft is not None:
+            if d.adapter_name in self.peft.peft_config:
+                raise ConfigError(
+                    f"distill.adapter_name={d.adapter_name!r} is the policy's own adapter's name"
+                )
+            try:
+                self.peft.add_adapter(d.adapter_name, lora)
+            except ValueError as e:
+                raise ConfigError(f"{culprit}: {e}") from None
+        else:
+            self.peft = _wrap(self.module, lora, d.adapter_name, culprit)
+            self.module = self.peft.get_base_model()
+            for name, p in self.module.named_parameters():
+                p.requires_grad_(_ADAPTER_KEY not in name)  # PEFT froze the base: the policy trains it
+        self.distill_adapter = d.adapter_name
+        self._activate(self.own_adapters)
+
+    def _activate(self, names: list[str]) -> None:
+        """Make exactly `names` the active adapters, leaving every parameter's requires_grad as it was (PEFT's
+        switches also (un)freeze adapters, which is the optimizers' business here, not the switch's)."""
+        flags = [(p, p.requires_grad) for p in self.module.parameters()]
+        base = self.peft.base_model
+        if names:
+            base.enable_adapter_layers()
+            base.set_adapter(names)
+        else:
+            base.disable_adapter_layers()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+    @contextlib.contextmanager
+    def sparse_path(self) -> Iterator[None]:
+        """The distill adapter on, beside the policy's own, for sparse sampling and its replay (a no-op
+        without DistillSparse)."""
+        if self.distill_adapter is None:
+            yield
+            return
+        self._activate([*self.own_adapters, self.distill_adapter])
+        try:
+            yield
+        finally:
+            self._activate(self.own_adapters)
+
+    def distill_parameters(self) -> list[nn.Parameter]:
+        """The distill adapter's parameters (the DistillSparse optimizer's)."""
+        tag = f".{self.distill_adapter}."
+        return [p for n, p in self.module.named_parameters() if self.distill_adapter and tag in n]
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -81,32 +156,41 @@ class Policy:
         return torch.autocast(device, dtype=self.compute_dtype, enabled=self.cfg.dtype != "float32")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """Parameters the optimizer updates (adapters only with LoRA)."""
-        return [p for p in self.module.parameters() if p.requires_grad]
+        """Parameters the policy's optimizer updates (adapters only with LoRA; never the distill adapter)."""
+        distill = {id(p) for p in self.distill_parameters()}
+        return [p for p in self.module.parameters() if p.requires_grad and id(p) not in distill]
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[nn.Module]:
         """The reference (initial) policy: adapters disabled with LoRA, else the frozen copy."""
-        if self.peft is not None:
-            with self.peft.disable_adapter():
+        if self.cfg.lora:
+            self._activate([])
+            try:
                 yield self.module
+            finally:
+                self._activate(self.own_adapters)
         elif self._ref is not None:
             yield self._ref
         else:
             raise RuntimeError("no reference policy: it is built only when algo.kl_coef > 0")
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint stores: the adapter weights with LoRA, else the full state dict."""
-        if self.peft is not None:
-            from peft import get_peft_model_state_dict
+        """What a checkpoint stores: the adapter weights with LoRA, else the full state dict (without the
+        distill adapter, under the model's own names)."""
+        if self.cfg.lora:
+            return self.adapter_weights("default")
+        return {_base_key(k): v for k, v in self.module.state_dict().items() if _ADAPTER_KEY not in k}
 
-            return get_peft_model_state_dict(self.peft, save_embedding_layers=False)
-        return dict(self.module.state_dict())
+    def adapter_weights(self, name: str) -> dict[str, torch.Tensor]:
+        """One PEFT adapter's weights, under PEFT's adapter-free keys."""
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.peft, adapter_name=name, save_embedding_layers=False)
 
     @property
     def weights_name(self) -> str:
         """File name of the checkpointed weights."""
-        return "adapter.safetensors" if self.peft is not None else "model.safetensors"
+        return "adapter.safetensors" if self.cfg.lora else "model.safetensors"
 
     def load_weights(self, state: dict[str, torch.Tensor], source: str | Path = "checkpoint") -> None:
         """Inverse of `weights`, strict: missing, unexpected or differently shaped tensors are an error that
@@ -130,12 +214,19 @@ class Policy:
                 f"{source}: the saved weights do not fit model {self.cfg.spec!r} (lora={self.cfg.lora}, "
                 f"lora_r={self.cfg.lora_r}): {'; '.join(parts)}"
             )
-        if self.peft is not None:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.peft, state)
+        if self.cfg.lora:
+            self.load_adapter_weights("default", state)
+        elif self.distill_adapter is not None:  # the model's own names -> the names inside the LoRA layers
+            names = {_base_key(k): k for k in self.module.state_dict() if _ADAPTER_KEY not in k}
+            self.module.load_state_dict({names[k]: v for k, v in state.items()}, strict=False)
         else:
             self.module.load_state_dict(state, strict=False)
+
+    def load_adapter_weights(self, name: str, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of `adapter_weights`."""
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(self.peft, state, adapter_name=name)
 
     def export(self, path: str | Path) -> Path:
         """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer,
@@ -153,10 +244,15 @@ class Policy:
         was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # its bar would tear the live training bar
         try:
-            if self.peft is not None:
-                merged = copy.deepcopy(self.peft).merge_and_unload()
-                merged.save_pretrained(path)
-                del merged
+            if self.peft is not None:  # the dense policy: its own adapters merged, the distill one left out
+                copy_ = copy.deepcopy(self.peft)
+                own = (
+                    copy_.merge_and_unload(adapter_names=self.own_adapters)
+                    if self.own_adapters
+                    else copy_.unload()
+                )
+                own.save_pretrained(path)
+                del copy_, own
             else:
                 self.module.save_pretrained(path)
         finally:

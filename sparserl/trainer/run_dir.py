@@ -33,6 +33,9 @@ RESUMABLE_KEYS = (
     "trainer.acceptance_",
     "logging.",
     "engine.",
+    "distill.enable",  # turned on for a run that had none: refused unless distill.fresh_on_resume (loop.py)
+    "distill.fresh_on_resume",
+    "distill.probe_",
 )
 LOCATION_KEYS = ("trainer.output_dir", "trainer.run_name")
 

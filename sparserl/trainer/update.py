@@ -27,7 +27,7 @@ from sparserl.trainer.data import derive_seed
 SHUFFLE = 2  # seed purpose of the mini-batch order (see loop.py for the others)
 # Loss metrics that add up over micro-batches (then divide by the mini-batch's denominator); the others are
 # per-micro-batch statistics, averaged weighted by size.
-_SUMMED = ("actor/loss", "actor/pg_loss", "actor/kl_ref", "actor/entropy")
+SUMMED = ("actor/loss", "actor/pg_loss", "actor/kl_ref", "actor/entropy")
 
 
 class WeightsDiverged(UserError):
@@ -192,10 +192,10 @@ class Learner:
                         continue
                     loss.backward()
                     for k, v in m.items():
-                        parts[k] = parts.get(k, 0.0) + (v if k in _SUMMED else v * len(idx) / len(mb))
+                        parts[k] = parts.get(k, 0.0) + (v if k in SUMMED else v * len(idx) / len(mb))
                 if finite and self._step(max(denominator, 1.0), sums):
                     for k, v in parts.items():
-                        sums[k] = sums.get(k, 0.0) + (v / max(denominator, 1.0) if k in _SUMMED else v)
+                        sums[k] = sums.get(k, 0.0) + (v / max(denominator, 1.0) if k in SUMMED else v)
                 else:
                     skipped += 1
                 self.optimizer.zero_grad(set_to_none=True)

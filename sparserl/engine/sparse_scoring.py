@@ -1,0 +1,144 @@
+"""Teacher-forced log-probs under the sampler's block-sparse attention, with gradients (DistillSparse).
+
+Given prompts and completions, each completion position is recomputed the way the block_topk sampler computed
+it: the prompt densely (the sampler's prefill), then every fed completion token's query reading only the pages
+its own group-mean query selects (page 0, the current page and the one before, the best-scored full pages up to
+the budget the schedule gives at that length), with `kv.dense_layers` dense. The selection is replayed by the
+sampler's own code (`PageSparseAttention.select_pages` on one `StepPlan` per row), so it cannot drift from it.
+
+Why SDPA with a boolean mask rather than FlexAttention: the selection depends on the query itself, per position,
+layer and KV head, so the mask is data-dependent and rebuilt every call; SDPA takes it as a plain tensor, runs
+eagerly on CPU and CUDA with autograd, and needs no `torch.compile` (FlexAttention's block masks pay off only
+compiled, on GPU, and its 128-token blocks are coarser than our 16-token pages). The selection itself is discrete
+and taken without gradient; gradients flow through the attention over the selected keys, as in the sampler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from sparserl.engine.decoder import Decoder
+from sparserl.engine.kv_config import KVConfig
+from sparserl.engine.sparse_attention import make_sparse_attention
+from sparserl.engine.sparse_attention.base import StepPlan
+from sparserl.errors import UserError
+
+
+def check_replayable(kv: KVConfig) -> None:
+    """Only block-sparse attention can be replayed teacher-forced (eviction would need the kept slots)."""
+    if not kv.sparse_attention:
+        raise UserError(
+            f"a sparse teacher-forced forward needs a block-sparse kv.method (block_topk), not {kv.method!r}: "
+            "replaying eviction needs the slots each layer held at every step, which the sampler does not record"
+        )
+
+
+def _right_padded_inputs(prompt_ids, completion_ids, device) -> tuple[Tensor, list[int], list[int]]:
+    """Rows prompt + completion[:-1] (what the sampler fed), right-padded; each row's prompt and fed length."""
+    rows = [list(p) + list(c)[:-1] for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids.to(device), [len(p) for p in prompt_ids], [len(r) for r in rows]
+
+
+class SparseReplay:
+    """The block_topk sampler's attention, replayed over whole sequences: per sparse layer, the mask of the keys
+    each query read (see the module docstring)."""
+
+    def __init__(self, kv: KVConfig, num_layers: int):
+        check_replayable(kv)
+        self.reader = make_sparse_attention(kv, num_layers)
+        self.schedule = kv.budget_schedule
+        self.page_size = kv.page_size
+
+    @torch.no_grad()
+    def mask(self, q: Tensor, k: Tensor, prompt_len: list[int], fed_len: list[int]) -> Tensor:
+        """Keys each query reads [B, Hkv, N, N] for one sparse layer's queries q [B, Hq, N, D] and keys k [B,
+        Hkv, N, D]: causal for the prompt (dense prefill), the selected pages for fed completion tokens."""
+        b, hkv, n, d = k.shape
+        ps = self.page_size
+        causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
+        mask = causal.expand(b, hkv, n, n).clone()
+        whole, pages = n // ps, -(-n // ps)
+        summaries = self.reader.selector.summarise(k[:, :, : whole * ps].reshape(b, hkv, whole, ps, d))
+        # the partial last page is never scored (only full pages are candidates): a zero summary, as in the cache
+        summaries = nn.functional.pad(summaries, (0, 0, 0, 0, 0, pages - whole))
+        key_page = torch.arange(n, device=k.device) // ps
+        for row in range(b):
+            first, end = prompt_len[row], fed_len[row]
+            if end <= first:
+                continue
+            positions = torch.arange(first, end, device=k.device)
+            tokens = positions + 1  # held once the fed token is written, as at the sampler's step
+            plan = StepPlan.make(tokens, self.schedule.budget(tokens), ps)
+            if plan.width == 0:  # every step's budget covers its pages: dense
+                continue
+            t = len(positions)
+            picked = self.reader.select_pages(
+                summaries[row : row + 1].expand(t, *summaries.shape[1:]),
+                q[row, :, first:end].transpose(0, 1)[:, :, None],
+                plan,
+            )  # [t, Hkv, width], -1 pads
+            read = torch.zeros(t, hkv, pages + 1, dtype=torch.bool, device=k.device)  # + 1: where -1 pads go
+            read.scatter_(2, torch.where(picked >= 0, picked, pages), True)
+            mask[row, :, first:end] = read[..., key_page].transpose(0, 1) & causal[first:end]
+        return mask
+
+
+def sparse_completion_logits(
+    model: nn.Module,
+    kv: KVConfig,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Logits [B, T, V] predicting each completion token under the sampler's block-sparse attention, the
+    targets [B, T] and the mask [B, T] (T: the longest completion; rows right-padded). Differentiable."""
+    dec = Decoder(model)  # the model's own modules: its active adapters, autocast, autograd
+    replay = SparseReplay(kv, dec.num_layers)
+    device = dec.device
+    ids, prompt_len, fed_len = _right_padded_inputs(prompt_ids, completion_ids, device)
+    b, n = ids.shape
+    hidden = dec.embed(ids)
+    rope = dec.rope(hidden, torch.arange(n, device=device)[None].expand(b, n))
+    group = dec.num_heads // dec.num_kv_heads
+    for layer in range(dec.num_layers):
+        qkv = dec.qkv(layer, hidden, rope)
+        if layer in replay.reader.sparse_layers:
+            keys = replay.mask(qkv.q.detach(), qkv.k.detach(), prompt_len, fed_len)
+            keys = keys[:, :, None].expand(b, dec.num_kv_heads, group, n, n).reshape(b, dec.num_heads, n, n)
+            out = nn.functional.scaled_dot_product_attention(
+                qkv.q, qkv.k, qkv.v, attn_mask=keys, enable_gqa=True
+            )
+        else:
+            out = nn.functional.scaled_dot_product_attention(
+                qkv.q, qkv.k, qkv.v, is_causal=True, enable_gqa=True
+            )
+        hidden = dec.finish_layer(layer, hidden, out)
+    t_c = max(max(len(c) for c in completion_ids), 1)
+    targets = torch.zeros(b, t_c, dtype=torch.long)
+    at = torch.zeros(b, t_c, dtype=torch.long)
+    mask = torch.zeros(b, t_c, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        targets[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+        at[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+        mask[i, : len(c)] = True
+    picked = hidden.gather(1, at.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
+    return dec.logits(picked), targets.to(device), mask.to(device)
+
+
+def sparse_completion_logprobs(
+    model: nn.Module,
+    kv: KVConfig,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Differentiable per-token log-probs [B, T] of each completion under the sampler's block-sparse
+    attention, and the mask [B, T]; the sparse counterpart of `scoring.completion_logprobs`."""
+    logits, targets, mask = sparse_completion_logits(model, kv, prompt_ids, completion_ids)
+    logp = (logits / temperature).log_softmax(dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return logp * mask, mask

@@ -1,0 +1,175 @@
+"""DistillSparse's half of a step (Sparrow, spec section 6). After the policy's own update, with the base frozen
+and the distill adapter on: PPO on the sparse-forward log-probs of the step's samples, anchored at the
+sampler's recorded log-probs (the samples are the sparse path's own), with the rollout's advantages, plus
+distill.kl_coef x k3-KL(sparse path || dense policy) on the sampled tokens. The loss is `algo.policy_loss` with
+those settings; the sparse forward is `engine.sparse_scoring`. Alpha's tail (P5 per bin of absolute position)
+is measured on a fixed probe batch before and after the update, teacher-forced, with the exact alpha."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+
+from sparserl.algo import loss_denominator, policy_loss
+from sparserl.algo.acceptance import acceptance_by_bin, acceptance_exact
+from sparserl.config import TrainConfig
+from sparserl.engine import score_distributions
+from sparserl.engine.sampling import processed_logprobs
+from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
+from sparserl.trainer.checkpoint import Part
+from sparserl.trainer.policy import Policy
+from sparserl.trainer.update import SUMMED, Batch
+
+
+class DistillLearner:
+    """The adapter's optimizer, its update per step and the probe of alpha's tail."""
+
+    def __init__(self, cfg: TrainConfig, policy: Policy, autocast: Callable[[], AbstractContextManager]):
+        self.cfg, self.policy, self.autocast = cfg, policy, autocast
+        self.params = policy.distill_parameters()
+        o = cfg.optim
+        fused = all(p.device.type in ("cpu", "cuda") for p in self.params)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=o.lr * cfg.distill.lr_scale, betas=tuple(o.betas), eps=o.eps,
+            weight_decay=o.weight_decay, fused=fused,
+        )  # fmt: skip
+        # the policy's clip and aggregation; the KL term is the adapter's own, to the dense policy
+        self.algo = dataclasses.replace(
+            cfg.algo, kl_coef=cfg.distill.kl_coef, kl_estimator="k3", entropy_coef=0.0
+        )
+
+    def part(self) -> Part:
+        """What a checkpoint keeps of the adapter."""
+        return Part(self.policy.adapter_weights(self.policy.distill_adapter), self.optimizer.state_dict())
+
+    def load(self, part: Part) -> None:
+        self.policy.load_adapter_weights(self.policy.distill_adapter, part.weights)
+        self.optimizer.load_state_dict(part.optimizer)
+
+    @contextmanager
+    def _adapter_only(self) -> Iterator[None]:
+        """Gradients for the adapter alone (the base and the policy's LoRA frozen), the model in train mode."""
+        module = self.policy.module
+        flags = [(p, p.requires_grad) for p in module.parameters()]
+        mine = {id(p) for p in self.params}
+        for p, _ in flags:
+            p.requires_grad_(id(p) in mine)
+        module.train()
+        try:
+            with self.policy.sparse_path():
+                yield
+        finally:
+            module.eval()
+            for p, flag in flags:
+                p.requires_grad_(flag)
+
+    def update(self, batch: Batch, policy_lr: float) -> dict[str, float]:
+        """One pass of the adapter over the step's mini-batches (the policy's sizes), one AdamW step each, at
+        distill.lr_scale x the policy's current lr. `batch.logp_old` holds the dense log-probs."""
+        cfg = self.cfg
+        for group in self.optimizer.param_groups:
+            group["lr"] = policy_lr * cfg.distill.lr_scale
+        n = len(batch.prompts)
+        mini = cfg.optim.mini_batch_size or n
+        sums: dict[str, float] = {}
+        steps = skipped = 0
+        with self._adapter_only():
+            for start in range(0, n, mini):
+                self.optimizer.zero_grad(set_to_none=True)
+                denominator, parts = 0.0, {}
+                for micro in torch.tensor_split(
+                    torch.arange(start, min(start + mini, n)), cfg.optim.grad_accum
+                ):
+                    idx = micro.tolist()
+                    if not idx:
+                        continue
+                    with self.autocast():
+                        logp, _ = sparse_completion_logprobs(
+                            self.policy.module, cfg.kv, [batch.prompts[i] for i in idx],
+                            [batch.completions[i] for i in idx], cfg.rollout.temperature,
+                        )  # fmt: skip
+                    t = logp.shape[1]
+                    mask = batch.mask[micro, :t]
+                    denominator += loss_denominator(mask, self.algo, mask)
+                    loss, m = policy_loss(
+                        logp, batch.logp_sampler[micro, :t], batch.advantages[micro], mask, None, self.algo,
+                        logp_ref=batch.logp_old[micro, :t], response_mask=mask, denominator=1.0,
+                    )  # fmt: skip
+                    loss.backward()
+                    for k, v in m.items():
+                        parts[k] = parts.get(k, 0.0) + (
+                            v if k in SUMMED else v * len(idx) / min(mini, n - start)
+                        )
+                denominator = max(denominator, 1.0)
+                if self._step(denominator, sums):
+                    steps += 1
+                    for k, v in parts.items():
+                        sums[k] = sums.get(k, 0.0) + (v / denominator if k in SUMMED else v)
+                else:
+                    skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        out = {_name(k): v / max(steps, 1) for k, v in sums.items()}
+        out["distill/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["distill/skipped_updates"] = float(skipped)
+        return out
+
+    def _step(self, denominator: float, sums: dict[str, float]) -> bool:
+        """Scale, clip (optim.grad_clip) and step; False (skipped) when the gradient is not finite."""
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.div_(denominator)
+        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        if not torch.isfinite(norm):
+            return False
+        self.optimizer.step()
+        sums["distill/grad_norm"] = sums.get("distill/grad_norm", 0.0) + float(norm)
+        return True
+
+    @torch.no_grad()
+    def probe_alpha(self, probe: dict[str, Any], when: str) -> dict[str, float]:
+        """Exact alpha between the sparse path (adapter on, block-sparse replay) and the dense policy on the
+        probe's fixed samples, pooled per bin of absolute position (trainer.acceptance_bin): its P5 and mean,
+        as `distill/alpha_<stat>_<when>/bin<i>`."""
+        cfg, r = self.cfg, self.cfg.rollout
+        prompts, completions = probe["prompts"], probe["completions"]
+        with self.autocast():
+            dense = score_distributions(
+                self.policy.module, prompts, completions, r.temperature, r.top_p, r.top_k, 1, True
+            )
+            with self.policy.sparse_path():
+                logits, _, mask = sparse_completion_logits(self.policy.module, cfg.kv, prompts, completions)
+        alpha, positions = [], []
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            sparse = processed_logprobs(logits[i, : len(c)].float(), r.temperature, r.top_p, r.top_k)
+            alpha.append(acceptance_exact(sparse.cpu(), dense[i].full_logprobs))
+            positions.append(len(p) + torch.arange(len(c)))
+        bins = acceptance_by_bin(
+            torch.cat(alpha), torch.cat(positions), cfg.trainer.acceptance_bin, cfg.trainer.acceptance_tau
+        )
+        out: dict[str, float] = {}
+        for b in bins:
+            if b.p5 is not None:
+                out[f"distill/alpha_p5_{when}/bin{b.index}"] = b.p5
+                out[f"distill/alpha_mean_{when}/bin{b.index}"] = b.mean
+        return out
+
+
+def probe_batch(batch: Batch, size: int) -> dict[str, Any]:
+    """The fixed probe: `size` samples spread evenly over the first step's batch (several prompts)."""
+    stride = max(1, len(batch.prompts) // max(size, 1))
+    picked = list(range(0, len(batch.prompts), stride))[:size]
+    return {
+        "prompts": [list(batch.prompts[i]) for i in picked],
+        "completions": [list(batch.completions[i]) for i in picked],
+    }
+
+
+def _name(key: str) -> str:
+    """actor/<name> of `policy_loss` -> distill/<name>; its KL to the reference is the KL to the dense policy."""
+    name = key.split("/", 1)[1]
+    return "distill/kl" if name == "kl_ref" else f"distill/{name}"
