@@ -228,3 +228,27 @@ def test_resume_without_the_adapter_says_how_to_start_one(tmp_path: Path) -> Non
 def test_bad_distill_settings(tmp_path: Path, extra: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         distill_cfg(tmp_path, *extra)
+
+
+def test_eval_loads_the_sparse_path_of_a_distill_run(tmp_path: Path) -> None:
+    from sparserl.eval.loading import load_eval_model
+
+    trainer = make(distill_cfg(tmp_path, "trainer.steps=1"))
+    for p in trainer.policy.distill_parameters():
+        p.data.normal_(0, 0.05)
+    trainer.train()
+    trainer.close()
+    loaded = load_eval_model(str(tmp_path / "run"))
+    assert loaded.kind == "run-checkpoint" and loaded.info["sparse_adapter"] == "distill"
+    kv = trainer.cfg.kv
+    _, prompts, _ = sampled("llama", kv, new=8)
+    sparse = RolloutEngine(loaded.model, loaded.tokenizer, kv=kv)
+    sparse.eos_ids = set()
+    rollouts = sparse.generate(prompts[:2], n=1, max_new_tokens=16, seed=3)
+    completions = [s.completion_ids for s in rollouts.samples]
+    off, _ = sparse_completion_logprobs(loaded.model, kv, prompts[:2], completions)
+    with trainer.policy.sparse_path():  # the run's own policy, adapter on: the sampler's numbers
+        on, _ = sparse_completion_logprobs(trainer.policy.module, kv, prompts[:2], completions)
+    for i, s in enumerate(rollouts.samples):
+        assert float((on[i, : len(s.logprobs)] - s.logprobs).abs().max()) < REPLAY_TOL
+        assert float((off[i, : len(s.logprobs)] - s.logprobs).abs().max()) > 100 * REPLAY_TOL

@@ -3,8 +3,9 @@ with sampler log-probs."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,16 @@ def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[i
     return ids
 
 
+# A model's sparse-path switch (DistillSparse: an adapter on only while sampling sparse), entered by every sparse
+# engine over that model for the length of a run. Kept beside the model, not on it, so copies (exports) are dense.
+_SPARSE_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register_sparse_path(model: nn.Module, switch: Callable[[], AbstractContextManager]) -> None:
+    """Make every sparse `RolloutEngine` over `model` sample inside `switch()` (dense engines never do)."""
+    _SPARSE_PATHS[model] = switch
+
+
 class RolloutEngine:
     """Samples n completions per prompt. The KV cache is preallocated and, with an eviction method, bounded.
 
@@ -76,6 +87,8 @@ class RolloutEngine:
 
     `on_step`, when set, is called after every decode step as `on_step(step, cache, samples)` (`samples[r]` is
     the sample index of cache row r; -1 for a finished row that a compiled step keeps): a read-only window on the cache for tests and instrumentation.
+
+    A sparse engine over a model with a registered sparse path (`register_sparse_path`) samples inside it.
     """
 
     def __init__(
@@ -98,6 +111,8 @@ class RolloutEngine:
         # static shapes: every row stays in the batch until the call ends and attends over the whole capacity
         self.compiled_step = torch.compile(self._decode_step, dynamic=False) if compile else None
         self.evictor = make_evictor(self.kv, self.decoder.scale) if self.kv.evicting else None
+        switch = _SPARSE_PATHS.get(model) if self.kv.sparse else None
+        self.sampling_context: Callable[[], AbstractContextManager] = switch or nullcontext
         self.sparse = (
             make_sparse_attention(self.kv, self.decoder.num_layers) if self.kv.sparse_attention else None
         )
@@ -223,7 +238,7 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.sampling_context():
                 self.decoder.prepare()
                 yield
         finally:

@@ -45,10 +45,13 @@ def run_config(run_dir: str | Path) -> Any:
 
 
 def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tuple[Any, Any, dict]:
-    """The run's base model with the checkpoint's weights; LoRA adapters are loaded through PEFT and merged."""
+    """The run's base model with the checkpoint's weights; LoRA adapters are loaded through PEFT and merged
+    (a DistillSparse run's are kept as adapters, its sparse-path adapter registered with the engine)."""
     from safetensors.torch import load_file
 
     from sparserl.models import ModelLoadError
+    from sparserl.trainer.checkpoint import load_checkpoint
+    from sparserl.trainer.distill import DISTILL_PART
     from sparserl.trainer.policy import Policy
 
     cfg = run_config(run_dir)
@@ -56,13 +59,19 @@ def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tupl
     files = sorted(ckpt.glob("*.safetensors"))
     if len(files) != 1:
         raise FileNotFoundError(f"{ckpt}: expected one .safetensors weights file, found {len(files)}")
-    policy = Policy(model_cfg)
+    distill = cfg.distill if cfg.distill.enable else None
+    policy = Policy(model_cfg, distill=distill)
     try:
         policy.load_weights(load_file(files[0]))
+        if distill is not None:  # the sparse path's adapter stays a switch, on in sparse engines only
+            policy.load_adapter_weights(
+                policy.distill_adapter, load_checkpoint(ckpt).parts[DISTILL_PART].weights
+            )
     except Exception as e:  # noqa: BLE001 - re-raised naming the checkpoint
         raise ModelLoadError(f"checkpoint {ckpt} does not fit model {model_cfg.spec!r}: {e}") from e
-    model = policy.peft.merge_and_unload() if policy.peft is not None else policy.module
-    info = {"base_model": model_cfg.spec, "lora": bool(model_cfg.lora), "weights": str(files[0])}
+    model = policy.peft.merge_and_unload() if policy.peft is not None and distill is None else policy.module
+    info = {"base_model": model_cfg.spec, "lora": bool(model_cfg.lora), "weights": str(files[0]),
+            "sparse_adapter": policy.distill_adapter}  # fmt: skip
     return model, policy.tokenizer, info
 
 
@@ -88,7 +97,8 @@ def load_eval_model(
     elif path.is_dir() and is_run_dir(path):
         final = path / RUN_EXPORT
         ckpt = latest_checkpoint(path)
-        if (final / "config.json").is_file() and not use_checkpoint:
+        # a DistillSparse run's export is its dense policy: its sparse path needs the checkpoint's adapter
+        if (final / "config.json").is_file() and not use_checkpoint and not run_config(path).distill.enable:
             model, tok = load_model(str(final), dtype=torch_dtype)
             loaded = LoadedModel(model, tok, spec, "run-final", str(final))
         elif ckpt is not None:

@@ -24,6 +24,8 @@ from sparserl.trainer.checkpoint import Part
 from sparserl.trainer.policy import Policy
 from sparserl.trainer.update import SUMMED, Batch
 
+DISTILL_PART = "distill"  # the checkpoint sub-folder holding the adapter and its optimizer
+
 
 class DistillLearner:
     """The adapter's optimizer, its update per step and the probe of alpha's tail."""

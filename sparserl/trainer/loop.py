@@ -4,7 +4,6 @@ weights because the engine reads the trained model's weights afresh at every `ge
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
@@ -28,7 +27,7 @@ from sparserl.trainer.checkpoint import (
     save_checkpoint,
 )
 from sparserl.trainer.data import PromptSampler, derive_seed, usable_rows
-from sparserl.trainer.distill import DistillLearner, probe_batch
+from sparserl.trainer.distill import DISTILL_PART, DistillLearner, probe_batch
 from sparserl.trainer.logging import (
     MetricSinks,
     ProgressDisplay,
@@ -42,7 +41,6 @@ from sparserl.trainer.summary import accumulate, run_summary
 from sparserl.trainer.update import Batch, Learner, pad
 
 SUMMARY_FILE = "summary.json"
-DISTILL_PART = "distill"  # the checkpoint sub-folder of the DistillSparse adapter
 EXPORT_DIR = "final"
 # Seed "purposes", so that the prompt order, sampling, shuffling (update.SHUFFLE = 2) and evaluation draw
 # independent streams.
@@ -271,8 +269,7 @@ class Trainer:
             score=lambda texts, examples: self._rewards(self.task, texts, examples).tolist(),
             decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
         )
-        with self.policy.sparse_path():  # the distill adapter samples (a no-op without DistillSparse)
-            groups, stats, recorded = self.rollouts.collect(step - 1, self.state.engine_seed, source)
+        groups, stats, recorded = self.rollouts.collect(step - 1, self.state.engine_seed, source)
         samples = [s for g in groups for s in g.samples]
         t1 = time.perf_counter()
         completions = [list(s.tokens) for s in samples]
@@ -353,12 +350,11 @@ class Trainer:
         for mode, engine in modes.items():
             t0 = time.perf_counter()
             r = self.cfg.rollout
-            with self.policy.sparse_path() if mode == "sparse" else contextlib.nullcontext():
-                rollouts = engine.generate(
-                    prompt_ids, n=1, max_new_tokens=r.max_new_tokens, temperature=self.cfg.trainer.eval_temperature,
-                    top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None,
-                    seed=derive_seed(self.cfg.trainer.seed, _EVAL), sample_keys=list(self.eval_rows),
-                )  # fmt: skip
+            rollouts = engine.generate(
+                prompt_ids, n=1, max_new_tokens=r.max_new_tokens, temperature=self.cfg.trainer.eval_temperature,
+                top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None, seed=derive_seed(self.cfg.trainer.seed, _EVAL),
+                sample_keys=list(self.eval_rows),
+            )  # fmt: skip
             samples = list(rollouts.samples)
             texts = self.tokenizer.batch_decode(
                 [list(s.completion_ids) for s in samples], skip_special_tokens=True

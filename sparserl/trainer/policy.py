@@ -15,6 +15,7 @@ from torch import nn
 
 from sparserl.config import ConfigError, ModelConfig
 from sparserl.config.distill import DistillConfig
+from sparserl.engine.rollout import register_sparse_path
 from sparserl.models import ModelLoadError
 from sparserl.trainer.checkpoint import atomic_dir
 
@@ -112,6 +113,7 @@ class Policy:
                 p.requires_grad_(_ADAPTER_KEY not in name)  # PEFT froze the base: the policy trains it
         self.distill_adapter = d.adapter_name
         self._activate(self.own_adapters)
+        register_sparse_path(self.module, self.sparse_path)  # every sparse engine over it samples with it
 
     def _activate(self, names: list[str]) -> None:
         """Make exactly `names` the active adapters, leaving every parameter's requires_grad as it was (PEFT's
