@@ -245,13 +245,13 @@ def plot(result: dict, path: Path) -> None:
             ax[0].plot(c["step"], c["reward"], label=f"{arm} s{seed}")
             for key in sorted(k for k in c if k.startswith("distill/alpha_p5_before/")):
                 ax[1].plot(c["step"], c[key], label=f"{arm} s{seed} probe {key.rsplit('/', 1)[1]}")
-            for key in sorted(k for k in c if k.startswith("alpha/topk/p5/")):
+            for key in sorted(k for k in c if k.startswith("alpha/exact/p5/")):
                 ax[1].plot(
                     c["step"], c[key], linestyle=":", label=f"{arm} s{seed} rollouts {key.rsplit('/', 1)[1]}"
                 )
     ax[0].set(title="train reward", xlabel="step")
     ax[1].axhline(TAU, color="grey", linestyle="--")
-    ax[1].set(title="P5 of alpha (probe: exact; rollouts: top-20)", xlabel="step")
+    ax[1].set(title="P5 of exact alpha (probe: solid; rollouts: dotted)", xlabel="step")
     arms = list(result["arms"])
     for i, mode in enumerate(("dense", "sparse")):
         ax[2].bar([j + 0.4 * i for j in range(len(arms))], [result["arms"][a][mode]["accuracy"] for a in arms],

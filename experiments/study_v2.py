@@ -164,17 +164,90 @@ def probe(args: argparse.Namespace) -> dict:
     return row
 
 
+WARMSTART = ROOT / "runs" / "study_v2" / "warmstart"
+
+
+def worked_answer(example) -> str:
+    """The gold completion of a long_arithmetic problem, in the system prompt's worked style: the recalled
+    values, the sum with the numbers, the boxed result."""
+    facts, expression = example.meta["facts"], example.meta["expression"]
+    recalled = " and ".join(f"{name} = {value}" for name, value in facts.items())
+    numbers = " ".join(str(facts.get(item, item)) for item in expression.split())
+    return f"{recalled}, so {expression} = {numbers} = {example.answer}. The result is \\boxed{{{example.answer}}}."
+
+
+def warmstart(args: argparse.Namespace) -> dict:
+    """A short supervised warm start (the base model earns ~0 on the setting, so GRPO would see no signal):
+    LoRA (the setting's rank) on `--sft-steps` x `--sft-batch` train-split problems with their worked answers,
+    merged and saved as the study's starting model; then its dense reward on the held-out probe prompts."""
+    from peft import LoraConfig, get_peft_model
+
+    from sparserl.config import load_config
+    from sparserl.engine import completion_logprobs
+    from sparserl.eval.evaluate import evaluate
+    from sparserl.models import encode_prompt, load_model, prepare_for_training
+    from sparserl.tasks import make_task
+
+    cfg = load_config(CONFIG, args.overrides)
+    model, tok = load_model(cfg.model.spec)
+    prepare_for_training(model)
+    torch.manual_seed(0)
+    peft = get_peft_model(model, LoraConfig(r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha,
+                                            target_modules="all-linear"))  # fmt: skip
+    params = [p for p in peft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.sft_lr)
+    train = make_task(cfg.task, "train")
+    t0, losses = time.perf_counter(), []
+    for step in range(args.sft_steps):
+        batch = [train[step * args.sft_batch + i] for i in range(args.sft_batch)]
+        prompts = [encode_prompt(tok, ex.messages) for ex in batch]
+        answers = [
+            tok(worked_answer(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for ex in batch
+        ]
+        logp, mask = completion_logprobs(peft.get_base_model(), prompts, answers)
+        loss = -(logp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+        print(f"sft step {step + 1}/{args.sft_steps}: loss {losses[-1]:.3f}", flush=True)
+    merged = peft.merge_and_unload().eval()
+    WARMSTART.parent.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(WARMSTART)
+    tok.save_pretrained(WARMSTART)
+    r = cfg.rollout
+    with torch.no_grad():
+        result = evaluate(merged, tok, make_task(cfg.task, "test"), samples=args.samples, limit=args.prompts,
+                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=1234)  # fmt: skip
+    k = args.samples
+    row = {"stage": "warmstart", "overrides": args.overrides, "sft_steps": args.sft_steps, "sft_batch": args.sft_batch,
+           "sft_lr": args.sft_lr, "losses": losses, "sft_seconds": time.perf_counter() - t0,
+           "dense_reward": result["dense"][f"mean@{k}"], "mean_length": result["dense"]["mean_length"],
+           "prompts": args.prompts, "samples": k, "saved": str(WARMSTART.relative_to(ROOT)),
+           "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
+    path = RESULTS / "probes.json"
+    rows = json.loads(path.read_text())["probes"] if path.is_file() else []
+    save({"probes": rows + [row]}, path)
+    return row
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["scope", "probe"])
+    p.add_argument("stage", choices=["scope", "probe", "warmstart"])
     p.add_argument("overrides", nargs="*", help="probe: config overrides of the setting (key=value)")
     p.add_argument("--prompts", type=int, default=48, help="held-out prompts for rewards")
     p.add_argument("--samples", type=int, default=2, help="samples per prompt")
     p.add_argument("--mismatch-prompts", type=int, default=8, help="prompts whose samples are scored densely")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--sft-steps", type=int, default=40, help="warmstart: optimizer steps")
+    p.add_argument("--sft-batch", type=int, default=8, help="warmstart: problems per step")
+    p.add_argument("--sft-lr", type=float, default=3e-4, help="warmstart: AdamW learning rate of the LoRA")
     p.add_argument("--out", type=Path, default=RESULTS / "scoping.json")
     args = p.parse_intermixed_args()  # options may come before or after the overrides
     torch.set_num_threads(args.threads)
+    if args.stage == "warmstart":
+        print(warmstart(args))
+        return 0
     if args.stage == "probe":
         with torch.no_grad():
             print(probe(args))

@@ -178,13 +178,14 @@ def test_adapter_update_leaves_the_base_bit_identical(tmp_path: Path, lora: bool
     trainer.close()
 
 
-def test_resume_is_exact_with_the_adapter(tmp_path: Path) -> None:
-    straight = make(distill_cfg(tmp_path, name="straight"))
+@pytest.mark.parametrize("lora", [True, False], ids=["policy-lora", "full-policy"])
+def test_resume_is_exact_with_the_adapter(tmp_path: Path, lora: bool) -> None:
+    straight = make(distill_cfg(tmp_path, name="straight", lora=lora))
     straight.train()
-    killed = make(distill_cfg(tmp_path, name="killed"))
+    killed = make(distill_cfg(tmp_path, name="killed", lora=lora))
     killed.train(until_step=2)
     killed.close()
-    resumed = make(distill_cfg(tmp_path, name="killed"), run_dir=tmp_path / "killed", resume=True)
+    resumed = make(distill_cfg(tmp_path, name="killed", lora=lora), run_dir=tmp_path / "killed", resume=True)
     assert resumed.state.step == 2
     resumed.train()
     name = straight.policy.distill_adapter
@@ -195,6 +196,14 @@ def test_resume_is_exact_with_the_adapter(tmp_path: Path) -> None:
     last = [r for r in rows(tmp_path / "straight") if r["step"] == 3 and "distill/loss" in r][0]
     again = [r for r in rows(tmp_path / "killed") if r["step"] == 3 and "distill/loss" in r][-1]
     assert last["distill/loss"] == again["distill/loss"]
+    # the export is the dense policy alone: it loads as a plain model and scores like the policy, adapter off
+    from sparserl.models import load_model
+
+    exported, _ = load_model(str(tmp_path / "straight" / "final"))
+    assert not any("lora_" in k for k in exported.state_dict())
+    prompt, completion = [[5, 6, 7, 8]], [[9, 10, 11]]
+    ours = score(straight.policy.module, prompt, completion)[0]
+    assert torch.allclose(score(exported, prompt, completion)[0], ours, atol=1e-5)
     straight.close()
     resumed.close()
 
