@@ -1,4 +1,4 @@
-"""Teacher-forced log-probs under the sampler's block-sparse attention, with gradients (DistillSparse).
+"""Teacher-forced log-probs under the sampler's sparse attention, with gradients (DistillSparse).
 
 Given prompts and completions, each completion position is recomputed the way the block_topk sampler computed
 it: the prompt densely (the sampler's prefill), then every fed completion token's query reading only the pages
@@ -11,6 +11,9 @@ layer and KV head, so the mask is data-dependent and rebuilt every call; SDPA ta
 eagerly on CPU and CUDA with autograd, and needs no `torch.compile` (FlexAttention's block masks pay off only
 compiled, on GPU, and its 128-token blocks are coarser than our 16-token pages). The selection itself is discrete
 and taken without gradient; gradients flow through the attention over the selected keys, as in the sampler.
+
+Eviction is replayed the same way from what the sampler held (`engine.held`: per sample, the positions each
+layer and KV head kept after every cut): each query reads its step's held positions, in every layer.
 """
 
 from __future__ import annotations
@@ -21,19 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from sparserl.engine.decoder import Decoder
+from sparserl.engine.held import HeldRecord, held_mask
 from sparserl.engine.kv_config import KVConfig
 from sparserl.engine.sparse_attention import make_sparse_attention
 from sparserl.engine.sparse_attention.base import StepPlan
 from sparserl.errors import UserError
-
-
-def check_replayable(kv: KVConfig) -> None:
-    """Only block-sparse attention can be replayed teacher-forced (eviction would need the kept slots)."""
-    if not kv.sparse_attention:
-        raise UserError(
-            f"a sparse teacher-forced forward needs a block-sparse kv.method (block_topk), not {kv.method!r}: "
-            "replaying eviction needs the slots each layer held at every step, which the sampler does not record"
-        )
 
 
 def _right_padded_inputs(prompt_ids, completion_ids, device) -> tuple[Tensor, list[int], list[int]]:
@@ -45,23 +40,27 @@ def _right_padded_inputs(prompt_ids, completion_ids, device) -> tuple[Tensor, li
     return ids.to(device), [len(p) for p in prompt_ids], [len(r) for r in rows]
 
 
-class SparseReplay:
+class PageReplay:
     """The block_topk sampler's attention, replayed over whole sequences: per sparse layer, the mask of the keys
     each query read (see the module docstring)."""
 
     def __init__(self, kv: KVConfig, num_layers: int):
-        check_replayable(kv)
         self.reader = make_sparse_attention(kv, num_layers)
         self.schedule = kv.budget_schedule
         self.page_size = kv.page_size
 
     @torch.no_grad()
-    def mask(self, q: Tensor, k: Tensor, prompt_len: list[int], fed_len: list[int]) -> Tensor:
-        """Keys each query reads [B, Hkv, N, N] for one sparse layer's queries q [B, Hq, N, D] and keys k [B,
-        Hkv, N, D]: causal for the prompt (dense prefill), the selected pages for fed completion tokens."""
+    def mask(
+        self, layer: int, q: Tensor, k: Tensor, prompt_len: list[int], fed_len: list[int]
+    ) -> Tensor | None:
+        """Keys each query reads [B, Hkv, N, N] in `layer` given its queries q [B, Hq, N, D] and keys k [B, Hkv,
+        N, D]: causal for the prompt (dense prefill), the selected pages for fed completion tokens; None for a
+        dense layer."""
+        if layer not in self.reader.sparse_layers:
+            return None
         b, hkv, n, d = k.shape
         ps = self.page_size
-        causal = torch.ones(n, n, dtype=torch.bool, device=k.device).tril()
+        causal = _causal(n, k.device)
         mask = causal.expand(b, hkv, n, n).clone()
         whole, pages = n // ps, -(-n // ps)
         summaries = self.reader.selector.summarise(k[:, :, : whole * ps].reshape(b, hkv, whole, ps, d))
@@ -89,16 +88,57 @@ class SparseReplay:
         return mask
 
 
+class HeldReplay:
+    """An evicting sampler's attention, replayed from what each sample held (`engine.held`): every layer reads,
+    per query, the positions its KV heads held at that step."""
+
+    def __init__(self, records: Sequence[HeldRecord]):
+        self.records = list(records)
+
+    @torch.no_grad()
+    def mask(self, layer: int, q: Tensor, k: Tensor, prompt_len: list[int], fed_len: list[int]) -> Tensor:
+        b, hkv, n, _ = k.shape
+        causal = _causal(n, k.device)
+        mask = causal.expand(b, hkv, n, n).clone()
+        for row, record in enumerate(self.records):
+            first, end = prompt_len[row], fed_len[row]
+            if end > first:
+                mask[row, :, first:end] = (
+                    held_mask(record, layer, first, end, n).to(k.device) & causal[first:end]
+                )
+        return mask
+
+
+def make_replay(kv: KVConfig, num_layers: int, held: Sequence[HeldRecord] | None) -> PageReplay | HeldReplay:
+    """The replay of `kv`'s sampler: block-sparse pages from the queries themselves, eviction from `held`."""
+    if kv.sparse_attention:
+        return PageReplay(kv, num_layers)
+    if not kv.evicting:
+        raise UserError(f"a sparse teacher-forced forward needs a sparse kv.method, not {kv.method!r}")
+    if held is None:
+        raise UserError(
+            f"replaying kv.method={kv.method!r} needs what the sampler held: sample with an "
+            "`engine.held.HeldRecorder` as the engine's on_step and pass its records (one per completion)"
+        )
+    return HeldReplay(held)
+
+
+def _causal(n: int, device: torch.device) -> Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
 def sparse_completion_logits(
     model: nn.Module,
     kv: KVConfig,
     prompt_ids: Sequence[Sequence[int]],
     completion_ids: Sequence[Sequence[int]],
+    held: Sequence[HeldRecord] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Logits [B, T, V] predicting each completion token under the sampler's block-sparse attention, the
-    targets [B, T] and the mask [B, T] (T: the longest completion; rows right-padded). Differentiable."""
+    """Logits [B, T, V] predicting each completion token under the sampler's sparse attention (block-sparse,
+    or eviction replayed from `held`, one record per completion), the targets [B, T] and the mask [B, T] (T:
+    the longest completion; rows right-padded). Differentiable."""
     dec = Decoder(model)  # the model's own modules: its active adapters, autocast, autograd
-    replay = SparseReplay(kv, dec.num_layers)
+    replay = make_replay(kv, dec.num_layers, held)
     device = dec.device
     ids, prompt_len, fed_len = _right_padded_inputs(prompt_ids, completion_ids, device)
     b, n = ids.shape
@@ -107,8 +147,8 @@ def sparse_completion_logits(
     group = dec.num_heads // dec.num_kv_heads
     for layer in range(dec.num_layers):
         qkv = dec.qkv(layer, hidden, rope)
-        if layer in replay.reader.sparse_layers:
-            keys = replay.mask(qkv.q.detach(), qkv.k.detach(), prompt_len, fed_len)
+        keys = replay.mask(layer, qkv.q.detach(), qkv.k.detach(), prompt_len, fed_len)
+        if keys is not None:
             keys = keys[:, :, None].expand(b, dec.num_kv_heads, group, n, n).reshape(b, dec.num_heads, n, n)
             out = nn.functional.scaled_dot_product_attention(
                 qkv.q, qkv.k, qkv.v, attn_mask=keys, enable_gqa=True
@@ -136,9 +176,10 @@ def sparse_completion_logprobs(
     prompt_ids: Sequence[Sequence[int]],
     completion_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
+    held: Sequence[HeldRecord] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Differentiable per-token log-probs [B, T] of each completion under the sampler's block-sparse
-    attention, and the mask [B, T]; the sparse counterpart of `scoring.completion_logprobs`."""
-    logits, targets, mask = sparse_completion_logits(model, kv, prompt_ids, completion_ids)
+    """Differentiable per-token log-probs [B, T] of each completion under the sampler's sparse attention, and
+    the mask [B, T]; the sparse counterpart of `scoring.completion_logprobs`."""
+    logits, targets, mask = sparse_completion_logits(model, kv, prompt_ids, completion_ids, held)
     logp = (logits / temperature).log_softmax(dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     return logp * mask, mask
