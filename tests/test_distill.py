@@ -228,7 +228,6 @@ def test_resume_without_the_adapter_says_how_to_start_one(tmp_path: Path) -> Non
     "extra, match",
     [
         (["algo.preset=dense", "kv.method=dense"], "rollouts are dense"),
-        (["kv.method=rkv", "kv.budget=40", "kv.interval=4"], "block_topk only"),
         (["distill.adapter_name=default"], "policy's own LoRA adapter"),
         (["rollout.partial.enable=true"], "decoded in one go"),
         (["distill.lora_r=0"], "distill.lora_r"),
@@ -298,3 +297,24 @@ def test_eviction_replay_from_the_held_positions_reproduces_the_sampler(kv: KVCo
         assert float((dense[i] - s.logprobs).abs().max()) > 100 * REPLAY_TOL
     with pytest.raises(UserError, match="HeldRecorder"):
         sparse_completion_logprobs(model, kv, p, c)
+
+
+def test_distill_with_eviction_replays_what_each_rollout_held(tmp_path: Path) -> None:
+    """R-KV rollouts: the layer records the held positions, the adapter's replay of the step's samples (adapter
+    on) reproduces the sampler's log-probs, and the update and probe run."""
+    cfg = distill_cfg(tmp_path, "kv.method=rkv", "kv.budget=24", "kv.interval=4", "kv.window=4")
+    trainer = make(cfg)
+    for p in trainer.policy.distill_parameters():
+        p.data.normal_(0, 0.05)
+    batch, _ = trainer.rollout(1)
+    assert batch.held is not None and all(len(h.fed) > 1 for h in batch.held)
+    with trainer.policy.sparse_path():
+        logp, _ = sparse_completion_logprobs(
+            trainer.policy.module, cfg.kv, batch.prompts, batch.completions, held=batch.held
+        )
+    gap = ((logp - batch.logp_sampler).abs() * batch.mask).max()
+    assert float(gap) < REPLAY_TOL
+    trainer.learner.update(1, batch)
+    out = trainer._distill_step(1, batch)
+    assert "distill/loss" in out and any(k.startswith("distill/alpha_p5_after/") for k in out)
+    trainer.close()

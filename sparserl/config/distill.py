@@ -18,7 +18,8 @@ class DistillConfig:
             "help": "DistillSparse: add a LoRA adapter that is on only while sampling sparse (and in its "
             "teacher-forced replay), off in dense scoring, the reference and the policy loss. Each step, after "
             "the policy update, the adapter alone is trained with PPO on the sparse-forward log-probs plus "
-            "distill.kl_coef x k3-KL to the dense log-probs. Needs kv.method=block_topk."
+            "distill.kl_coef x k3-KL to the dense log-probs. Needs sparse rollouts (block_topk, whose reads are "
+            "replayed from the queries, or an eviction method, whose held positions are recorded for the replay)."
         },
     )
     adapter_name: str = field(

@@ -440,14 +440,8 @@ class TrainConfig:
         if not (self.algo.sparse_rollout and self.kv.sparse):
             raise ConfigError(
                 f"distill.enable=true trains an adapter for sparse rollouts, but rollouts are dense "
-                f"(algo.preset={self.algo.preset!r}, kv.method={self.kv.method!r}): set kv.method=block_topk "
-                "and a sparse preset (e.g. algo.preset=tis), or distill.enable=false"
-            )
-        if not self.kv.sparse_attention:
-            raise ConfigError(
-                f"distill.enable=true with kv.method={self.kv.method!r}: the adapter is trained on a teacher-forced "
-                "replay of the sampler's attention, implemented for block_topk only (replaying eviction needs the "
-                "slots each layer held at every step, not recorded yet)"
+                f"(algo.preset={self.algo.preset!r}, kv.method={self.kv.method!r}): set kv.method to block_topk or "
+                "an eviction method and a sparse preset (e.g. algo.preset=tis), or distill.enable=false"
             )
         if self.model.lora and d.adapter_name == "default":
             raise ConfigError(

@@ -26,6 +26,14 @@ class HeldRecord:
     fed: list[int] = field(default_factory=list)
     held: list[Tensor] = field(default_factory=list)
 
+    def to_dict(self) -> dict:
+        """JSON-ready (a checkpoint's probe batch)."""
+        return {"fed": list(self.fed), "held": [h.tolist() for h in self.held]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HeldRecord:
+        return cls(list(d["fed"]), [torch.tensor(h, dtype=torch.int32) for h in d["held"]])
+
 
 class HeldRecorder:
     """A `RolloutEngine.on_step` hook recording `HeldRecord`s by sample index: a snapshot of the held positions

@@ -19,6 +19,7 @@ import torch
 
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
+from sparserl.engine.held import HeldRecord, HeldRecorder
 from sparserl.engine.rollout import run_stats
 from sparserl.engine.sampling import DistributionRecorder
 from sparserl.rollout.records import GroupRecord, SampleRecord
@@ -55,15 +56,20 @@ class RolloutLayer:
     complete groups of `rollout.n` scored samples each. The source is passed per call, so that the layer holds
     no reference back to its trainer."""
 
-    def __init__(self, engine, cfg: RolloutConfig, record_distributions: dict | None = None):
-        if record_distributions and cfg.partial.enable:
+    def __init__(
+        self, engine, cfg: RolloutConfig, record_distributions: dict | None = None, record_held: bool = False
+    ):
+        """`record_distributions`: the `generate` keywords that record the sampler's distributions (alpha);
+        `record_held`: record what an evicting sampler held (`engine.held`, for its teacher-forced replay)."""
+        if (record_distributions or record_held) and cfg.partial.enable:
             raise ValueError(
-                "recording the sampler's distributions (for alpha) needs whole samples; a sample resumed by "
-                "rollout.partial has lost its earlier ones"
+                "recording the sampler's distributions (for alpha) or held positions (for its replay) needs whole "
+                "samples; a sample resumed by rollout.partial has lost its earlier ones"
             )
         self.engine, self.cfg = engine, cfg
         self.scheduler = Scheduler(engine, cfg.kv_memory_cap_bytes, cfg.batching)
         self.record = record_distributions or {}
+        self.record_held = record_held
         self.state = RolloutState()
         self.rewards = RewardWorker(cfg.async_rewards)
 
@@ -103,8 +109,8 @@ class RolloutLayer:
         self, version: int, seed: int, source: PromptSource
     ) -> tuple[list[GroupRecord], dict[str, float], list]:
         """Run one step's rollouts with the weights of policy `version`, new groups drawing at `seed`; returns
-        the complete groups, metrics and, per returned sample, its tokens with the sampler's recorded
-        distributions (`completion_ids`, `distributions`: empty unless asked for, for alpha)."""
+        the complete groups, metrics and, per returned sample, its tokens with what the sampler recorded
+        (`completion_ids`, `distributions` for alpha, `held` for an eviction replay: empty unless asked for)."""
         cfg = self.cfg
         groups = self._groups_for_step(version, seed, source)
         pending = [(g, s) for g in groups for s in g.samples if not s.finished]
@@ -140,8 +146,16 @@ class RolloutLayer:
         sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, list(cfg.stop))
         stop = (lambda: finished_groups >= target) if cfg.partial.enable else None
         run, unfinished, sched = None, list(range(len(requests))), None
+        held = HeldRecorder() if self.record_held else None
         if requests and not (stop is not None and stop()):  # leftovers may already complete the step
-            run, unfinished, sched = self.scheduler.run(requests, sampling, on_finish, stop, recorder, seed)
+            previous = self.engine.on_step
+            self.engine.on_step = held or previous
+            try:
+                run, unfinished, sched = self.scheduler.run(
+                    requests, sampling, on_finish, stop, recorder, seed
+                )
+            finally:
+                self.engine.on_step = previous
         for i in unfinished if run is not None else ():  # stopped early (APRIL): keep what they drew
             self._append(run, i, pending[i][1], version)
         t0 = time.perf_counter()
@@ -159,9 +173,13 @@ class RolloutLayer:
                 for s in g.samples:
                     s.mask_stale(version)
         distributions = []
-        if recorder is not None:  # without partial rollouts every returned sample ran whole in this run
-            holders = [_Holder(run.completion(i)[0]) for i in range(len(pending))]
-            recorder.attach(holders)
+        if recorder is not None or held is not None:  # without partial rollouts every sample ran whole here
+            holders = [
+                _Holder(run.completion(i)[0], held=held.records.get(i) if held else None)
+                for i in range(len(pending))
+            ]
+            if recorder is not None:
+                recorder.attach(holders)
             row = {id(s): i for i, (_, s) in enumerate(pending)}
             distributions = [holders[row[id(s)]] for g in complete for s in g.samples]
         metrics = self._metrics(complete, version, run, sched)
@@ -206,3 +224,4 @@ class _Holder:
 
     completion_ids: list[int]
     distributions: Any = None
+    held: HeldRecord | None = None

@@ -1,4 +1,4 @@
-"""DistillSparse's half of a step (Sparrow, spec section 6). After the policy's own update, with the base frozen
+"""DistillSparse's half of a step (Sparrow, spec section 6; for eviction methods too). After the policy's own update, with the base frozen
 and the distill adapter on: PPO on the sparse-forward log-probs of the step's samples, anchored at the
 sampler's recorded log-probs (the samples are the sparse path's own), with the rollout's advantages, plus
 distill.kl_coef x k3-KL(sparse path || dense policy) on the sampled tokens. The loss is `algo.policy_loss` with
@@ -18,6 +18,7 @@ from sparserl.algo import loss_denominator, policy_loss
 from sparserl.algo.acceptance import acceptance_by_bin, acceptance_exact
 from sparserl.config import TrainConfig
 from sparserl.engine import score_distributions
+from sparserl.engine.held import HeldRecord
 from sparserl.engine.sampling import processed_logprobs
 from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
 from sparserl.trainer.checkpoint import Part
@@ -89,10 +90,11 @@ class DistillLearner:
                     idx = micro.tolist()
                     if not idx:
                         continue
+                    held = [batch.held[i] for i in idx] if batch.held is not None else None
                     with self.autocast():
                         logp, _ = sparse_completion_logprobs(
                             self.policy.module, cfg.kv, [batch.prompts[i] for i in idx],
-                            [batch.completions[i] for i in idx], cfg.rollout.temperature,
+                            [batch.completions[i] for i in idx], cfg.rollout.temperature, held,
                         )  # fmt: skip
                     t = logp.shape[1]
                     mask = batch.mask[micro, :t]
@@ -139,12 +141,15 @@ class DistillLearner:
         as `distill/alpha_<stat>_<when>/bin<i>`."""
         cfg, r = self.cfg, self.cfg.rollout
         prompts, completions = probe["prompts"], probe["completions"]
+        held = [HeldRecord.from_dict(h) for h in probe["held"]] if probe.get("held") else None
         with self.autocast():
             dense = score_distributions(
                 self.policy.module, prompts, completions, r.temperature, r.top_p, r.top_k, 1, True
             )
             with self.policy.sparse_path():
-                logits, _, mask = sparse_completion_logits(self.policy.module, cfg.kv, prompts, completions)
+                logits, _, mask = sparse_completion_logits(
+                    self.policy.module, cfg.kv, prompts, completions, held
+                )
         alpha, positions = [], []
         for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
             sparse = processed_logprobs(logits[i, : len(c)].float(), r.temperature, r.top_p, r.top_k)
@@ -168,6 +173,7 @@ def probe_batch(batch: Batch, size: int) -> dict[str, Any]:
     return {
         "prompts": [list(batch.prompts[i]) for i in picked],
         "completions": [list(batch.completions[i]) for i in picked],
+        "held": [batch.held[i].to_dict() for i in picked] if batch.held is not None else None,
     }
 
 

@@ -150,7 +150,12 @@ class Trainer:
             else []
         )
         self.sampler = PromptSampler(len(self.train_rows), seed)
-        self.rollouts = RolloutLayer(self.engine, cfg.rollout, acceptance_request(cfg))
+        self.rollouts = RolloutLayer(
+            self.engine,
+            cfg.rollout,
+            acceptance_request(cfg),
+            record_held=cfg.distill.enable and cfg.kv.evicting,
+        )
 
         if ckpt is not None:
             self.policy.load_weights(ckpt.weights)
@@ -310,7 +315,8 @@ class Trainer:
         )
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
         metrics.update(kv_saving_metrics(stats, prompts, completions, cfg.rollout.max_new_tokens, cfg.sparse))
-        batch = Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages)
+        held = [r.held for r in recorded] if self.rollouts.record_held else None
+        batch = Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages, held)
         return batch, metrics
 
     def learn(self, step: int, batch: Batch) -> dict[str, float]:
