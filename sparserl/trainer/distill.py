@@ -23,7 +23,7 @@ from sparserl.engine.sampling import processed_logprobs
 from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
 from sparserl.trainer.checkpoint import Part
 from sparserl.trainer.policy import Policy
-from sparserl.trainer.update import SUMMED, Batch
+from sparserl.trainer.update import SUMMED, Batch, clipped_step
 
 DISTILL_PART = "distill"  # the checkpoint sub-folder holding the adapter and its optimizer
 
@@ -122,21 +122,16 @@ class DistillLearner:
         return out
 
     def _step(self, denominator: float, sums: dict[str, float]) -> bool:
-        """Scale, clip (optim.grad_clip) and step; False (skipped) when the gradient is not finite."""
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.div_(denominator)
-        clip = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        if not torch.isfinite(norm):
+        """The policy's `clipped_step` (optim.grad_clip); False (skipped) when the gradient is not finite."""
+        norm = clipped_step(self.params, self.optimizer, denominator, self.cfg.optim.grad_clip)
+        if norm is None:
             return False
-        self.optimizer.step()
-        sums["distill/grad_norm"] = sums.get("distill/grad_norm", 0.0) + float(norm)
+        sums["distill/grad_norm"] = sums.get("distill/grad_norm", 0.0) + norm
         return True
 
     @torch.no_grad()
     def probe_alpha(self, probe: dict[str, Any], when: str) -> dict[str, float]:
-        """Exact alpha between the sparse path (adapter on, block-sparse replay) and the dense policy on the
+        """Exact alpha between the sparse path (adapter on, sparse replay) and the dense policy on the
         probe's fixed samples, pooled per bin of absolute position (trainer.acceptance_bin): its P5 and mean,
         as `distill/alpha_<stat>_<when>/bin<i>`."""
         cfg, r = self.cfg, self.cfg.rollout
