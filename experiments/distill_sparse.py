@@ -19,6 +19,7 @@ under docs/results/distill_sparse/. Every part is kept once done: re-run the sam
 
     python experiments/distill_sparse.py                 # everything (~2.5 h per seed on 2 cores)
     python experiments/distill_sparse.py --seeds 0,1,2   # more seeds (the finished ones are kept)
+    python experiments/distill_sparse.py --report-only   # the report from the parts done so far
 """
 
 from __future__ import annotations
@@ -194,43 +195,51 @@ def seed_mean(values: list[float | None]) -> float | None:
     return statistics.fmean(got) if got else None
 
 
+GOAL_TARGETS = {
+    "P5 under the tau 0.80 schedule rises with DistillSparse (lowest bin, distill minus no-distill arm)": "> 0",
+    "Recalibrated at tau 0.86, the distilled sparse path reads fewer positions per step (ratio to no-distill)": "< 1",
+    "Dense held-out accuracy not below the no-distillation arm's (distill minus no-distill)": ">= -2 s.e.",
+}
+
+
 def goals(reports: dict, seeds: list[int], base: dict, command: str) -> dict:
-    """The issue's goals from the finished arms (seed means; standard errors over held-out prompts)."""
+    """The issue's goals from the seeds whose sparse and distill arms are both reported (seed means; standard
+    errors over held-out prompts); each is recorded as not measured while none is."""
+    done = [s for s in seeds if ("sparse", s) in reports and ("distill", s) in reports]
+    if not done:
+        reason = "not measured yet: the sparse and distill arms of a seed must both be trained and evaluated"
+        return {name: {"value": None, "target": t, "met": False, "command": command, "reason": reason}
+                for name, t in GOAL_TARGETS.items()}  # fmt: skip
 
     def tail(arm: str) -> float | None:  # the lowest P5 over the bins measured under the tau 0.80 schedule
         return seed_mean(
-            [min(p for p in reports[arm, s]["p5_at_tau080_schedule"] if p is not None) for s in seeds]
+            [min(p for p in reports[arm, s]["p5_at_tau080_schedule"] if p is not None) for s in done]
         )
 
     def cost(arm: str) -> float:
         return statistics.fmean(
-            positions_read(reports[arm, s]["schedule_tau086"], base["table"]) for s in seeds
+            positions_read(reports[arm, s]["schedule_tau086"], base["table"]) for s in done
         )
 
-    d_acc = [
-        reports["distill", s]["dense"]["accuracy"] - reports["sparse", s]["dense"]["accuracy"] for s in seeds
-    ]
-    se = [
-        (reports["distill", s]["dense"]["stderr"] ** 2 + reports["sparse", s]["dense"]["stderr"] ** 2) ** 0.5
-        for s in seeds
-    ]
-    diff, stderr = statistics.fmean(d_acc), statistics.fmean(se) / len(seeds) ** 0.5
+    def acc(arm: str, s: int, key: str) -> float:
+        return reports[arm, s]["dense"][key]
+
+    diff = statistics.fmean(acc("distill", s, "accuracy") - acc("sparse", s, "accuracy") for s in done)
+    se = statistics.fmean(
+        (acc("distill", s, "stderr") ** 2 + acc("sparse", s, "stderr") ** 2) ** 0.5 for s in done
+    )
+    stderr = se / len(done) ** 0.5
     rise = (tail("distill") or 0.0) - (tail("sparse") or 0.0)
     ratio = cost("distill") / cost("sparse")
+    names = list(GOAL_TARGETS)
     return {
-        "P5 under the tau 0.80 schedule rises with DistillSparse (lowest bin, distill minus no-distill arm)": {
-            "value": rise, "target": "> 0 (toward tau 0.86)", "met": rise > 0, "command": command,
-            "distill_lowest_p5": tail("distill"), "no_distill_lowest_p5": tail("sparse"),
-        },
-        "Recalibrated at tau 0.86, the distilled sparse path reads fewer positions per step (ratio to no-distill)": {
-            "value": ratio, "target": "< 1", "met": ratio < 1, "command": command,
-            "positions_read_distill": cost("distill"), "positions_read_no_distill": cost("sparse"),
-            "positions_read_base": positions_read(base["schedule_tau086"], base["table"]),
-        },
-        "Dense held-out accuracy not below the no-distillation arm's (distill minus no-distill)": {
-            "value": diff, "target": ">= -2 standard errors", "met": diff >= -2 * stderr, "stderr": stderr,
-            "command": command,
-        },
+        names[0]: {"value": rise, "target": GOAL_TARGETS[names[0]], "met": rise > 0, "command": command,
+                   "distill_lowest_p5": tail("distill"), "no_distill_lowest_p5": tail("sparse"), "seeds": done},
+        names[1]: {"value": ratio, "target": GOAL_TARGETS[names[1]], "met": ratio < 1, "command": command,
+                   "positions_read_distill": cost("distill"), "positions_read_no_distill": cost("sparse"),
+                   "positions_read_base": positions_read(base["schedule_tau086"], base["table"]), "seeds": done},
+        names[2]: {"value": diff, "target": GOAL_TARGETS[names[2]], "met": diff >= -2 * stderr, "stderr": stderr,
+                   "command": command, "seeds": done},
     }  # fmt: skip
 
 
@@ -275,6 +284,9 @@ def main() -> int:
     ap.add_argument("--seeds", default="0", help="training seeds, comma-separated (default 0)")
     ap.add_argument("--repeats", type=int, default=3, help="throughput repeats per schedule")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--report-only", action="store_true", help="the report from the parts done so far, no runs"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -284,17 +296,25 @@ def main() -> int:
     reports, runs = {}, {}
     for seed in seeds:
         for arm, overrides in ARMS.items():
+            run = RUNS / f"{arm}-seed{seed}"
+            if args.report_only:
+                if (PARTS / f"{run.name}.json").is_file():
+                    reports[arm, seed] = json.loads((PARTS / f"{run.name}.json").read_text())
+                    runs[arm, seed] = run
+                continue
             extra = [] if arm == "dense" else [f"kv.schedule={tau080.relative_to(ROOT)}"]
             fixed = [f"trainer.seed={seed}", f"trainer.steps={STEPS}", "trainer.eval_prompts=0",
                      "trainer.save_every=5", "trainer.keep_last=1", "logging.progress=false"]  # fmt: skip
-            run = train_arm(RUNS, f"{arm}-seed{seed}", [*overrides, *extra, *fixed], [f"trainer.threads={args.threads}"],
-                            config=CONFIG)  # fmt: skip
-            runs[arm, seed] = run
-            reports[arm, seed] = arm_report(arm, run, tau080)
-    schedules = {"tau 0.80 (base; trains the sparse arms)": base["schedule"],
-                 "tau 0.86 (base)": base["schedule_tau086"],
-                 "tau 0.86 (no-distill arm, seed 0)": reports["sparse", seeds[0]]["schedule_tau086"],
-                 "tau 0.86 (distill arm, seed 0)": reports["distill", seeds[0]]["schedule_tau086"]}  # fmt: skip
+            runs[arm, seed] = train_arm(RUNS, run.name, [*overrides, *extra, *fixed],
+                                        [f"trainer.threads={args.threads}"], config=CONFIG)  # fmt: skip
+            reports[arm, seed] = arm_report(arm, runs[arm, seed], tau080)
+    schedules = {
+        "tau 0.80 (base; trains the sparse arms)": base["schedule"],
+        "tau 0.86 (base)": base["schedule_tau086"],
+    }
+    for arm, label in (("sparse", "no-distill"), ("distill", "distill")):
+        if (arm, seeds[0]) in reports:
+            schedules[f"tau 0.86 ({label} arm, seed {seeds[0]})"] = reports[arm, seeds[0]]["schedule_tau086"]
 
     def measure() -> dict:
         from sparserl.models import load_model
@@ -302,49 +322,32 @@ def main() -> int:
         _, tok = load_model("smollm2-135m")
         return throughput({"dense": None, **schedules}, task_and_prompts(tok)[1], args.repeats)
 
-    speed = cached(PARTS / f"throughput-seeds{args.seeds.replace(',', '-')}.json", measure)
+    speed_file = PARTS / f"throughput-seeds{args.seeds.replace(',', '-')}.json"
+    speed = cached(speed_file, measure) if not args.report_only or speed_file.is_file() else {}
+    reported = [arm for arm in ARMS if all((arm, s) in reports for s in seeds)]
     result = {
         "experiment": "DistillSparse: an adapter on the sparse path vs none, under an aggressive block_topk schedule",
         "command": command,
         "goals": goals(reports, seeds, base, command),
-        "setting": {
-            "config": str(CONFIG.relative_to(ROOT)),
-            "arms": ARMS,
-            "steps": STEPS,
-            "seeds": seeds,
-            "kv": KV,
-            "budgets": BUDGETS,
-            "calibration_prompts": [CAL_OFFSET, CAL_PROMPTS],
-            "eval": [EVAL_PROMPTS, EVAL_SAMPLES],
-            "tau_train": TAU_TRAIN,
-            "tau": TAU,
-        },  # fmt: skip
+        "complete": len(reported) == len(ARMS) and bool(speed),
+        "setting": {"config": str(CONFIG.relative_to(ROOT)), "arms": ARMS, "steps": STEPS, "seeds": seeds, "kv": KV,
+                    "budgets": BUDGETS, "calibration_prompts": [CAL_OFFSET, CAL_PROMPTS],
+                    "eval": [EVAL_PROMPTS, EVAL_SAMPLES], "tau_train": TAU_TRAIN, "tau": TAU},
         "schedules": schedules,
         "positions_read": {name: positions_read(s, base["table"]) for name, s in schedules.items()},
         "throughput_tokens_per_cpu_s": {k: v["tokens_per_cpu_s"] for k, v in speed.items()},
-        "arms": {
-            arm: {
-                mode: {
-                    k: seed_mean([reports[arm, s][mode][k] for s in seeds])
-                    for k in ("accuracy", "stderr", "mean_length")
-                }
-                for mode in ("dense", "sparse")
-            }
-            for arm in ARMS
-        },  # fmt: skip
-        "per_seed": {f"{arm}-seed{s}": reports[arm, s] for arm in ARMS for s in seeds},
-        "curves": {arm: {s: curves(runs[arm, s]) for s in seeds} for arm in ARMS},
-        "base_calibration": {
-            "schedule": base["schedule"],
-            "schedule_tau086": base["schedule_tau086"],
-            "table": base["table"],
-            "seconds": base["seconds"],
-        },  # fmt: skip
-    }
+        "arms": {arm: {mode: {k: seed_mean([reports[arm, s][mode][k] for s in seeds])
+                              for k in ("accuracy", "stderr", "mean_length")} for mode in ("dense", "sparse")}
+                 for arm in reported},
+        "per_seed": {f"{arm}-seed{s}": r for (arm, s), r in reports.items()},
+        "curves": {arm: {s: curves(run) for (a, s), run in runs.items() if a == arm} for arm in reported},
+        "base_calibration": {"schedule": base["schedule"], "schedule_tau086": base["schedule_tau086"],
+                             "table": base["table"], "seconds": base["seconds"]},
+    }  # fmt: skip
     (RESULTS / "distill_sparse.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     plot(result, RESULTS / "distill_sparse.png")
     for name, g in result["goals"].items():
-        print(f"{'MET ' if g['met'] else 'NOT MET '} {name}: {g['value']}")
+        print(f"{'MET' if g['met'] else 'NOT MET'} {name}: {g['value']}")
     return 0
 
 
