@@ -318,3 +318,29 @@ def test_distill_with_eviction_replays_what_each_rollout_held(tmp_path: Path) ->
     out = trainer._distill_step(1, batch)
     assert "distill/loss" in out and any(k.startswith("distill/alpha_p5_after/") for k in out)
     trainer.close()
+
+
+def test_the_kl_term_alone_pulls_the_sparse_path_toward_the_dense_policy(tmp_path: Path) -> None:
+    """Zero advantages, distill.kl_coef=1: five adapter updates cut k3-KL(sparse path || dense) on the batch by
+    more than half (measured 0.51 -> 0.064 on the tiny llama)."""
+    cfg = distill_cfg(tmp_path, "distill.kl_coef=1.0", "distill.probe_samples=0")
+    trainer = make(cfg)
+    for p in trainer.policy.distill_parameters():
+        p.data.normal_(0, 0.05)
+    batch, _ = trainer.rollout(1)
+    batch.advantages.zero_()
+
+    def kl() -> float:
+        with torch.no_grad(), trainer.policy.sparse_path():
+            logp, _ = sparse_completion_logprobs(
+                trainer.policy.module, cfg.kv, batch.prompts, batch.completions
+            )
+        d = logp - batch.logp_old[:, : logp.shape[1]]
+        m = batch.mask[:, : logp.shape[1]]
+        return float(((torch.exp(-d) - 1 + d) * m).sum() / m.sum())
+
+    before = kl()
+    for _ in range(5):
+        trainer.distill.update(batch, 1e-3)
+    assert kl() < 0.5 * before
+    trainer.close()
