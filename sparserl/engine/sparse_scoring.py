@@ -97,6 +97,8 @@ class HeldReplay:
 
     @torch.no_grad()
     def mask(self, layer: int, q: Tensor, k: Tensor, prompt_len: list[int], fed_len: list[int]) -> Tensor:
+        """Keys each query reads [B, Hkv, N, N] in `layer`: causal for the prompt, the held positions for fed
+        completion tokens (`q` is unused: what was held does not depend on the replay's queries)."""
         b, hkv, n, _ = k.shape
         causal = _causal(n, k.device)
         mask = causal.expand(b, hkv, n, n).clone()
@@ -138,6 +140,8 @@ def sparse_completion_logits(
     or eviction replayed from `held`, one record per completion), the targets [B, T] and the mask [B, T] (T:
     the longest completion; rows right-padded). Differentiable."""
     dec = Decoder(model)  # the model's own modules: its active adapters, autocast, autograd
+    if held is not None and len(held) != len(prompt_ids):
+        raise ValueError(f"held: {len(held)} records for {len(prompt_ids)} completions (one each)")
     replay = make_replay(kv, dec.num_layers, held)
     device = dec.device
     ids, prompt_len, fed_len = _right_padded_inputs(prompt_ids, completion_ids, device)
