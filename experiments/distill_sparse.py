@@ -335,7 +335,7 @@ def main() -> int:
                     "eval": [EVAL_PROMPTS, EVAL_SAMPLES], "tau_train": TAU_TRAIN, "tau": TAU},
         "schedules": schedules,
         "positions_read": {name: positions_read(s, base["table"]) for name, s in schedules.items()},
-        "throughput_tokens_per_cpu_s": {k: v["tokens_per_cpu_s"] for k, v in speed.items()},
+        "throughput_tokens_per_cpu_s": {k: v["tokens_per_cpu_s"] for k, v in speed.items() if isinstance(v, dict)},
         "arms": {arm: {mode: {k: seed_mean([reports[arm, s][mode][k] for s in seeds])
                               for k in ("accuracy", "stderr", "mean_length")} for mode in ("dense", "sparse")}
                  for arm in reported},
