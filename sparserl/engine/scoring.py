@@ -34,12 +34,8 @@ def _completion_logits(
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompt_ids):
         groups.setdefault(tuple(p), []).append(i)
-    t_c = max(max(len(c) for c in completion_ids), 1)
-    targets = torch.zeros(len(prompt_ids), t_c, dtype=torch.long)
-    mask = torch.zeros(len(prompt_ids), t_c, dtype=torch.bool)
-    for i, c in enumerate(completion_ids):
-        targets[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-        mask[i, : len(c)] = True
+    targets, mask = completion_targets(completion_ids)
+    t_c = targets.shape[1]
     if all(len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items()):
         hidden = _hidden_at_completions(lm, list(prompt_ids), list(completion_ids), t_c, device)
     else:
@@ -52,7 +48,27 @@ def _completion_logits(
     return lm.lm_head(hidden).float(), targets.to(device), mask.to(device)
 
 
-def _right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+def completion_targets(completion_ids: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
+    """Token ids [B, T] and mask [B, T] of right-padded completions (T: the longest, at least 1)."""
+    t_c = max(max(len(c) for c in completion_ids), 1)
+    targets = torch.zeros(len(completion_ids), t_c, dtype=torch.long)
+    mask = torch.zeros(len(completion_ids), t_c, dtype=torch.bool)
+    for i, c in enumerate(completion_ids):
+        targets[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+        mask[i, : len(c)] = True
+    return targets, mask
+
+
+def at_completions(hidden: Tensor, prompt_ids, completion_ids, t_c: int) -> Tensor:
+    """Hidden states [B, W, H] of rows that start with their prompt -> [B, t_c, H] at the positions that predict
+    each completion token (the prompt's last, then every completion token but the last)."""
+    gather = torch.zeros(len(prompt_ids), t_c, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        gather[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
+    return hidden.gather(1, gather.to(hidden.device)[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Token ids and attention mask [B, W] of right-padded rows."""
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -65,14 +81,11 @@ def _right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[
 
 def _hidden_at_completions(lm, prompt_ids, completion_ids, t_c: int, device) -> Tensor:
     """Final hidden states [B, t_c, H] at the positions that predict each completion token, one forward per row."""
-    ids, attn = _right_padded(
+    ids, attn = right_padded(
         [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids, strict=True)], device
     )
-    gather = torch.zeros(len(prompt_ids), t_c, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        gather[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
     hidden = lm.model(input_ids=ids, attention_mask=attn).last_hidden_state
-    return hidden.gather(1, gather.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
+    return at_completions(hidden, prompt_ids, completion_ids, t_c)
 
 
 def _shared_prompt_hidden(lm, prompt: list[int], completions, t_c: int, device) -> Tensor:
@@ -83,7 +96,7 @@ def _shared_prompt_hidden(lm, prompt: list[int], completions, t_c: int, device) 
     head = torch.tensor([prompt[:-1]], dtype=torch.long, device=device)
     past = lm.model(input_ids=head, use_cache=True).past_key_values
     past.batch_repeat_interleave(len(completions))
-    ids, attn = _right_padded([[prompt[-1], *c] for c in completions], device)
+    ids, attn = right_padded([[prompt[-1], *c] for c in completions], device)
     attn = torch.cat([attn.new_ones(len(completions), head.shape[1]), attn], dim=1)
     hidden = lm.model(input_ids=ids, attention_mask=attn, past_key_values=past).last_hidden_state
     hidden = hidden[:, :t_c]

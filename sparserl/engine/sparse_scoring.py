@@ -26,18 +26,10 @@ from torch import Tensor, nn
 from sparserl.engine.decoder import Decoder
 from sparserl.engine.held import HeldRecord, held_mask
 from sparserl.engine.kv_config import KVConfig
+from sparserl.engine.scoring import at_completions, completion_targets, right_padded
 from sparserl.engine.sparse_attention import make_sparse_attention
 from sparserl.engine.sparse_attention.base import StepPlan
 from sparserl.errors import UserError
-
-
-def _right_padded_inputs(prompt_ids, completion_ids, device) -> tuple[Tensor, list[int], list[int]]:
-    """Rows prompt + completion[:-1] (what the sampler fed), right-padded; each row's prompt and fed length."""
-    rows = [list(p) + list(c)[:-1] for p, c in zip(prompt_ids, completion_ids, strict=True)]
-    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return ids.to(device), [len(p) for p in prompt_ids], [len(r) for r in rows]
 
 
 class PageReplay:
@@ -144,7 +136,12 @@ def sparse_completion_logits(
         raise ValueError(f"held: {len(held)} records for {len(prompt_ids)} completions (one each)")
     replay = make_replay(kv, dec.num_layers, held)
     device = dec.device
-    ids, prompt_len, fed_len = _right_padded_inputs(prompt_ids, completion_ids, device)
+    # what the sampler fed: the prompt (prefilled), then every completion token but the last
+    ids, _ = right_padded(
+        [list(p) + list(c)[:-1] for p, c in zip(prompt_ids, completion_ids, strict=True)], device
+    )
+    prompt_len = [len(p) for p in prompt_ids]
+    fed_len = [len(p) + len(c) - 1 for p, c in zip(prompt_ids, completion_ids, strict=True)]
     b, n = ids.shape
     hidden = dec.embed(ids)
     rope = dec.rope(hidden, torch.arange(n, device=device)[None].expand(b, n))
@@ -152,25 +149,14 @@ def sparse_completion_logits(
     for layer in range(dec.num_layers):
         qkv = dec.qkv(layer, hidden, rope)
         keys = replay.mask(layer, qkv.q.detach(), qkv.k.detach(), prompt_len, fed_len)
-        if keys is not None:
+        if keys is not None:  # per KV head -> per query head
             keys = keys[:, :, None].expand(b, dec.num_kv_heads, group, n, n).reshape(b, dec.num_heads, n, n)
-            out = nn.functional.scaled_dot_product_attention(
-                qkv.q, qkv.k, qkv.v, attn_mask=keys, enable_gqa=True
-            )
-        else:
-            out = nn.functional.scaled_dot_product_attention(
-                qkv.q, qkv.k, qkv.v, is_causal=True, enable_gqa=True
-            )
+        out = nn.functional.scaled_dot_product_attention(
+            qkv.q, qkv.k, qkv.v, attn_mask=keys, is_causal=keys is None, enable_gqa=True
+        )
         hidden = dec.finish_layer(layer, hidden, out)
-    t_c = max(max(len(c) for c in completion_ids), 1)
-    targets = torch.zeros(b, t_c, dtype=torch.long)
-    at = torch.zeros(b, t_c, dtype=torch.long)
-    mask = torch.zeros(b, t_c, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        targets[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-        at[i, : len(c)] = torch.arange(len(p) - 1, len(p) + len(c) - 1)
-        mask[i, : len(c)] = True
-    picked = hidden.gather(1, at.to(device)[..., None].expand(-1, -1, hidden.shape[-1]))
+    targets, mask = completion_targets(completion_ids)
+    picked = at_completions(hidden, prompt_ids, completion_ids, targets.shape[1])
     return dec.logits(picked), targets.to(device), mask.to(device)
 
 
