@@ -22,7 +22,7 @@ from sparserl.engine.held import HeldRecord
 from sparserl.engine.sampling import processed_logprobs
 from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
 from sparserl.trainer.checkpoint import Part
-from sparserl.trainer.policy import Policy
+from sparserl.trainer.policy import Policy, grad_flags_kept
 from sparserl.trainer.update import SUMMED, Batch, clipped_step
 
 DISTILL_PART = "distill"  # the checkpoint sub-folder holding the adapter and its optimizer
@@ -57,18 +57,16 @@ class DistillLearner:
     def _adapter_only(self) -> Iterator[None]:
         """Gradients for the adapter alone (the base and the policy's LoRA frozen), the model in train mode."""
         module = self.policy.module
-        flags = [(p, p.requires_grad) for p in module.parameters()]
         mine = {id(p) for p in self.params}
-        for p, _ in flags:
-            p.requires_grad_(id(p) in mine)
-        module.train()
-        try:
-            with self.policy.sparse_path():
-                yield
-        finally:
-            module.eval()
-            for p, flag in flags:
-                p.requires_grad_(flag)
+        with grad_flags_kept(module):
+            for p in module.parameters():
+                p.requires_grad_(id(p) in mine)
+            module.train()
+            try:
+                with self.policy.sparse_path():
+                    yield
+            finally:
+                module.eval()
 
     def update(self, batch: Batch, policy_lr: float) -> dict[str, float]:
         """One pass of the adapter over the step's mini-batches (the policy's sizes), one AdamW step each, at

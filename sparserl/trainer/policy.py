@@ -48,6 +48,17 @@ def _wrap(model: nn.Module, lora: Any, name: str, culprit: str) -> Any:
         raise ConfigError(f"{culprit}: {e}") from None
 
 
+@contextlib.contextmanager
+def grad_flags_kept(module: nn.Module) -> Iterator[None]:
+    """Every parameter's requires_grad put back as it was on exit (PEFT's adapter switches change them)."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
 def default_loader(cfg: ModelConfig) -> tuple[Any, Any]:
     """`sparserl.models.load_model(cfg.spec)` in the dtype its weights are kept in (`cfg.weights_dtype`)."""
     from sparserl.models import load_model
@@ -118,15 +129,13 @@ class Policy:
     def _activate(self, names: list[str]) -> None:
         """Make exactly `names` the active adapters, leaving every parameter's requires_grad as it was (PEFT's
         switches also (un)freeze adapters, which is the optimizers' business here, not the switch's)."""
-        flags = [(p, p.requires_grad) for p in self.module.parameters()]
         base = self.peft.base_model
-        if names:
-            base.enable_adapter_layers()
-            base.set_adapter(names)
-        else:
-            base.disable_adapter_layers()
-        for p, flag in flags:
-            p.requires_grad_(flag)
+        with grad_flags_kept(self.module):
+            if names:
+                base.enable_adapter_layers()
+                base.set_adapter(names)
+            else:
+                base.disable_adapter_layers()
 
     @contextlib.contextmanager
     def sparse_path(self) -> Iterator[None]:
