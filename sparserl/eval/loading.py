@@ -50,7 +50,7 @@ def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tupl
     from safetensors.torch import load_file
 
     from sparserl.models import ModelLoadError
-    from sparserl.trainer.checkpoint import load_checkpoint
+    from sparserl.trainer.checkpoint import PART_WEIGHTS
     from sparserl.trainer.distill import DISTILL_PART
     from sparserl.trainer.policy import Policy
 
@@ -64,9 +64,7 @@ def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tupl
     try:
         policy.load_weights(load_file(files[0]))
         if distill is not None:  # the sparse path's adapter stays a switch, on in sparse engines only
-            policy.load_adapter_weights(
-                policy.distill_adapter, load_checkpoint(ckpt).parts[DISTILL_PART].weights
-            )
+            policy.load_adapter_weights(policy.distill_adapter, load_file(ckpt / DISTILL_PART / PART_WEIGHTS))
     except Exception as e:  # noqa: BLE001 - re-raised naming the checkpoint
         raise ModelLoadError(f"checkpoint {ckpt} does not fit model {model_cfg.spec!r}: {e}") from e
     model = policy.peft.merge_and_unload() if policy.peft is not None and distill is None else policy.module
