@@ -11,8 +11,8 @@ from sparserl.errors import UserError
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 BUILTIN_TASKS = ("arithmetic", "long_arithmetic", "gsm8k", "math")
 BUILTIN_REWARD = "builtin"  # in task.reward: the task's own verifiable reward
-GENERATED_TASKS = ("arithmetic", "long_arithmetic")
-LONG_LAYOUTS = ("facts", "question_first")  # procedural: they read no data
+GENERATED_TASKS = ("arithmetic", "long_arithmetic")  # procedural: they read no data
+LONG_LAYOUTS = ("facts", "question_first")  # long_arithmetic: where the recalled values are stated
 
 
 @dataclass
@@ -194,7 +194,7 @@ class TaskConfig:
                 f"task.num_query={self.num_query} must be between 1 and task.num_facts={self.num_facts}"
             )
         if self.layout not in LONG_LAYOUTS:
-            raise ValueError(f"task.layout={self.layout!r}: choose one of {', '.join(LONG_LAYOUTS)}")
+            raise UserError(f"task.layout={self.layout!r}: choose one of {', '.join(LONG_LAYOUTS)}")
         if self.num_facts > 26 or self.num_distractors < 0 or self.num_distractors > 10000:
             raise UserError(
                 f"task.num_facts={self.num_facts} must be <= 26 and task.num_distractors="

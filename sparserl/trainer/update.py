@@ -46,9 +46,7 @@ class Batch:
     logp_old: Tensor | None  # [B, T] dense old policy (None: bypass mode, or taken from the learner's pass)
     logp_ref: Tensor | None  # [B, T] reference policy (None when kl_coef == 0)
     advantages: Tensor  # [B]
-    held: list | None = (
-        None  # per sample, what an evicting sampler held (engine.held; DistillSparse replays it)
-    )
+    held: list | None = None  # per sample, what an evicting sampler held (engine.held), for its replay
 
 
 def pad(rows: Sequence[Tensor | Sequence[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
