@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparserl.config import ConfigError, load_config
+from sparserl.config import ConfigError
 from sparserl.engine import KVConfig, RolloutEngine, score
 from sparserl.engine.sparse_scoring import sparse_completion_logprobs
 from sparserl.errors import UserError
 from sparserl.models import tiny_model
 from sparserl.trainer import Trainer
-from tests.test_trainer import ParityTask, rows
+from tests.test_trainer import ParityTask, rows, tiny_cfg
 
 # Measured on these tiny models (fp32, CPU, the three settings below): the replay's log-probs differ from the
 # sampler's by at most 1.2e-5 (llama) and 6.7e-6 (qwen3), the dense scorer's by 0.18-2.1 (its worst token per
@@ -88,34 +88,24 @@ def test_replay_has_gradients_and_refuses_dense() -> None:
 
 
 def distill_cfg(tmp_path: Path, *extra: str, name: str = "run", lora: bool = True):
-    return load_config(
-        None,
-        [
-            "model.spec=tiny-llama",
-            f"model.lora={str(lora).lower()}",
-            "rollout.prompts_per_step=2",
-            "rollout.n=4",
-            "rollout.max_new_tokens=24",
-            "kv.method=block_topk",
-            "kv.budget=48",
-            "kv.page_size=8",
-            "kv.dense_layers=0",
-            "algo.preset=tis",
-            "distill.enable=true",
-            "distill.lora_r=4",
-            "distill.probe_samples=4",
-            "optim.lr=1e-3",
-            "optim.mini_batch_size=4",
-            "optim.grad_accum=2",
-            "trainer.steps=3",
-            "trainer.eval_prompts=0",
-            "trainer.keep_last=3",
-            "trainer.acceptance_bin=16",
-            "logging.progress=false",
-            f"trainer.output_dir={tmp_path}",
-            f"trainer.run_name={name}",
-            *extra,
-        ],
+    """The trainer tests' tiny run, with block_topk rollouts, token TIS and a small distill adapter."""
+    return tiny_cfg(
+        tmp_path,
+        f"model.lora={str(lora).lower()}",
+        "rollout.max_new_tokens=24",
+        "kv.method=block_topk",
+        "kv.budget=48",
+        "kv.page_size=8",
+        "kv.dense_layers=0",
+        "algo.preset=tis",
+        "distill.enable=true",
+        "distill.lora_r=4",
+        "distill.probe_samples=4",
+        "trainer.steps=3",
+        "trainer.keep_last=3",
+        "trainer.acceptance_bin=16",
+        *extra,
+        name=name,
     )
 
 
