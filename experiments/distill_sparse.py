@@ -70,10 +70,15 @@ def task_and_prompts(tokenizer) -> tuple[Any, list[list[int]]]:
     return task, [encode_prompt(tokenizer, task[CAL_OFFSET + i].messages) for i in range(CAL_PROMPTS)]
 
 
+def read_part(path: Path) -> dict:
+    """A part's results, without the goals mapping the report stamps on every file."""
+    return {k: v for k, v in json.loads(path.read_text()).items() if k != "goals"}
+
+
 def cached(path: Path, make) -> dict:
     """`make()` written to `path` once; later runs read it back."""
     if path.is_file():
-        return json.loads(path.read_text())
+        return read_part(path)
     t0 = time.perf_counter()
     out = make()
     out["seconds"] = time.perf_counter() - t0
@@ -299,7 +304,7 @@ def main() -> int:
             run = RUNS / f"{arm}-seed{seed}"
             if args.report_only:
                 if (PARTS / f"{run.name}.json").is_file():
-                    reports[arm, seed] = json.loads((PARTS / f"{run.name}.json").read_text())
+                    reports[arm, seed] = read_part(PARTS / f"{run.name}.json")
                     runs[arm, seed] = run
                 continue
             extra = [] if arm == "dense" else [f"kv.schedule={tau080.relative_to(ROOT)}"]
@@ -345,6 +350,10 @@ def main() -> int:
                              "table": base["table"], "seconds": base["seconds"]},
     }  # fmt: skip
     (RESULTS / "distill_sparse.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    for part in sorted(PARTS.glob("*.json")):  # every result file carries the experiment's goals on top
+        data = json.loads(part.read_text())
+        part.write_text(json.dumps({"goals": result["goals"], **{k: v for k, v in data.items() if k != "goals"}},
+                                   indent=1, default=str) + "\n")  # fmt: skip
     plot(result, RESULTS / "distill_sparse.png")
     for name, g in result["goals"].items():
         print(f"{'MET' if g['met'] else 'NOT MET'} {name}: {g['value']}")
