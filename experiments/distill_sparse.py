@@ -161,24 +161,31 @@ def positions_read(schedule: list[list[int]], table: list[dict]) -> float:
     return read / total if total else float("nan")
 
 
-def throughput(schedules: dict[str, list[list[int]] | None], prompts: list[list[int]], repeats: int) -> dict:
-    """Rollout tokens per CPU second of each schedule (None: dense) on the base model: 16 prompts x 8
-    samples x 64 tokens (eos ignored, so every arm generates the same tokens' worth), arms alternated."""
+def throughput(
+    schedules: dict[str, list[list[int]] | None],
+    prompts: list[list[int]],
+    repeats: int,
+    model_spec: str = "smollm2-135m",
+    kv_options: dict | None = None,
+    max_new_tokens: int = 64,
+) -> dict:
+    """Rollout tokens per CPU second of each block_topk schedule (None: dense) on `model_spec`: `prompts` x 8
+    samples x `max_new_tokens` (eos ignored, so every arm generates the same tokens' worth), arms alternated."""
     from sparserl.engine import KVConfig, RolloutEngine
     from sparserl.models import load_model
 
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model(model_spec)
     engines = {}
     for name, sched in schedules.items():
-        kv = None if sched is None else KVConfig(method="block_topk", schedule=sched, **KV)
+        kv = None if sched is None else KVConfig(method="block_topk", schedule=sched, **(kv_options or KV))
         engines[name] = RolloutEngine(model, tok, kv)
         engines[name].eos_ids = set()
     cpu: dict[str, list[float]] = {name: [] for name in schedules}
-    tokens = len(prompts) * 8 * 64
+    tokens = len(prompts) * 8 * max_new_tokens
     for _ in range(repeats):
         for name, engine in engines.items():
             c0 = time.process_time()
-            engine.generate(prompts, n=8, max_new_tokens=64, seed=0)
+            engine.generate(prompts, n=8, max_new_tokens=max_new_tokens, seed=0)
             cpu[name].append(time.process_time() - c0)
     return {name: {"cpu_s": v, "tokens_per_cpu_s": tokens / statistics.median(v)} for name, v in cpu.items()}
 

@@ -1,266 +1,254 @@
 """Study v2 (issue 19): do the Sparse-RL and Sparrow claims hold where sparsity bites? Long-context recall
-(long_arithmetic, experiments/study_v2.yaml), both sparse families, several seeds.
+(long_arithmetic, experiments/study_v2.yaml: the answer needs two values stated at the start of a ~360-token
+prompt, behind distractors), both sparse families, several seeds.
 
-Stage 1, `scope` (done first, before any training, and never re-tuned afterwards): the base model on held-out
-prompts, with the training sampler's settings (temperature 1, 128 new tokens): dense reward; per KV budget and
-eviction method, the sparse reward, the KV saved, and the sampler/dense mismatch of the sparse samples (per-token
-log p_sampler - log p_dense: mean, k3 KL estimate, the share of tokens off by more than 0.5). The budget of the
-sparse arms is then chosen by a rule fixed before the run: the smallest scoped budget that saves >= 50% of the
-KV (against prompt + 128 dense positions) while the base sparse sampler's reward stays above zero (R-KV).
+Stages, each resumable and each kept once done (re-run the same command after a kill):
+1. `warmstart`, `scope`, `probe` (experiments/study_v2_setup.py): the starting model, and the scoping run that
+   fixes the eviction budget before any training.
+2. `run`: the block_topk calibration of the starting model (its tau = 0.86 and tau = 0.75 schedules), the
+   starting model's held-out accuracy, then the arms seed by seed (all arms of a seed before the next seed), each
+   a `sparserl train` run under runs/study_v2/<arm>-seed<s> followed by its held-out evaluation (128 prompts x 4
+   samples under dense inference, R-KV at the chosen budget, and the tau = 0.86 block_topk schedule), then the
+   rollout throughput of the schedules. The report is rewritten after every finished part.
+3. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
 
-    python experiments/study_v2.py probe task.num_distractors=10   # the base's dense reward on a variant
-    python experiments/study_v2.py scope      # ~30 min on 2 cores -> docs/results/study_v2/scoping.json;
-                                              # re-run after a kill: finished configurations are kept
-
-The training arms (dense, naive and Sparse-RL R-KV, Sparse-RL SnapKV, Sparrow at tau 0.86 and 0.75; 3 seeds,
->= 40 steps) are the next stage; this driver does not run them yet.
+    python experiments/study_v2.py warmstart     # ~15 min on 2 cores
+    python experiments/study_v2.py scope         # ~30 min -> docs/results/study_v2/scoping.json
+    nohup python experiments/study_v2.py run > runs/study_v2/log.txt 2>&1 &    # hours per seed on 2 cores
+    python experiments/study_v2.py run --seeds 0 --arms dense,sparse-rl-rkv    # a subset first
+    python experiments/study_v2.py report
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
+from distill_sparse import cached, throughput
+from study import train_arm
+from study_v2_report import report
+from study_v2_setup import (
+    ARMS,
+    BLOCK_TOPK,
+    CAL_BIN,
+    CONFIG,
+    EVAL_PROMPTS,
+    EVAL_SAMPLES,
+    PARTS,
+    RESULTS,
+    ROOT,
+    RUNS,
+    STEPS,
+    TAU,
+    TAU_AGGRESSIVE,
+    probe,
+    scope,
+    warmstart,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "experiments" / "study_v2.yaml"
-RESULTS = ROOT / "docs" / "results" / "study_v2"
-BUDGETS = (64, 96, 128, 192)
-METHODS = ("rkv", "snapkv")
-SAVED_MIN = 0.5  # the issue's memory condition on a chosen budget
-OFF_BY = 0.5  # a token whose sampler and dense log-probs differ by more than this counts as mismatched
+
+def chosen_budget() -> int:
+    """The eviction budget the scoping run chose (it must have finished)."""
+    path = RESULTS / "scoping.json"
+    scoping = json.loads(path.read_text()) if path.is_file() else {}
+    if not scoping.get("complete") or scoping.get("chosen_budget") is None:
+        raise SystemExit(
+            f"{path.relative_to(ROOT)}: the scoping has not chosen a budget; run the scope stage"
+        )
+    return scoping["chosen_budget"]
 
 
-def mismatch(sampler: list[torch.Tensor], dense: list[torch.Tensor]) -> dict[str, float]:
-    """Per-token log p_sampler - log p_dense over all tokens: its mean (k1 KL estimate of sampler vs dense), the
-    k3 estimate exp(-d) - 1 + d, and the share of tokens with |d| > OFF_BY."""
-    d = torch.cat([s - p for s, p in zip(sampler, dense, strict=True)]).double()
-    return {
-        "logp_gap_mean": float(d.mean()),
-        "kl_k3": float((torch.exp(-d) - 1 + d).mean()),
-        "frac_off": float((d.abs() > OFF_BY).double().mean()),
-        "tokens": int(d.numel()),
-    }
+CAL_BUDGETS = [64, 96, 128, 192, 256]
+CAL_OFFSET, CAL_PROMPTS = 5000, 16  # calibration prompts: test rows far from the held-out ones
 
 
-def scope(args: argparse.Namespace, path: Path) -> dict:
-    """Run (or continue: each finished configuration is saved at once) the scoping; returns its result."""
+def calib_settings(tau: float):
+    from sparserl.eval.calibrate import CalibrationSettings
+
+    cfg = load_setting()
+    return CalibrationSettings(method="block_topk", kv_options=BLOCK_TOPK, n=8, bin_width=CAL_BIN, tau=tau,
+                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)  # fmt: skip
+
+
+def load_setting(overrides: list[str] | None = None):
     from sparserl.config import load_config
-    from sparserl.engine import KVConfig, RolloutEngine, score
-    from sparserl.eval.evaluate import evaluate
-    from sparserl.models import encode_prompt, load_model
-    from sparserl.tasks import make_task
 
-    cfg = load_config(CONFIG)
-    model, tok = load_model(cfg.model.spec)
-    task = make_task(cfg.task, "test")
-    r = cfg.rollout
-    prompt_len = [len(encode_prompt(tok, task[i].messages)) for i in range(args.prompts)]
-    dense_positions = sum(prompt_len) / len(prompt_len) + r.max_new_tokens
-    common = {"samples": args.samples, "limit": args.prompts, "max_new_tokens": r.max_new_tokens,
-              "temperature": r.temperature, "top_p": r.top_p, "seed": 1234}  # fmt: skip
-    t0 = time.perf_counter()
-    out: dict = json.loads(path.read_text()) if path.is_file() else {}
-    if out.get("setting", {}).get("prompts") not in (None, args.prompts):
-        raise SystemExit(f"{path} holds a scoping of other settings; delete it to start again")
-    out = out or {
-        "setting": {"config": str(CONFIG.relative_to(ROOT)), "prompts": args.prompts, "samples": args.samples,
-                    "prompt_tokens_mean": sum(prompt_len) / len(prompt_len), "prompt_tokens_max": max(prompt_len),
-                    "max_new_tokens": r.max_new_tokens, "interval": cfg.kv.interval, "window": cfg.kv.window},
-        "dense": evaluate(model, tok, task, **common)["dense"],
-        "sparse": {},
-        "complete": False,
-    }  # fmt: skip
-    save(out, path)
-    k = args.samples
-    print("dense", out["dense"][f"mean@{k}"], flush=True)
-    prompts = [encode_prompt(tok, task[i].messages) for i in range(args.mismatch_prompts)]
-    for method in METHODS:
-        for budget in BUDGETS:
-            if f"{method}@{budget}" in out["sparse"]:
-                continue
-            kv = KVConfig(method=method, budget=budget, interval=cfg.kv.interval, window=cfg.kv.window)
-            sparse = evaluate(model, tok, task, kv=kv, dense=False, **common)["sparse"]
-            rollouts = RolloutEngine(model, tok, kv).generate(
-                prompts, n=args.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=99
+    return load_config(CONFIG, overrides or [])
+
+
+def calibration() -> dict:
+    """The starting model's exact-alpha table (tau 0.75) and both schedules, once."""
+
+    def make() -> dict:
+        from sparserl.eval.calibrate import calibrate, choose_schedule
+        from sparserl.models import encode_prompt, load_model
+        from sparserl.tasks import make_task
+
+        cfg = load_setting()
+        model, tok = load_model(cfg.model.spec)
+        task = make_task(cfg.task, "test")
+        prompts = [encode_prompt(tok, task[CAL_OFFSET + i].messages) for i in range(CAL_PROMPTS)]
+        out = calibrate(model, tok, prompts, CAL_BUDGETS, calib_settings(TAU_AGGRESSIVE))
+        p5 = [[b["p5"] for b in row["bins"]] for row in out["table"]]
+        out["schedule_tau075"] = out["schedule"]
+        out["schedule_tau086"] = choose_schedule(CAL_BUDGETS, p5, CAL_BIN, TAU)[0]
+        return out
+
+    return cached(PARTS / "calibration.json", make)
+
+
+def schedule_files(cal: dict) -> dict[str, str]:
+    """The two schedules as kv.schedule files (paths relative to the repository root)."""
+    files = {}
+    for key in ("schedule_tau086", "schedule_tau075"):
+        path = PARTS / f"{key}.json"
+        if not path.is_file():
+            path.write_text(json.dumps({"schedule": cal[key]}) + "\n")
+        files[key] = str(path.relative_to(ROOT))
+    return files
+
+
+def accuracy(ev: dict, mode: str) -> dict:
+    """Held-out accuracy (mean over prompts of the per-prompt mean reward), its standard error over prompts,
+    the mean length and the KV figures of one inference mode of an `evaluate(details=True)` result."""
+    per_prompt = [statistics.fmean(e[mode]["rewards"]) for e in ev["examples"]]
+    m = ev[mode]
+    return {"accuracy": statistics.fmean(per_prompt),
+            "stderr": statistics.stdev(per_prompt) / len(per_prompt) ** 0.5, "mean_length": m["mean_length"],
+            "kv_saved_fraction": m.get("kv_saved_fraction"), "peak_kv_positions": m.get("peak_kv_positions")}  # fmt: skip
+
+
+def heldout(name: str, spec: str, budget: int, files: dict[str, str]) -> dict:
+    """A model's held-out accuracy (EVAL_PROMPTS x EVAL_SAMPLES, the first test-split prompts) under dense
+    inference, R-KV at the scoped budget, and the tau = 0.86 block_topk schedule (for the tau = 0.75 arm, also
+    its own schedule)."""
+
+    def make() -> dict:
+        from sparserl.engine import KVConfig
+        from sparserl.eval.evaluate import evaluate
+        from sparserl.eval.loading import load_eval_model
+        from sparserl.tasks import make_task
+
+        cfg = load_setting()
+        loaded = load_eval_model(spec)
+        task = make_task(cfg.task, "test")
+        modes = {"rkv": KVConfig(method="rkv", budget=budget, interval=cfg.kv.interval, window=cfg.kv.window),
+                 "block_topk_tau086": KVConfig(method="block_topk", schedule=files["schedule_tau086"], **BLOCK_TOPK)}  # fmt: skip
+        if name.startswith("sparrow-tau075"):
+            modes["block_topk_tau075"] = KVConfig(
+                method="block_topk", schedule=files["schedule_tau075"], **BLOCK_TOPK
             )
-            dense_lp = score(
-                model, [prompts[s.prompt_index] for s in rollouts], [s.completion_ids for s in rollouts]
-            )
-            bound = budget + cfg.kv.interval - 1
-            row = {
-                "reward": sparse[f"mean@{k}"],
-                f"pass@{k}": sparse[f"pass@{k}"],
-                "kv_saved_fraction": 1 - min(bound, dense_positions) / dense_positions,
-                **mismatch([s.logprobs for s in rollouts], dense_lp),
-            }
-            out["sparse"][f"{method}@{budget}"] = row
-            save(out, path)
-            print(method, budget, {key: round(v, 4) for key, v in row.items()}, flush=True)
-    rkv = [(b, out["sparse"][f"rkv@{b}"]) for b in BUDGETS]
-    ok = [b for b, row in rkv if row["kv_saved_fraction"] >= SAVED_MIN and row["reward"] > 0]
-    out["chosen_budget"] = min(ok) if ok else None
-    out["rule"] = (f"the smallest scoped budget whose R-KV cache saves >= {SAVED_MIN:.0%} of the KV and whose base "
-                   "sparse reward is above zero (fixed before the run)")  # fmt: skip
-    out["seconds"] = out.get("seconds", 0.0) + time.perf_counter() - t0
-    out["command"] = "python experiments/study_v2.py scope " + " ".join(sys.argv[2:])
-    out["complete"] = True
-    save(out, path)
-    return out
+        out = {"model": spec}
+        for i, (mode, kv) in enumerate(modes.items()):
+            ev = evaluate(loaded.model, loaded.tokenizer, task, kv=kv, samples=EVAL_SAMPLES, limit=EVAL_PROMPTS,
+                          max_new_tokens=cfg.rollout.max_new_tokens, seed=1234, dense=i == 0, details=True)  # fmt: skip
+            if i == 0:
+                out["dense"] = accuracy(ev, "dense")
+            out[mode] = accuracy(ev, "sparse")
+            print(name, mode, round(out[mode]["accuracy"], 3), flush=True)
+        return out
+
+    return cached(PARTS / "heldout" / f"{name}.json", make)
 
 
-# The issue's goals, none measured until the arms have trained: every result file of the study carries them
-NOT_RUN = "not measured: only the scoping stage has run (no arm has trained)"
-GOALS = {
-    "naive_sparse_degrades": "final held-out gap to Sparse-RL > 2 standard errors, or a visible collapse",
-    "sparse_rl_keeps_dense_gain": ">= 97% of the dense arm's held-out gain with >= 50% of the KV saved",
-    "sparse_rl_model_under_sparse_inference": "Sparse-RL-trained model >= dense-trained one under sparse inference",
-    "sparrow": "tau 0.86 within 2 standard errors of dense and faster per CPU second; tau 0.75 degrades",
-}
+def arm_overrides(arm: str, seed: int, budget: int, files: dict[str, str], threads: int) -> list[str]:
+    fixed = [f"trainer.seed={seed}", f"trainer.steps={STEPS}", f"trainer.threads={threads}"]
+    return [o.format(budget=budget, **files) for o in ARMS[arm]] + fixed
 
 
-def save(out: dict, path: Path) -> None:
-    """Write a result file with the study's goals on top (all recorded as not met until measured)."""
-    goals = {
-        name: {
-            "value": None,
-            "target": target,
-            "met": False,
-            "command": "python experiments/study_v2.py",
-            "reason": NOT_RUN,
+def speed(files: dict[str, str], repeats: int) -> dict:
+    """Rollout tokens per CPU second of dense and both schedules on the starting model (16 held-out prompts x 8
+    samples x the setting's completion length, eos ignored so every arm generates as many tokens)."""
+
+    def make() -> dict:
+        from sparserl.models import encode_prompt, load_model
+        from sparserl.tasks import make_task
+
+        cfg = load_setting()
+        _, tok = load_model(cfg.model.spec)
+        task = make_task(cfg.task, "test")
+        prompts = [encode_prompt(tok, task[CAL_OFFSET + i].messages) for i in range(CAL_PROMPTS)]
+        schedules = {
+            "dense": None,
+            **{k: json.loads((ROOT / v).read_text())["schedule"] for k, v in files.items()},
         }
-        for name, target in GOALS.items()
-    }
-    out = {"goals": goals, **{k: v for k, v in out.items() if k != "goals"}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+        return throughput(schedules, prompts, repeats, model_spec=cfg.model.spec, kv_options=BLOCK_TOPK,
+                          max_new_tokens=cfg.rollout.max_new_tokens)  # fmt: skip
+
+    return cached(PARTS / "throughput.json", make)
 
 
-def probe(args: argparse.Namespace) -> dict:
-    """The base model's dense reward on a variant of the setting (config overrides), to find a setting it can
-    learn from: appended to docs/results/study_v2/probes.json."""
-    from sparserl.config import load_config
-    from sparserl.eval.evaluate import evaluate
-    from sparserl.models import load_model
-    from sparserl.tasks import make_task
-
-    cfg = load_config(CONFIG, args.overrides)
-    model, tok = load_model(cfg.model.spec)
-    r = cfg.rollout
-    result = evaluate(model, tok, make_task(cfg.task, "test"), samples=args.samples, limit=args.prompts,
-                      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=1234)  # fmt: skip
-    k = args.samples
-    row = {"overrides": args.overrides, "prompts": args.prompts, "samples": k,
-           "prompt_tokens_mean": result["mean_prompt_tokens"], "dense_reward": result["dense"][f"mean@{k}"],
-           "mean_length": result["dense"]["mean_length"],
-           "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
-    path = RESULTS / "probes.json"
-    rows = json.loads(path.read_text())["probes"] if path.is_file() else []
-    save({"probes": rows + [row]}, path)
-    return row
-
-
-WARMSTART = ROOT / "runs" / "study_v2" / "warmstart"
-
-
-def worked_answer(example) -> str:
-    """The gold completion of a long_arithmetic problem, in the system prompt's worked style: the recalled
-    values, the sum with the numbers, the boxed result."""
-    facts, expression = example.meta["facts"], example.meta["expression"]
-    recalled = " and ".join(f"{name} = {value}" for name, value in facts.items())
-    numbers = " ".join(str(facts.get(item, item)) for item in expression.split())
-    return f"{recalled}, so {expression} = {numbers} = {example.answer}. The result is \\boxed{{{example.answer}}}."
-
-
-def warmstart(args: argparse.Namespace) -> dict:
-    """A short supervised warm start (the base model earns ~0 on the setting, so GRPO would see no signal):
-    LoRA (the setting's rank) on `--sft-steps` x `--sft-batch` train-split problems with their worked answers,
-    merged and saved as the study's starting model; then its dense reward on the held-out probe prompts."""
-    from peft import LoraConfig, get_peft_model
-
-    from sparserl.config import load_config
-    from sparserl.engine import completion_logprobs
-    from sparserl.eval.evaluate import evaluate
-    from sparserl.models import encode_prompt, load_model, prepare_for_training
-    from sparserl.tasks import make_task
-
-    cfg = load_config(CONFIG, args.overrides)
-    model, tok = load_model(cfg.model.spec)
-    prepare_for_training(model)
-    torch.manual_seed(0)
-    peft = get_peft_model(model, LoraConfig(r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha,
-                                            target_modules="all-linear"))  # fmt: skip
-    params = [p for p in peft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.sft_lr)
-    train = make_task(cfg.task, "train")
-    t0, losses = time.perf_counter(), []
-    for step in range(args.sft_steps):
-        batch = [train[step * args.sft_batch + i] for i in range(args.sft_batch)]
-        prompts = [encode_prompt(tok, ex.messages) for ex in batch]
-        answers = [
-            tok(worked_answer(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for ex in batch
-        ]
-        logp, mask = completion_logprobs(peft.get_base_model(), prompts, answers)
-        loss = -(logp * mask).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-        print(f"sft step {step + 1}/{args.sft_steps}: loss {losses[-1]:.3f}", flush=True)
-    merged = peft.merge_and_unload().eval()
-    WARMSTART.parent.mkdir(parents=True, exist_ok=True)
-    merged.save_pretrained(WARMSTART)
-    tok.save_pretrained(WARMSTART)
-    r = cfg.rollout
-    with torch.no_grad():
-        result = evaluate(merged, tok, make_task(cfg.task, "test"), samples=args.samples, limit=args.prompts,
-                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, seed=1234)  # fmt: skip
-    k = args.samples
-    row = {"stage": "warmstart", "overrides": args.overrides, "sft_steps": args.sft_steps, "sft_batch": args.sft_batch,
-           "sft_lr": args.sft_lr, "losses": losses, "sft_seconds": time.perf_counter() - t0,
-           "dense_reward": result["dense"][f"mean@{k}"], "mean_length": result["dense"]["mean_length"],
-           "prompts": args.prompts, "samples": k, "saved": str(WARMSTART.relative_to(ROOT)),
-           "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
-    path = RESULTS / "probes.json"
-    rows = json.loads(path.read_text())["probes"] if path.is_file() else []
-    save({"probes": rows + [row]}, path)
-    return row
+def run(args: argparse.Namespace) -> None:
+    """Everything after the scoping, in order, skipping what is done."""
+    budget = chosen_budget()
+    cal = calibration()
+    files = schedule_files(cal)
+    heldout("base", load_setting().model.spec, budget, files)
+    report()
+    for seed in args.seeds:
+        for arm in args.arms:
+            name = f"{arm}-seed{seed}"
+            out = train_arm(
+                RUNS, name, arm_overrides(arm, seed, budget, files, args.threads), [], config=CONFIG
+            )
+            heldout(name, str(out), budget, files)
+            report()
+    speed(files, args.repeats)
+    report()
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["scope", "probe", "warmstart"])
-    p.add_argument("overrides", nargs="*", help="probe: config overrides of the setting (key=value)")
-    p.add_argument("--prompts", type=int, default=48, help="held-out prompts for rewards")
-    p.add_argument("--samples", type=int, default=2, help="samples per prompt")
-    p.add_argument("--mismatch-prompts", type=int, default=8, help="prompts whose samples are scored densely")
+    p.add_argument("stage", choices=["warmstart", "scope", "probe", "run", "report"])
+    p.add_argument(
+        "overrides", nargs="*", help="probe, warmstart: config overrides of the setting (key=value)"
+    )
+    p.add_argument("--seeds", default="0,1,2", help="run: training seeds, comma-separated")
+    p.add_argument("--arms", default=",".join(ARMS), help="run: arms, comma-separated, in the order to run")
+    p.add_argument("--repeats", type=int, default=3, help="run: throughput repeats per schedule")
+    p.add_argument(
+        "--prompts", type=int, default=48, help="scope, probe, warmstart: held-out prompts for rewards"
+    )
+    p.add_argument("--samples", type=int, default=2, help="scope, probe, warmstart: samples per prompt")
+    p.add_argument(
+        "--mismatch-prompts", type=int, default=8, help="scope: prompts whose samples are scored densely"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sft-steps", type=int, default=40, help="warmstart: optimizer steps")
     p.add_argument("--sft-batch", type=int, default=8, help="warmstart: problems per step")
     p.add_argument("--sft-lr", type=float, default=3e-4, help="warmstart: AdamW learning rate of the LoRA")
-    p.add_argument("--out", type=Path, default=RESULTS / "scoping.json")
+    p.add_argument("--sft-eval-every", type=int, default=2, help="warmstart: steps between reward probes")
+    p.add_argument("--sft-target", type=float, default=0.3, help="warmstart: stop at this probe reward")
     args = p.parse_intermixed_args()  # options may come before or after the overrides
+    os.chdir(ROOT)  # the setting names its model relative to the repository root
     torch.set_num_threads(args.threads)
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    args.arms = args.arms.split(",")
+    unknown = sorted(set(args.arms) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     if args.stage == "warmstart":
         print(warmstart(args))
-        return 0
-    if args.stage == "probe":
+    elif args.stage == "probe":
         with torch.no_grad():
             print(probe(args))
-        return 0
-    path = args.out
-    if path.is_file() and json.loads(path.read_text()).get("complete"):
-        print(f"{path} is complete (the scoping is done once; delete it to redo)")
-        return 0
-    with torch.no_grad():
-        result = scope(args, path)
-    print("chosen budget:", result["chosen_budget"])
+    elif args.stage == "scope":
+        path = RESULTS / "scoping.json"
+        if path.is_file() and json.loads(path.read_text()).get("complete"):
+            print(f"{path} is complete (the scoping is done once; delete it to redo)")
+            return 0
+        with torch.no_grad():
+            print("chosen budget:", scope(args, path)["chosen_budget"])
+    elif args.stage == "run":
+        run(args)
+    else:
+        report()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
