@@ -50,6 +50,15 @@ from study_v2_setup import (
     warmstart,
 )
 
+CAL_BUDGETS = [64, 96, 128, 192, 256]
+CAL_OFFSET, CAL_PROMPTS = 5000, 16  # calibration prompts: test rows far from the held-out ones
+
+
+def load_setting(overrides: list[str] | None = None):
+    from sparserl.config import load_config
+
+    return load_config(CONFIG, overrides or [])
+
 
 def chosen_budget() -> int:
     """The eviction budget the scoping run chose (it must have finished)."""
@@ -62,22 +71,12 @@ def chosen_budget() -> int:
     return scoping["chosen_budget"]
 
 
-CAL_BUDGETS = [64, 96, 128, 192, 256]
-CAL_OFFSET, CAL_PROMPTS = 5000, 16  # calibration prompts: test rows far from the held-out ones
-
-
 def calib_settings(tau: float):
     from sparserl.eval.calibrate import CalibrationSettings
 
     cfg = load_setting()
     return CalibrationSettings(method="block_topk", kv_options=BLOCK_TOPK, n=8, bin_width=CAL_BIN, tau=tau,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature)  # fmt: skip
-
-
-def load_setting(overrides: list[str] | None = None):
-    from sparserl.config import load_config
-
-    return load_config(CONFIG, overrides or [])
 
 
 def calibration() -> dict:
