@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from study import ROOT, read_metrics, train_arm
+from study import ROOT, read_metrics, train_arm, write_atomic
 
 CONFIG = ROOT / "configs" / "default.yaml"
 RESULTS = ROOT / "docs" / "results"
@@ -76,14 +76,14 @@ def read_part(path: Path) -> dict:
 
 
 def cached(path: Path, make) -> dict:
-    """`make()` written to `path` once; later runs read it back."""
+    """`make()` written to `path` once (through a temporary file, so a killed run leaves no half-written part);
+    later runs read it back."""
     if path.is_file():
         return read_part(path)
     t0 = time.perf_counter()
     out = make()
     out["seconds"] = time.perf_counter() - t0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    write_atomic(path, json.dumps(out, indent=1, default=str) + "\n")
     print(f"wrote {path.relative_to(ROOT)} ({out['seconds']:.0f} s)", flush=True)
     return out
 

@@ -119,6 +119,14 @@ def run_jobs_in_workers(args: argparse.Namespace, jobs: list[str]) -> None:
         raise SystemExit(f"study jobs failed: {failed} (re-run the same command to resume)")
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write `path` through a temporary file, so a run killed mid-write leaves the old file or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return (

@@ -29,7 +29,7 @@ import sys
 
 import torch
 from distill_sparse import cached, throughput
-from study import train_arm
+from study import train_arm, write_atomic
 from study_v2_report import report
 from study_v2_setup import (
     ARMS,
@@ -106,7 +106,7 @@ def schedule_files(cal: dict) -> dict[str, str]:
     for key in ("schedule_tau086", "schedule_tau075"):
         path = PARTS / f"{key}.json"
         if not path.is_file():
-            path.write_text(json.dumps({"schedule": cal[key]}) + "\n")
+            write_atomic(path, json.dumps({"schedule": cal[key]}) + "\n")
         files[key] = str(path.relative_to(ROOT))
     return files
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from distill_sparse import positions_read, read_part
-from study import read_metrics
+from study import read_metrics, write_atomic
 from study_v2_setup import (
     ARMS,
     COMMAND,
@@ -286,7 +286,7 @@ def report() -> dict:
         if part.name.startswith("schedule_"):
             continue
         write_result(json.loads(part.read_text()), part, result["goals"])
-    (RESULTS / "results.md").write_text(markdown(result))
+    write_atomic(RESULTS / "results.md", markdown(result))
     if arms:
         plot(result, RESULTS / "study_v2.png")
     return result

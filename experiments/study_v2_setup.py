@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from study import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "experiments" / "study_v2.yaml"
@@ -75,8 +76,7 @@ def write_result(out: dict, path: Path, goals: dict | None = None) -> None:
     recorded as not measured)."""
     goals = goals or out.get("goals") or unmeasured("not measured: no arm has trained yet")
     out = {"goals": goals, **{k: v for k, v in out.items() if k != "goals"}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    write_atomic(path, json.dumps(out, indent=1, default=str) + "\n")
 
 
 def mismatch(sampler: list[torch.Tensor], dense: list[torch.Tensor]) -> dict[str, float]:
