@@ -170,7 +170,8 @@ def plot(result: dict, path: Path) -> None:
 
     panels = [("reward", "train reward"), ("length", "response length (tokens)"),
               ("rejection_rate", "rejection rate"), ("mismatch_kl", "sampler/dense KL (rollout_corr/kl)")]  # fmt: skip
-    fig, ax = plt.subplots(1, len(panels) + 2, figsize=(26, 4))
+    fig, grid = plt.subplots(2, 3, figsize=(18, 8))
+    ax = grid.ravel()  # the curve panels, then the alpha tail, then the held-out bars
     for arm, c in result["curves"].items():
         for i, (name, title) in enumerate(panels):
             m, sd = c[name]["mean"], c[name]["sd"]
@@ -193,7 +194,8 @@ def plot(result: dict, path: Path) -> None:
     ax[-1].set(title="held-out accuracy (+- s.e.)", xticks=[i + 0.27 for i in range(len(names))])
     ax[-1].set_xticklabels(names, rotation=30, fontsize=7)
     for a in ax:
-        a.legend(fontsize=6)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
