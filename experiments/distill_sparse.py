@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from study import ROOT, read_metrics, train_arm, write_atomic
+from study import ROOT, read_metrics, train_arm, write_atomic, write_with_goals
 
 CONFIG = ROOT / "configs" / "default.yaml"
 RESULTS = ROOT / "docs" / "results"
@@ -356,11 +356,9 @@ def main() -> int:
         "base_calibration": {"schedule": base["schedule"], "schedule_tau086": base["schedule_tau086"],
                              "table": base["table"], "seconds": base["seconds"]},
     }  # fmt: skip
-    (RESULTS / "distill_sparse.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_atomic(RESULTS / "distill_sparse.json", json.dumps(result, indent=1, default=str) + "\n")
     for part in sorted(PARTS.glob("*.json")):  # every result file carries the experiment's goals on top
-        data = json.loads(part.read_text())
-        part.write_text(json.dumps({"goals": result["goals"], **{k: v for k, v in data.items() if k != "goals"}},
-                                   indent=1, default=str) + "\n")  # fmt: skip
+        write_with_goals(part, json.loads(part.read_text()), result["goals"])
     plot(result, RESULTS / "distill_sparse.png")
     for name, g in result["goals"].items():
         print(f"{'MET' if g['met'] else 'NOT MET'} {name}: {g['value']}")

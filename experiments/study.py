@@ -127,6 +127,12 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def write_with_goals(path: Path, out: dict, goals: dict) -> None:
+    """Write a result file as JSON with the experiment's `goals` mapping on top (replacing any it held)."""
+    out = {"goals": goals, **{k: v for k, v in out.items() if k != "goals"}}
+    write_atomic(path, json.dumps(out, indent=1, default=str) + "\n")
+
+
 def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     return (

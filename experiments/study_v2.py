@@ -8,8 +8,8 @@ Stages, each resumable and each kept once done (re-run the same command after a 
 2. `run`: the block_topk calibration of the starting model (its tau = 0.86 and tau = 0.75 schedules), the
    starting model's held-out accuracy, then the arms seed by seed (all arms of a seed before the next seed), each
    a `sparserl train` run under runs/study_v2/<arm>-seed<s> followed by its held-out evaluation (128 prompts x 4
-   samples under dense inference, R-KV at the chosen budget, and the tau = 0.86 block_topk schedule), then the
-   rollout throughput of the schedules. The report is rewritten after every finished part.
+   samples under dense inference and R-KV at the chosen budget; the starting model, the dense arm and the Sparrow
+   arms also under the tau = 0.86 block_topk schedule), then the rollout throughput of the schedules. The report is rewritten after every finished part.
 3. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
 
     python experiments/study_v2.py warmstart     # ~15 min on 2 cores

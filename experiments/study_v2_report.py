@@ -50,7 +50,7 @@ WINDOW = 5  # steps averaged at the start and end of a curve
 def curves(run: Path) -> dict[str, list]:
     """The per-step series of one run, plus the alpha tail (P5 of exact alpha per bin) when logged."""
     rows = [r for r in read_metrics(run) if "reward/mean" in r]
-    keys = {name: key for name, key in CURVES.items()}
+    keys = dict(CURVES)
     keys.update(
         {
             k.replace("alpha/exact/p5/", "alpha_p5_"): k
@@ -93,7 +93,7 @@ def collapsed(c: dict[str, list]) -> bool:
 def arm_summary(parts: dict[int, dict], runs: dict[int, dict]) -> dict[str, Any]:
     """Held-out accuracy per mode over the seeds (mean, sd, standard error), KV saved, collapse per seed."""
     out: dict[str, Any] = {"seeds": sorted(parts)}
-    for mode in {m for p in parts.values() for m in p if isinstance(p[m], dict)}:
+    for mode in sorted({m for p in parts.values() for m in p if isinstance(p[m], dict)}):
         accs = [p[mode]["accuracy"] for p in parts.values() if mode in p]
         stats = mean_sd(accs)
         if len(accs) > 1:
@@ -281,13 +281,10 @@ def report() -> dict:
         )
     result["goals"] = goals(arms, base, speed)
     write_result(result, RESULTS / "study_v2.json", result["goals"])
-    for part in [
-        *PARTS.rglob("*.json"),
-        *RESULTS.glob("*.json"),
-    ]:  # every result file carries the goals on top
-        if part.name.startswith("schedule_"):
-            continue
-        write_result(json.loads(part.read_text()), part, result["goals"])
+    # every other result file carries the goals on top too (kv.schedule files: the loader reads "schedule" alone)
+    for part in [*PARTS.rglob("*.json"), *RESULTS.glob("*.json")]:
+        if part.name != "study_v2.json":
+            write_result(json.loads(part.read_text()), part, result["goals"])
     write_atomic(RESULTS / "results.md", markdown(result))
     if arms:
         plot(result, RESULTS / "study_v2.png")

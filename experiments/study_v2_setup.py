@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from study import write_atomic
+from study import write_with_goals
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "experiments" / "study_v2.yaml"
@@ -74,9 +74,9 @@ def unmeasured(reason: str) -> dict:
 def write_result(out: dict, path: Path, goals: dict | None = None) -> None:
     """Write a result file with the study's goals on top (`goals`, else the ones already in `out`, else all
     recorded as not measured)."""
-    goals = goals or out.get("goals") or unmeasured("not measured: no arm has trained yet")
-    out = {"goals": goals, **{k: v for k, v in out.items() if k != "goals"}}
-    write_atomic(path, json.dumps(out, indent=1, default=str) + "\n")
+    write_with_goals(
+        path, out, goals or out.get("goals") or unmeasured("not measured: no arm has trained yet")
+    )
 
 
 def mismatch(sampler: list[torch.Tensor], dense: list[torch.Tensor]) -> dict[str, float]:
