@@ -122,12 +122,13 @@ def goals(arms: dict[str, dict], base: dict | None, speed: dict) -> dict:
     """The issue's four goals from the arms done; a goal whose arms are missing stays not measured."""
     out = unmeasured("not measured yet: an arm it compares has not finished (see 'seeds_done')")
 
-    def measured(name: str, value: float | None, met: bool, **extra: Any) -> None:
+    def measured(name: str, value: float | None, met: bool, compared: tuple[str, ...], **extra: Any) -> None:
         out[name] = {
             "value": value,
             "target": GOAL_TARGETS[name],
             "met": bool(met),
             "command": COMMAND,
+            "seeds": {arm: arms[arm]["seeds"] for arm in compared},  # provisional until every seed is done
             **extra,
         }
 
@@ -135,7 +136,7 @@ def goals(arms: dict[str, dict], base: dict | None, speed: dict) -> dict:
     if srl and naive:
         g, se = gap(srl, naive, "dense")
         collapse = any(naive["collapsed"].values())
-        measured("naive_sparse_degrades", g, g > 2 * se or collapse, stderr=se, naive_collapsed=naive["collapsed"],
+        measured("naive_sparse_degrades", g, g > 2 * se or collapse, ("sparse-rl-rkv", "naive-sparse-rkv"), stderr=se, naive_collapsed=naive["collapsed"],
                  note="Sparse-RL minus naive R-KV, held-out accuracy under dense inference")  # fmt: skip
     if srl and dense and base:
         b = base["dense"]["accuracy"]
@@ -143,12 +144,13 @@ def goals(arms: dict[str, dict], base: dict | None, speed: dict) -> dict:
         ratio = gains[0] / gains[1] if gains[1] > 0 else None
         saved = srl["train_kv_saved_fraction"] or 0.0
         measured("sparse_rl_keeps_dense_gain", ratio, ratio is not None and ratio >= 0.97 and saved >= SAVED_MIN,
+                 ("sparse-rl-rkv", "dense"),
                  sparse_rl_gain=gains[0], dense_gain=gains[1], kv_saved_fraction=saved,
                  note="held-out gains over the starting model under dense inference" +
                  ("" if gains[1] > 0 else "; the dense arm gained nothing, so no ratio"))  # fmt: skip
     if srl and dense:
         g, se = gap(srl, dense, "rkv")
-        measured("sparse_rl_model_under_sparse_inference", g, g >= 0, stderr=se,
+        measured("sparse_rl_model_under_sparse_inference", g, g >= 0, ("sparse-rl-rkv", "dense"), stderr=se,
                  note="Sparse-RL (R-KV) minus dense-trained, held-out accuracy under R-KV inference")  # fmt: skip
     s086, s075 = arms.get("sparrow-tau086"), arms.get("sparrow-tau075")
     if dense and s086 and s075 and speed:
@@ -156,7 +158,8 @@ def goals(arms: dict[str, dict], base: dict | None, speed: dict) -> dict:
         g75, se75 = gap(s075, dense, "dense")
         faster = speed["schedule_tau086"]["tokens_per_cpu_s"] / speed["dense"]["tokens_per_cpu_s"]
         degrades = g75 < -2 * se75 or any(s075["collapsed"].values())
-        measured("sparrow", g, abs(g) <= 2 * se and faster > 1 and degrades, stderr=se,
+        measured("sparrow", g, abs(g) <= 2 * se and faster > 1 and degrades, ("sparrow-tau086", "sparrow-tau075", "dense"),
+                 stderr=se,
                  tokens_per_cpu_s_ratio_tau086_to_dense=faster, tau075_minus_dense=g75, tau075_stderr=se75,
                  tau075_collapsed=s075["collapsed"], note="tau 0.86 minus dense, held-out accuracy under dense inference")  # fmt: skip
     return out
@@ -236,7 +239,8 @@ def markdown(result: dict) -> str:
               "Rollout tokens per CPU second: " +
               (", ".join(f"{k} {v:.1f}" for k, v in result["throughput_tokens_per_cpu_s"].items()) or "not measured yet"), ""]  # fmt: skip
     lines += ["## Goals", ""] + [f"- {'MET' if g['met'] else 'NOT MET'} {k}: value {g['value']}" +
-                                 (f" ({g['reason']})" if "reason" in g else "") for k, g in result["goals"].items()]  # fmt: skip
+                                 (f" ({g['reason']})" if "reason" in g else "") +
+                                 (f", seeds {g['seeds']}" if "seeds" in g else "") for k, g in result["goals"].items()]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
