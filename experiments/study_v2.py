@@ -9,7 +9,8 @@ Stages, each resumable and each kept once done (re-run the same command after a 
    starting model's held-out accuracy, then the arms seed by seed (all arms of a seed before the next seed), each
    a `sparserl train` run under runs/study_v2/<arm>-seed<s> followed by its held-out evaluation (128 prompts x 4
    samples under dense inference and R-KV at the chosen budget; the starting model, the dense arm and the Sparrow
-   arms also under the tau = 0.86 block_topk schedule), then the rollout throughput of the schedules. The report is rewritten after every finished part.
+   arms also under the tau = 0.86 block_topk schedule), then the rollout throughput of the schedules. The report
+   is rewritten after every finished part.
 3. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
 
     python experiments/study_v2.py warmstart     # ~15 min on 2 cores
@@ -38,6 +39,7 @@ from study_v2_setup import (
     CONFIG,
     EVAL_PROMPTS,
     EVAL_SAMPLES,
+    HELDOUT_SCHEDULES,
     PARTS,
     RESULTS,
     ROOT,
@@ -121,11 +123,10 @@ def accuracy(ev: dict, mode: str) -> dict:
             "kv_saved_fraction": m.get("kv_saved_fraction"), "peak_kv_positions": m.get("peak_kv_positions")}  # fmt: skip
 
 
-def heldout(name: str, spec: str, budget: int, files: dict[str, str]) -> dict:
+def heldout(name: str, model: str, spec: str, budget: int, files: dict[str, str]) -> dict:
     """A model's held-out accuracy (EVAL_PROMPTS x EVAL_SAMPLES, the first test-split prompts) under dense
-    inference and R-KV at the scoped budget; the starting model, the dense arm and the Sparrow arms also under
-    the tau = 0.86 block_topk schedule (the tau = 0.75 arm also under its own). No goal reads the eviction arms
-    under block_topk, and each mode costs ~5 min of 2 cores."""
+    inference, R-KV at the scoped budget, and the block_topk schedules HELDOUT_SCHEDULES lists for `model` (an
+    arm, or "base")."""
 
     def make() -> dict:
         from sparserl.engine import KVConfig
@@ -137,13 +138,9 @@ def heldout(name: str, spec: str, budget: int, files: dict[str, str]) -> dict:
         loaded = load_eval_model(spec)
         task = make_task(cfg.task, "test")
         modes = {"rkv": KVConfig(method="rkv", budget=budget, interval=cfg.kv.interval, window=cfg.kv.window)}
-        if name == "base" or name.startswith(("dense-", "sparrow-")):
-            modes["block_topk_tau086"] = KVConfig(
-                method="block_topk", schedule=files["schedule_tau086"], **BLOCK_TOPK
-            )
-        if name.startswith("sparrow-tau075"):
-            modes["block_topk_tau075"] = KVConfig(
-                method="block_topk", schedule=files["schedule_tau075"], **BLOCK_TOPK
+        for key in HELDOUT_SCHEDULES.get(model, ()):
+            modes[key.replace("schedule_", "block_topk_")] = KVConfig(
+                method="block_topk", schedule=files[key], **BLOCK_TOPK
             )
         out = {"model": spec}
         for i, (mode, kv) in enumerate(modes.items()):
@@ -190,7 +187,7 @@ def run(args: argparse.Namespace) -> None:
     budget = chosen_budget()
     cal = calibration()
     files = schedule_files(cal)
-    heldout("base", load_setting().model.spec, budget, files)
+    heldout("base", "base", load_setting().model.spec, budget, files)
     report()
     for seed in args.seeds:
         for arm in args.arms:
@@ -198,7 +195,7 @@ def run(args: argparse.Namespace) -> None:
             out = train_arm(
                 RUNS, name, arm_overrides(arm, seed, budget, files, args.threads), [], config=CONFIG
             )
-            heldout(name, str(out), budget, files)
+            heldout(name, arm, str(out), budget, files)
             report()
     speed(files, args.repeats)
     report()

@@ -52,6 +52,14 @@ ARMS: dict[str, list[str]] = {
     "sparse-rl-snapkv": ["algo.preset=sparse-rl", "kv.method=snapkv", "kv.budget={budget}"],
 }
 PARTS = RESULTS / "parts"
+# The block_topk schedules a model is held out under besides dense and R-KV ("base": the starting model). No goal
+# reads the eviction arms under block_topk, and each mode costs ~5 min of 2 cores.
+HELDOUT_SCHEDULES = {
+    "base": ("schedule_tau086",),
+    "dense": ("schedule_tau086",),
+    "sparrow-tau086": ("schedule_tau086",),
+    "sparrow-tau075": ("schedule_tau086", "schedule_tau075"),
+}
 
 # The goals: every result file of the study carries them on top, measured or not
 GOAL_TARGETS = {
