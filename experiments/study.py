@@ -248,8 +248,7 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
         "config": str(BASE.relative_to(ROOT)),
         "goals": goals(arms, base),
     }
-    results_dir.mkdir(parents=True, exist_ok=True)
-    (results_dir / "study.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(results_dir / "study.json", json.dumps(summary, indent=1) + "\n")
     if arms:
         plot_heldout(arms, base, results_dir / "heldout.png")
     lines = [
@@ -273,7 +272,7 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
             f"{f(v['kv_saved_fraction'], '.0%')} | {f(v['rejection_rate'], '.1%')} | {f(masked, '.1%')} | "
             f"{f(v['mismatch_kl'], '.4f')} | {times} |"
         )
-    (results_dir / "study.md").write_text("\n".join(lines) + "\n")
+    write_atomic(results_dir / "study.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return summary
 

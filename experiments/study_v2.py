@@ -11,12 +11,15 @@ Stages, each resumable and each kept once done (re-run the same command after a 
    samples under dense inference and R-KV at the chosen budget; the starting model, the dense arm and the Sparrow
    arms also under the tau = 0.86 block_topk schedule), then the rollout throughput of the schedules. The report
    is rewritten after every finished part.
-3. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
+3. `throughput`: that last step alone (the calibration, then dense and both schedules alternated), for a quiet
+   machine while the arms are paused; `run` skips it once done.
+4. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
 
     python experiments/study_v2.py warmstart     # ~15 min on 2 cores
     python experiments/study_v2.py scope         # ~30 min -> docs/results/study_v2/scoping.json
     nohup python experiments/study_v2.py run > runs/study_v2/log.txt 2>&1 &    # hours per seed on 2 cores
     python experiments/study_v2.py run --seeds 0 --arms dense,sparse-rl-rkv    # a subset first
+    python experiments/study_v2.py throughput    # ~10 min; nothing else running
     python experiments/study_v2.py report
 """
 
@@ -195,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
             out = train_arm(
                 RUNS, name, arm_overrides(arm, seed, budget, files, args.threads), [], config=CONFIG
             )
-            heldout(name, arm, str(out), budget, files)
+            heldout(name, arm, os.path.relpath(out, ROOT), budget, files)  # no machine's path in results
             report()
     speed(files, args.repeats)
     report()
@@ -203,13 +206,13 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["warmstart", "scope", "probe", "run", "report"])
+    p.add_argument("stage", choices=["warmstart", "scope", "probe", "run", "throughput", "report"])
     p.add_argument(
         "overrides", nargs="*", help="probe, warmstart: config overrides of the setting (key=value)"
     )
     p.add_argument("--seeds", default="0,1,2", help="run: training seeds, comma-separated")
     p.add_argument("--arms", default=",".join(ARMS), help="run: arms, comma-separated, in the order to run")
-    p.add_argument("--repeats", type=int, default=3, help="run: throughput repeats per schedule")
+    p.add_argument("--repeats", type=int, default=3, help="run, throughput: repeats per schedule")
     p.add_argument(
         "--prompts", type=int, default=48, help="scope, probe, warmstart: held-out prompts for rewards"
     )
@@ -245,6 +248,9 @@ def main() -> int:
             print("chosen budget:", scope(args, path)["chosen_budget"])
     elif args.stage == "run":
         run(args)
+    elif args.stage == "throughput":
+        print(speed(schedule_files(calibration()), args.repeats))
+        report()
     else:
         report()
     return 0
