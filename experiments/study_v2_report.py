@@ -204,13 +204,14 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def last(c: dict, name: str) -> str:
-    """The mean +- sd over seeds of a curve's last WINDOW steps, as text."""
+def last(c: dict, name: str, seeds: int) -> str:
+    """The mean (+- sd, once there are several seeds) over seeds of a curve's last WINDOW steps, as text."""
     m, sd = c[name]["mean"][-WINDOW:], c[name]["sd"][-WINDOW:]
     pairs = [(a, b) for a, b in zip(m, sd, strict=True) if a is not None]
     if not pairs:
         return "-"
-    return f"{statistics.fmean(a for a, _ in pairs):.3f} +- {statistics.fmean(b for _, b in pairs):.3f}"
+    spread = f" +- {statistics.fmean(b for _, b in pairs):.3f}" if seeds > 1 else ""
+    return f"{statistics.fmean(a for a, _ in pairs):.3f}{spread}"
 
 
 def markdown(result: dict) -> str:
@@ -224,6 +225,9 @@ def markdown(result: dict) -> str:
                  if (v := modes.get(m)) else "-" for m in MODES]  # fmt: skip
         seeds = ",".join(map(str, result["seeds_done"].get(name, []))) or "-"
         lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
+    extra = [f"{arm} under {m} {v['mean']:.3f} ({v['stderr']:.3f})" for arm, a in result["arms"].items()
+             for m, v in a.items() if m.startswith("block_topk_") and m not in MODES]  # fmt: skip
+    lines += ["", "Also held out: " + ", ".join(extra)] if extra else []
     lines += ["", f"Training, mean +- sd over seeds of the last {WINDOW} steps; seconds per step (rollout / scoring / "
               "update) and CPU seconds per step averaged over all steps.", "",
               "| arm | reward | length | rejection rate | sampler/dense KL | KV saved | s/step (rollout / score / update) | CPU s/step | collapsed |",
@@ -231,9 +235,13 @@ def markdown(result: dict) -> str:
     for arm, c in result["curves"].items():
         a = result["arms"][arm]
         split = " / ".join(f"{v:.0f}" for v in a["time_per_step_s"].values())
-        lines.append(f"| {arm} | {last(c, 'reward')} | {last(c, 'length')} | {last(c, 'rejection_rate')} | "
-                     f"{last(c, 'mismatch_kl')} | {last(c, 'kv_saved_fraction')} | {split} | {a['cpu_s_per_step']:.0f} | "
-                     f"{a['collapsed']} |")  # fmt: skip
+        cols = [
+            last(c, name, len(a["seeds"]))
+            for name in ("reward", "length", "rejection_rate", "mismatch_kl", "kv_saved_fraction")
+        ]
+        fell = [str(seed) for seed, yes in a["collapsed"].items() if yes]
+        lines.append(f"| {arm} | " + " | ".join(cols) + f" | {split} | {a['cpu_s_per_step']:.0f} | "
+                     + (f"seeds {', '.join(fell)}" if fell else "no") + " |")  # fmt: skip
     lines += ["", "Positions read per decode step (sparse layers): " +
               ", ".join(f"{k} {v:.0f}" for k, v in result["positions_read"].items()), "",
               "Rollout tokens per CPU second: " +

@@ -33,6 +33,13 @@ def test_across_seeds_skips_missing_steps_and_none():
     assert stats["sd"][1] == 0.0
 
 
+def test_last_window_shows_the_spread_only_over_several_seeds():
+    curve = {"reward": report.across_seeds([[0.0] * 5 + [0.4] * 5, [0.0] * 5 + [0.6] * 5])}
+    assert report.last(curve, "reward", seeds=2) == "0.500 +- 0.141"
+    assert report.last(curve, "reward", seeds=1) == "0.500"  # one seed: no "+- 0.000" that reads as certainty
+    assert report.last({"kl": {"mean": [None] * 5, "sd": [None] * 5}}, "kl", seeds=2) == "-"
+
+
 def arm(dense: float, rkv: float, stderr: float, collapsed: bool = False, saved: float | None = None) -> dict:
     return {
         "seeds": [0, 1, 2],
