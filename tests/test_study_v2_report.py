@@ -42,7 +42,8 @@ def test_last_window_shows_the_spread_only_over_several_seeds():
 
 def test_heldout_cell_shows_the_spread_only_over_several_seeds():
     assert report.heldout_cell({"mean": 0.5, "sd": 0.1, "n": 3, "stderr": 0.06}) == "0.500 +- 0.100 (0.060)"
-    assert report.heldout_cell({"mean": 0.5, "stderr": 0.03}) == "0.500 (0.030)"  # starting model, or one seed
+    # the starting model, or one seed: no spread
+    assert report.heldout_cell({"mean": 0.5, "stderr": 0.03}) == "0.500 (0.030)"
 
 
 def arm(dense: float, rkv: float, stderr: float, collapsed: bool = False, saved: float | None = None) -> dict:
