@@ -16,6 +16,7 @@ Stages, each resumable and each kept once done (re-run the same command after a 
 4. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
 
     python experiments/study_v2.py warmstart     # ~15 min on 2 cores
+    python experiments/study_v2.py rebuild-warmstart   # elsewhere, from its saved LoRA (runs/study_v2/warmstart-lora)
     python experiments/study_v2.py scope         # ~30 min -> docs/results/study_v2/scoping.json
     nohup python experiments/study_v2.py run > runs/study_v2/log.txt 2>&1 &    # hours per seed on 2 cores
     python experiments/study_v2.py run --seeds 0 --arms dense,sparse-rl-rkv    # a subset first
@@ -51,6 +52,7 @@ from study_v2_setup import (
     TAU,
     TAU_AGGRESSIVE,
     probe,
+    rebuild_warmstart,
     scope,
     warmstart,
 )
@@ -206,7 +208,9 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["warmstart", "scope", "probe", "run", "throughput", "report"])
+    p.add_argument(
+        "stage", choices=["warmstart", "rebuild-warmstart", "scope", "probe", "run", "throughput", "report"]
+    )
     p.add_argument(
         "overrides", nargs="*", help="probe, warmstart: config overrides of the setting (key=value)"
     )
@@ -236,6 +240,8 @@ def main() -> int:
         raise SystemExit(f"--arms: unknown arm(s) {', '.join(unknown)}; choose from {', '.join(ARMS)}")
     if args.stage == "warmstart":
         print(warmstart(args))
+    elif args.stage == "rebuild-warmstart":
+        print("weights_sha256", rebuild_warmstart())
     elif args.stage == "probe":
         with torch.no_grad():
             print(probe(args))

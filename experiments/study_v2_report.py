@@ -1,6 +1,7 @@
 """Study v2's report (issue 19): per-arm curves and held-out accuracies as mean +- standard deviation over the
 seeds done, the issue's four goals, docs/results/study_v2/study_v2.json and study_v2.png. Reads only finished
-parts (runs/study_v2/<arm>-seed<s>/metrics.jsonl and docs/results/study_v2/parts/), so it can run at any time.
+parts (docs/results/study_v2/parts/; a run's curves are copied there from runs/study_v2/<arm>-seed<s>/metrics.jsonl
+once it is done), so it can run at any time.
 
 Standard errors of an arm's held-out accuracy: over seeds (sd / sqrt(seeds)) once an arm has two or more, else
 over the held-out prompts of its one seed (noted in the goal as "stderr_over"). A collapse, fixed before any run:
@@ -15,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from distill_sparse import positions_read, read_part
+from distill_sparse import cached, positions_read, read_part
 from study import read_metrics, write_atomic
 from study_v2_setup import (
     ARMS,
@@ -62,6 +63,19 @@ def curves(run: Path) -> dict[str, list]:
     out = {"step": [r["step"] for r in rows]}
     out.update({name: [r.get(key) for r in rows] for name, key in sorted(keys.items())})
     return out
+
+
+def run_curves(name: str) -> dict[str, list]:
+    """A finished run's curves, kept as a part (parts/curves/<run>.json) the first time the report sees the run, so
+    the report never needs the run directory again (run directories are not committed)."""
+
+    def make() -> dict[str, list]:
+        out = curves(RUNS / name)
+        if not out["step"]:
+            raise SystemExit(f"{RUNS / name}/metrics.jsonl: missing or empty, and no curves part for {name}")
+        return out
+
+    return {k: v for k, v in cached(PARTS / "curves" / f"{name}.json", make).items() if isinstance(v, list)}
 
 
 def mean_sd(values: list[float]) -> dict[str, float | int]:
@@ -262,7 +276,7 @@ def report() -> dict:
     for part in sorted((PARTS / "heldout").glob("*-seed*.json")):
         arm, seed = part.stem.rsplit("-seed", 1)
         done.setdefault(arm, {})[int(seed)] = read_part(part)
-    runs = {arm: {s: curves(RUNS / f"{arm}-seed{s}") for s in seeds} for arm, seeds in done.items()}
+    runs = {arm: {s: run_curves(f"{arm}-seed{s}") for s in seeds} for arm, seeds in done.items()}
     base_file, speed_file, cal_file = (PARTS / "heldout" / "base.json", PARTS / "throughput.json",
                                        PARTS / "calibration.json")  # fmt: skip
     base = read_part(base_file) if base_file.is_file() else None

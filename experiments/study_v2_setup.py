@@ -14,6 +14,7 @@ Run through experiments/study_v2.py (`python experiments/study_v2.py scope`, ...
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -27,6 +28,7 @@ CONFIG = ROOT / "experiments" / "study_v2.yaml"
 RESULTS = ROOT / "docs" / "results" / "study_v2"
 RUNS = ROOT / "runs" / "study_v2"
 WARMSTART = RUNS / "warmstart"
+WARMSTART_LORA = RUNS / "warmstart-lora"  # its LoRA alone (a few MB): the starting model, rebuilt elsewhere
 BASE_MODEL = "smollm2-135m"
 BUDGETS = (64, 96, 128, 192)
 METHODS = ("rkv", "snapkv")
@@ -198,6 +200,29 @@ def worked_answer(example) -> str:
     return f"{recalled}, so {expression} = {numbers} = {example.answer}. The result is \\boxed{{{example.answer}}}."
 
 
+def weight_checksum(model: torch.nn.Module) -> str:
+    """sha256 of a model's parameters (names and fp32 bytes): the same starting model on every machine."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def rebuild_warmstart() -> str:
+    """The starting model from the base model and the warm start's saved LoRA, for a machine that was sent only
+    the LoRA (the merged model is ~0.5 GB); returns its checksum, to compare with the warm start's."""
+    from peft import PeftModel
+
+    from sparserl.models import load_model
+
+    model, tok = load_model(BASE_MODEL)
+    merged = PeftModel.from_pretrained(model, WARMSTART_LORA).merge_and_unload().eval()
+    merged.save_pretrained(WARMSTART)
+    tok.save_pretrained(WARMSTART)
+    return weight_checksum(merged)
+
+
 def warmstart(args: argparse.Namespace) -> dict:
     """A short supervised warm start (the base model earns ~0 on the setting, so GRPO would see no signal):
     LoRA (the setting's rank) on `--sft-batch` train-split problems per step with their worked answers. Every
@@ -245,15 +270,16 @@ def warmstart(args: argparse.Namespace) -> dict:
         print(probes[-1], flush=True)
         if probes[-1]["dense_reward"] >= args.sft_target:
             break
-    merged = peft.merge_and_unload().eval()
     WARMSTART.parent.mkdir(parents=True, exist_ok=True)
+    peft.save_pretrained(WARMSTART_LORA)
+    merged = peft.merge_and_unload().eval()
     merged.save_pretrained(WARMSTART)
     tok.save_pretrained(WARMSTART)
     row = {"stage": "warmstart", "overrides": args.overrides, "sft_steps": len(losses), "sft_batch": args.sft_batch,
            "sft_lr": args.sft_lr, "sft_target": args.sft_target, "losses": losses, "probes_during_sft": probes,
            "sft_seconds": time.perf_counter() - t0, "dense_reward": probes[-1]["dense_reward"],
            "mean_length": probes[-1]["mean_length"], "prompts": args.prompts, "samples": k,
-           "saved": str(WARMSTART.relative_to(ROOT)), "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
+           "saved": str(WARMSTART.relative_to(ROOT)), "weights_sha256": weight_checksum(merged), "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
     path = RESULTS / "probes.json"
     rows = json.loads(path.read_text())["probes"] if path.is_file() else []
     write_result({"probes": rows + [row]}, path)
