@@ -26,6 +26,11 @@ from typing import Any
 
 import torch
 
+# issue 18's GPU goal: measured by `benchmarks/rollout.py --device cuda`, listed by benchmarks/rl_step.py
+GPU_GOAL = (
+    "On a GPU: the dense engine >= 2x transformers' generate tokens/s at batch 64 and 2k-token generations"
+)
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
 
@@ -98,6 +103,10 @@ def measure() -> Iterator[dict[str, float]]:
     top of what was already resident.
     """
     out: dict[str, float] = {}
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:  # a GPU block: time it to its last kernel, and record its GPU memory high-water mark too
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     release_free_memory()
     reset_peak_rss()
     before = rss_bytes()
@@ -105,6 +114,9 @@ def measure() -> Iterator[dict[str, float]]:
     try:
         yield out
     finally:
+        if cuda:
+            torch.cuda.synchronize()
+            out["peak_gpu_bytes"] = float(torch.cuda.max_memory_allocated())
         out["seconds"] = time.perf_counter() - t0
         peak = peak_rss_bytes()
         out["rss_before_bytes"] = float(before)

@@ -11,6 +11,13 @@ the call. Runs alternate (ours, HF, ours, HF, ...) so that a busy machine slows 
     python benchmarks/rollout.py                # batch 16, contexts 512+512 and 1024+1024, writes docs/results
     python benchmarks/rollout.py --quick        # a smoke run in about a minute, prints only
     python benchmarks/rollout.py --group 8 --contexts 512:128 --out /tmp/group.json   # GRPO groups of 8
+    python benchmarks/rollout.py --device cuda --batch 64 --contexts 256:2048 --repeats 3 \
+        --out docs/results/rollout_gpu.json         # the GPU goal (issue 18); on a GPU machine
+
+On a GPU the timings end with a synchronize and the peak is also the GPU's allocated high-water mark.
+`--random-weights` builds the model from the config beside `--model` (a Hugging Face folder) with random weights:
+with EOS ignored and no top-k/top-p, tokens/s depends on the shapes alone, so a machine that holds the config
+and tokenizer but not the weights measures the same thing.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
+    GPU_GOAL,
     RESULTS,
     command_line,
     machine_info,
@@ -122,7 +130,8 @@ def metrics(
     m: dict[str, float], prefill_s: float, decode_s: float, prompts, group: int, generated: int
 ) -> dict[str, float]:
     rows = len(prompts) * group
-    return {
+    gpu = {"peak_gpu_mib": mib(m["peak_gpu_bytes"])} if "peak_gpu_bytes" in m else {}
+    return gpu | {
         "total_s": m["seconds"],
         "prefill_s": prefill_s,
         "decode_s": decode_s,
@@ -135,6 +144,28 @@ def metrics(
         "peak_rss_mib": mib(m["peak_rss_bytes"]),
         "peak_growth_mib": mib(m["peak_delta_bytes"]),
     }
+
+
+def random_model(folder: str):
+    """The model of `folder`'s config with random weights (seed 0), and `folder`'s tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(folder)
+    return AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32
+    ).eval(), AutoTokenizer.from_pretrained(folder)
+
+
+def gpu_goal(results: list[dict], device: str, compiled: bool) -> dict:
+    """Issue 18's GPU goal, from a GPU run of the default (eager) engine at batch 64 and 2k-token generations
+    (benchmarks/rl_step.py copies it)."""
+    rows = [r for r in results if r["batch"] == 64 and r["new_tokens"] >= 2048]
+    if not device.startswith("cuda") or not rows or compiled:
+        return {}
+    value = min(r["speedup_tokens_per_s"] for r in rows)
+    return {GPU_GOAL: {"value": value, "target": 2.0, "met": value >= 2.0, "command": command_line(),
+                       "gpu": torch.cuda.get_device_name(device)}}  # fmt: skip
 
 
 def parse_contexts(spec: str) -> list[tuple[int, int]]:
@@ -164,6 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="torch device of the model (cpu, cuda, ...)")
+    ap.add_argument("--compile", action="store_true", help="our engine with engine.compile (torch.compile)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="random weights from the config beside --model (a Hugging Face folder): same speed")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="batch 4, context 64:32, one repeat, no JSON")
     ap.add_argument(
         "--out", default=None, help=f"JSON output (default {RESULTS / 'rollout.json'}; none with --quick)"
@@ -178,9 +213,11 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = random_model(args.model) if args.random_weights else load_model(args.model)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too, for both engines
+    model.to(args.device)
     load_s = time.perf_counter() - t0
-    engine = RolloutEngine(model, tokenizer)
+    engine = RolloutEngine(model, tokenizer, compile=args.compile)
     engine.eos_ids = set()  # EOS ignored, as min_new_tokens does for generate
     warm = make_prompts(tokenizer, 2, 16)  # one-time costs (allocator, first kernels) outside the timings
     run_ours(engine, warm, 4, args.seed)
@@ -190,6 +227,10 @@ def main(argv: list[str] | None = None) -> dict:
     for prompt_len, new in args.contexts:
         prompts = make_prompts(tokenizer, args.batch // args.group, prompt_len)
         runs: dict[str, list[dict[str, float]]] = {"sparserl": [], "hf_generate": []}
+        if args.compile:  # compile for this context's static shapes outside the timings
+            print(
+                f"context {prompt_len}+{new}: compile {run_ours(engine, prompts, new, args.seed, args.group)['total_s']:.1f} s"
+            )
         for r in range(args.repeats):
             order = ("sparserl", "hf_generate") if r % 2 == 0 else ("hf_generate", "sparserl")
             for name in order:  # alternate who goes first: a machine that gets busier hurts both alike
@@ -232,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
             "", res["peak_growth_ratio"] if res["peak_growth_ratio"] is not None else "",
         ])  # fmt: skip
     print(
-        f"\n{args.model}, batch {args.batch} (group {args.group}), fp32, {torch.get_num_threads()} thread(s), median of {args.repeats}"
+        f"\n{args.model}, batch {args.batch} (group {args.group}), fp32, {args.device}, {torch.get_num_threads()} thread(s), median of {args.repeats}"
     )
     print_table(
         ["context", "engine", "tok/s", "prefill s", "prefill tok/s", "decode s", "decode tok/s", "s/step",
@@ -242,7 +283,9 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "benchmark": "rollout: sparserl RolloutEngine (dense) vs transformers generate",
         "command": command_line(),
-        "model": args.model,
+        "model": args.model + (" (random weights of its shape)" if args.random_weights else ""),
+        "device": args.device,
+        "engine_compile": args.compile,
         "dtype": "float32",
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos": "ignored"},
         "repeats": args.repeats,
@@ -251,6 +294,10 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_rss_resettable": peak_is_resettable(),
         "results": results,
     }
+    goals = gpu_goal(results, args.device, args.compile)
+    if goals:
+        report = {"goals": goals, **report}
+        print(goals)
     if out_path:
         print(f"wrote {write_json(out_path, report)}")
     return report

@@ -197,6 +197,8 @@ def run(args: argparse.Namespace) -> None:
     for seed in args.seeds:
         for arm in args.arms:
             name = f"{arm}-seed{seed}"
+            if (PARTS / "heldout" / f"{name}.json").is_file():
+                continue  # finished: its held-out part and curves are committed, its run directory may be gone
             out = train_arm(
                 RUNS, name, arm_overrides(arm, seed, budget, files, args.threads), [], config=CONFIG
             )

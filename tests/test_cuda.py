@@ -46,3 +46,43 @@ def test_cuda_compiled_step_equals_the_eager_one(tiny_cuda):
     eager = RolloutEngine(model, tok).generate(prompts, n=3, max_new_tokens=20, seed=0)
     compiled = RolloutEngine(model, tok, compile=True).generate(prompts, n=3, max_new_tokens=20, seed=0)
     assert same_samples(eager, compiled) < AGREE_TOL
+
+
+@pytest.fixture
+def no_tf32():
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 on both devices, so the runs can agree
+
+
+def test_cuda_training_follows_the_cpu_run(tmp_path, no_tf32):
+    """model.device=cuda trains on the GPU: step 1 samples the same tokens as the CPU run (the sampler's random
+    numbers are device-independent; only log-prob rounding differs) and its loss agrees to float32 rounding."""
+    from test_trainer import make_trainer, rows, tiny_cfg
+
+    runs = {}
+    for device in ("cpu", "cuda"):
+        trainer = make_trainer(tiny_cfg(tmp_path, f"model.device={device}", "trainer.steps=2", name=device))
+        assert next(trainer.policy.module.parameters()).device.type == device
+        trainer.train()
+        runs[device] = {r["step"]: r for r in rows(tmp_path / device) if "reward/mean" in r}
+    cpu, gpu = runs["cpu"][1], runs["cuda"][1]
+    assert (cpu["reward/mean"], cpu["length/mean"]) == (gpu["reward/mean"], gpu["length/mean"])
+    assert gpu["actor/loss"] == pytest.approx(cpu["actor/loss"], rel=1e-4, abs=1e-6)
+
+
+def test_cuda_run_resumes_exactly_on_the_gpu_and_on_the_cpu(tmp_path, no_tf32):
+    """A GPU run killed after step 2 resumes bitwise on the GPU, and its checkpoint also resumes on the CPU."""
+    from test_trainer import make_trainer, tiny_cfg, weights
+
+    lora = ["model.lora=true", "model.lora_r=4", "optim.lr=1e-2"]
+    straight = make_trainer(tiny_cfg(tmp_path, *lora, "model.device=cuda", name="straight"))
+    straight.train()
+    for device in ("cuda", "cpu"):
+        name = f"killed-{device}"
+        make_trainer(tiny_cfg(tmp_path, *lora, "model.device=cuda", name=name)).train(until_step=2)
+        resumed = make_trainer(tiny_cfg(tmp_path, *lora, f"model.device={device}", name=name),
+                               run_dir=tmp_path / name, resume=True)  # fmt: skip
+        assert resumed.state.step == 2
+        resumed.train()
+        if device == "cuda":
+            a, b = weights(straight), weights(resumed)
+            assert all(torch.equal(a[k], b[k]) for k in a)

@@ -92,6 +92,7 @@ def distill_cfg(tmp_path: Path, *extra: str, name: str = "run", lora: bool = Tru
     return tiny_cfg(
         tmp_path,
         f"model.lora={str(lora).lower()}",
+        "model.device=cpu",  # compared with CPU-built models and samples: the CPU reference on any machine
         "rollout.max_new_tokens=24",
         "kv.method=block_topk",
         "kv.budget=48",

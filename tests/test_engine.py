@@ -467,7 +467,15 @@ def test_unknown_model_name_raises(monkeypatch):
         load_model("/nonexistent/missing.gguf")
 
 
-@pytest.mark.parametrize("content", [b"", b"garbage bytes, not a model" * 20, b"GGUF" + os.urandom(512)])
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"garbage bytes, not a model" * 20, b"GGUF" + os.urandom(512)],
+    ids=[
+        "empty",
+        "garbage",
+        "gguf-magic-then-random",
+    ],  # fixed ids: parallel workers must collect the same tests
+)
 def test_corrupt_gguf_raises(tmp_path, content):
     path = tmp_path / "broken.gguf"
     path.write_bytes(content)

@@ -227,7 +227,7 @@ def _fake_run(root: Path, base: Path, *overrides: str) -> tuple[Path, object]:
     from sparserl.trainer.policy import Policy
 
     run = root / "run"
-    cfg = load_config(None, [f"model.spec={base}", *overrides])
+    cfg = load_config(None, [f"model.spec={base}", "model.device=cpu", *overrides])  # CPU-built references
     run.mkdir(parents=True)
     save_config(cfg, run / "config.yaml")
     policy = Policy(cfg.model, seed=0)

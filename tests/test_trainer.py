@@ -349,3 +349,16 @@ def test_a_prompts_samples_do_not_depend_on_the_other_prompts_of_its_batch(tmp_p
         k: v for k, v in got["ab"].items() if k[0] == 3
     }
     assert got["ab"][3, 0] != got["ab"][3, 1] or got["ab"][3, 1] != got["ab"][3, 2]  # samples still differ
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("gpu0", "model.device 'gpu0' is not a torch device"), ("cuda", "model.device cuda: no cuda device")],
+)
+def test_a_bad_or_absent_device_names_the_config_key(tmp_path: Path, device: str, message: str) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    from sparserl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        make_trainer(tiny_cfg(tmp_path, f"model.device={device}"))

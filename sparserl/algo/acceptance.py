@@ -110,7 +110,9 @@ def acceptance_by_bin(
         if out.tokens < min_tokens:
             out.note = TOO_FEW_TOKENS
         else:
-            p5, p1 = torch.quantile(values, torch.tensor([0.05, 0.01], dtype=values.dtype)).tolist()
+            p5, p1 = torch.quantile(
+                values, torch.tensor([0.05, 0.01], dtype=values.dtype, device=values.device)
+            ).tolist()
             out.p5, out.p1, out.mean = p5, p1, values.mean().item()
             out.frac_below_tau = (values < tau).double().mean().item()
         bins.append(out)

@@ -46,6 +46,14 @@ class ModelConfig:
             "in it and its adapters in float32. float16 is meant for GPUs."
         },
     )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "Torch device of the policy (rollouts, scoring and update): 'auto' (cuda when available, "
+            "else cpu), or any torch device such as cpu, cuda, cuda:1. Log-probs differ across devices by "
+            "float rounding; float32 on the CPU is the reference."
+        },
+    )
     lora: bool = field(
         default=True,
         metadata={

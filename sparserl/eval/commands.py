@@ -36,18 +36,10 @@ def kv_config(
 
 
 def _device(name: str | None) -> str:
-    """The torch device `--device` names (default: cuda when available, else cpu); an unknown or absent
-    device is a ConfigError before any model is loaded."""
-    if not name:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1, mps)") from None
-    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
-    if device.type in available and not available[device.type]():
-        raise ConfigError(f"--device {name}: no {device.type} device on this machine; use --device cpu")
-    return name
+    """The torch device `--device` names (default: cuda when available, else cpu)."""
+    from sparserl.models import resolve_device
+
+    return resolve_device(name, "--device")
 
 
 def _check_dtype(name: str | None) -> None:

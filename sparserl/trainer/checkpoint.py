@@ -64,13 +64,15 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states, in a form torch.load(weights_only=True) accepts."""
+    """Python, numpy, torch and (on a GPU machine) CUDA RNG states, in a form torch.load(weights_only=True)
+    accepts."""
     py = random.getstate()
     np_state = np.random.get_state()
     return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]],
         "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
 
 
@@ -81,6 +83,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda") or []  # none in older checkpoints, or from a machine without a GPU
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -228,11 +233,14 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     try:
         state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
         weights = load_file(weight_files[0])
-        optimizer = torch.load(path / "optimizer.pt", weights_only=True)
-        scheduler = torch.load(path / "scheduler.pt", weights_only=True)
-        rng = torch.load(path / "rng.pt", weights_only=True)
+        optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        scheduler = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
+        rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
         parts = {
-            sub.name: Part(load_file(sub / PART_WEIGHTS), torch.load(sub / "optimizer.pt", weights_only=True))
+            sub.name: Part(
+                load_file(sub / PART_WEIGHTS),
+                torch.load(sub / "optimizer.pt", map_location="cpu", weights_only=True),
+            )
             for sub in sorted(path.iterdir())
             if (sub / PART_WEIGHTS).is_file()
         }

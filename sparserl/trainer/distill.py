@@ -94,6 +94,7 @@ class DistillLearner:
                             self.policy.module, cfg.kv, [batch.prompts[i] for i in idx],
                             [batch.completions[i] for i in idx], cfg.rollout.temperature, held,
                         )  # fmt: skip
+                    logp = logp.cpu()  # the loss math runs on the batch's CPU tensors, as in the update
                     t = logp.shape[1]
                     mask = batch.mask[micro, :t]
                     denominator += loss_denominator(mask, self.algo, mask)

@@ -78,10 +78,12 @@ class Policy:
         seed: int = 0,
         distill: DistillConfig | None = None,
     ):
-        from sparserl.models import prepare_for_training
+        from sparserl.models import prepare_for_training, resolve_device
 
+        device = resolve_device(cfg.device, "model.device")  # before the load: a bad device fails at once
         model, tokenizer = (loader or default_loader)(cfg)
-        model.to(getattr(torch, cfg.weights_dtype))  # a custom loader's model too: master weights are float32
+        # a custom loader's model too: master weights are float32; LoRA layers follow their base onto the device
+        model.to(dtype=getattr(torch, cfg.weights_dtype), device=device)
         prepare_for_training(model)  # a GGUF-loaded model carries a quantization marker that blocks training
         self.cfg = cfg
         self.tokenizer = tokenizer

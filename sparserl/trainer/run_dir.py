@@ -29,6 +29,7 @@ RESUMABLE_KEYS = (
     "trainer.eval_sparse",
     "trainer.eval_temperature",
     "trainer.threads",
+    "model.device",  # where the run computes, like trainer.threads: log-probs differ only by rounding
     "trainer.log_acceptance",
     "trainer.acceptance_",
     "logging.",

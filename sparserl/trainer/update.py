@@ -174,7 +174,9 @@ class Learner:
                             temperature=cfg.rollout.temperature,
                             with_entropy=algo.entropy_coef > 0,
                         )
-                    logp, entropy = out[0], (out[2] if len(out) > 2 else None)
+                    # the loss math runs on the batch's CPU tensors; autograd takes the gradient back to the
+                    # model's device
+                    logp, entropy = out[0].cpu(), (out[2].cpu() if len(out) > 2 else None)
                     T = logp.shape[1]
                     mask = batch.mask[micro, :T]
                     if from_learner:
