@@ -51,6 +51,8 @@ from study_v2_setup import (
     STEPS,
     TAU,
     TAU_AGGRESSIVE,
+    WARMSTART,
+    WARMSTART_LORA,
     probe,
     rebuild_warmstart,
     scope,
@@ -190,6 +192,11 @@ def speed(files: dict[str, str], repeats: int) -> dict:
 def run(args: argparse.Namespace) -> None:
     """Everything after the scoping, in order, skipping what is done."""
     budget = chosen_budget()
+    if not (WARMSTART / "config.json").is_file():  # run directories are not committed: a fresh copy has none
+        raise SystemExit(
+            f"{WARMSTART.relative_to(ROOT)}: no starting model; run the warmstart stage (or rebuild-warmstart "
+            f"where {WARMSTART_LORA.relative_to(ROOT)} exists) first"
+        )
     cal = calibration()
     files = schedule_files(cal)
     heldout("base", "base", load_setting().model.spec, budget, files)
