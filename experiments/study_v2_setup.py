@@ -217,7 +217,12 @@ def rebuild_warmstart() -> str:
     from sparserl.models import load_model
 
     model, tok = load_model(BASE_MODEL)
-    merged = PeftModel.from_pretrained(model, WARMSTART_LORA).merge_and_unload().eval()
+    return save_starting_model(PeftModel.from_pretrained(model, WARMSTART_LORA), tok)
+
+
+def save_starting_model(peft, tok) -> str:
+    """Merge `peft`'s LoRA into its base, save the result as the study's starting model; returns its checksum."""
+    merged = peft.merge_and_unload().eval()
     merged.save_pretrained(WARMSTART)
     tok.save_pretrained(WARMSTART)
     return weight_checksum(merged)
@@ -272,14 +277,12 @@ def warmstart(args: argparse.Namespace) -> dict:
             break
     WARMSTART.parent.mkdir(parents=True, exist_ok=True)
     peft.save_pretrained(WARMSTART_LORA)
-    merged = peft.merge_and_unload().eval()
-    merged.save_pretrained(WARMSTART)
-    tok.save_pretrained(WARMSTART)
+    checksum = save_starting_model(peft, tok)
     row = {"stage": "warmstart", "overrides": args.overrides, "sft_steps": len(losses), "sft_batch": args.sft_batch,
            "sft_lr": args.sft_lr, "sft_target": args.sft_target, "losses": losses, "probes_during_sft": probes,
            "sft_seconds": time.perf_counter() - t0, "dense_reward": probes[-1]["dense_reward"],
            "mean_length": probes[-1]["mean_length"], "prompts": args.prompts, "samples": k,
-           "saved": str(WARMSTART.relative_to(ROOT)), "weights_sha256": weight_checksum(merged), "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
+           "saved": str(WARMSTART.relative_to(ROOT)), "weights_sha256": checksum, "command": "python experiments/study_v2.py " + " ".join(sys.argv[1:])}  # fmt: skip
     path = RESULTS / "probes.json"
     rows = json.loads(path.read_text())["probes"] if path.is_file() else []
     write_result({"probes": rows + [row]}, path)

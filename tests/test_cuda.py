@@ -19,8 +19,12 @@ pytestmark = [
 
 
 @pytest.fixture
-def tiny_cuda():
+def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 tolerance is float32's, not TF32's
+
+
+@pytest.fixture
+def tiny_cuda(no_tf32):
     model, tok = tiny_model("llama", seed=0)
     return model.cuda(), tok
 
@@ -46,11 +50,6 @@ def test_cuda_compiled_step_equals_the_eager_one(tiny_cuda):
     eager = RolloutEngine(model, tok).generate(prompts, n=3, max_new_tokens=20, seed=0)
     compiled = RolloutEngine(model, tok, compile=True).generate(prompts, n=3, max_new_tokens=20, seed=0)
     assert same_samples(eager, compiled) < AGREE_TOL
-
-
-@pytest.fixture
-def no_tf32():
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 on both devices, so the runs can agree
 
 
 def test_cuda_training_follows_the_cpu_run(tmp_path, no_tf32):

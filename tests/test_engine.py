@@ -467,14 +467,11 @@ def test_unknown_model_name_raises(monkeypatch):
         load_model("/nonexistent/missing.gguf")
 
 
+# fixed ids (not the random bytes): parallel workers must collect the same tests
 @pytest.mark.parametrize(
     "content",
     [b"", b"garbage bytes, not a model" * 20, b"GGUF" + os.urandom(512)],
-    ids=[
-        "empty",
-        "garbage",
-        "gguf-magic-then-random",
-    ],  # fixed ids: parallel workers must collect the same tests
+    ids=["empty", "garbage", "gguf-magic-then-random"],
 )
 def test_corrupt_gguf_raises(tmp_path, content):
     path = tmp_path / "broken.gguf"
