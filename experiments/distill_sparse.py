@@ -61,13 +61,19 @@ def settings(tau: float, seed: int = 0):
     )
 
 
+def calibration_prompts(task, tokenizer) -> list[list[int]]:
+    """The calibration prompts, encoded: CAL_PROMPTS test rows from CAL_OFFSET on (both studies calibrate on them)."""
+    from sparserl.models import encode_prompt
+
+    return [encode_prompt(tokenizer, task[CAL_OFFSET + i].messages) for i in range(CAL_PROMPTS)]
+
+
 def task_and_prompts(tokenizer) -> tuple[Any, list[list[int]]]:
     from sparserl.config import load_config
-    from sparserl.models import encode_prompt
     from sparserl.tasks import make_task
 
     task = make_task(load_config(CONFIG).task, "test")
-    return task, [encode_prompt(tokenizer, task[CAL_OFFSET + i].messages) for i in range(CAL_PROMPTS)]
+    return task, calibration_prompts(task, tokenizer)
 
 
 def read_part(path: Path) -> dict:

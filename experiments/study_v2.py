@@ -33,7 +33,7 @@ import statistics
 import sys
 
 import torch
-from distill_sparse import cached, throughput
+from distill_sparse import cached, calibration_prompts, throughput
 from study import train_arm, write_atomic
 from study_v2_report import report
 from study_v2_setup import (
@@ -60,7 +60,6 @@ from study_v2_setup import (
 )
 
 CAL_BUDGETS = [64, 96, 128, 192, 256]
-CAL_OFFSET, CAL_PROMPTS = 5000, 16  # calibration prompts: test rows far from the held-out ones
 
 
 def load_setting(overrides: list[str] | None = None):
@@ -93,13 +92,13 @@ def calibration() -> dict:
 
     def make() -> dict:
         from sparserl.eval.calibrate import calibrate, choose_schedule
-        from sparserl.models import encode_prompt, load_model
+        from sparserl.models import load_model
         from sparserl.tasks import make_task
 
         cfg = load_setting()
         model, tok = load_model(cfg.model.spec)
         task = make_task(cfg.task, "test")
-        prompts = [encode_prompt(tok, task[CAL_OFFSET + i].messages) for i in range(CAL_PROMPTS)]
+        prompts = calibration_prompts(task, tok)
         out = calibrate(model, tok, prompts, CAL_BUDGETS, calib_settings(TAU_AGGRESSIVE))
         p5 = [[b["p5"] for b in row["bins"]] for row in out["table"]]
         out["schedule_tau075"] = out["schedule"]
@@ -172,13 +171,13 @@ def speed(files: dict[str, str], repeats: int) -> dict:
     samples x the setting's completion length, eos ignored so every arm generates as many tokens)."""
 
     def make() -> dict:
-        from sparserl.models import encode_prompt, load_model
+        from sparserl.models import load_model
         from sparserl.tasks import make_task
 
         cfg = load_setting()
         _, tok = load_model(cfg.model.spec)
         task = make_task(cfg.task, "test")
-        prompts = [encode_prompt(tok, task[CAL_OFFSET + i].messages) for i in range(CAL_PROMPTS)]
+        prompts = calibration_prompts(task, tok)
         schedules = {
             "dense": None,
             **{k: json.loads((ROOT / v).read_text())["schedule"] for k, v in files.items()},
