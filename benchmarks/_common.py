@@ -30,6 +30,7 @@ import torch
 GPU_GOAL = (
     "On a GPU: the dense engine >= 2x transformers' generate tokens/s at batch 64 and 2k-token generations"
 )
+GPU_GOAL_TARGET = 2.0  # the dense engine's tokens/s over generate's
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "docs" / "results"
