@@ -264,10 +264,20 @@ def markdown(result: dict) -> str:
               ", ".join(f"{k} {v:.0f}" for k, v in result["positions_read"].items()), "",
               "Rollout tokens per CPU second: " +
               (", ".join(f"{k} {v:.1f}" for k, v in result["throughput_tokens_per_cpu_s"].items()) or "not measured yet"), ""]  # fmt: skip
-    lines += ["## Goals", ""] + [f"- {'MET' if g['met'] else 'NOT MET'} {k}: value {g['value']}" +
-                                 (f" ({g['reason']})" if "reason" in g else "") +
-                                 (f", seeds {g['seeds']}" if "seeds" in g else "") for k, g in result["goals"].items()]  # fmt: skip
+    lines += ["## Goals", ""] + [goal_line(k, g) for k, g in result["goals"].items()]
     return "\n".join(lines) + "\n"
+
+
+def goal_line(name: str, goal: dict) -> str:
+    """One goal in words: verdict, target, value, every measured number beside it, collapses and seeds."""
+    if goal["value"] is None:
+        return f"- NOT MET {name} ({goal['target']}): {goal.get('reason', 'not measured')}"
+    numbers = [f"{k} {v:.3f}" for k, v in goal.items() if k != "value" and isinstance(v, float)]
+    fell = [f"{k} seeds {', '.join(str(s) for s, yes in v.items() if yes) or 'none'}" for k, v in goal.items()
+            if k.endswith("collapsed")]  # fmt: skip
+    seeds = "; ".join(f"{arm} {','.join(map(str, s))}" for arm, s in goal.get("seeds", {}).items())
+    return (f"- {'MET' if goal['met'] else 'NOT MET'} {name} ({goal['target']}): {goal['value']:+.3f}; "
+            + "; ".join(numbers + fell) + f" (seeds: {seeds}). {goal.get('note', '')}")  # fmt: skip
 
 
 def report() -> dict:

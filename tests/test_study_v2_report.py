@@ -98,3 +98,14 @@ def test_sparrow_goal_needs_all_three_parts(tau086, tau075, speedup, met):
             "sparrow-tau075": arm(tau075, 0.1, 0.02)}  # fmt: skip
     speed = {"dense": {"tokens_per_cpu_s": 10.0}, "schedule_tau086": {"tokens_per_cpu_s": 10.0 * speedup}}
     assert report.goals(arms, BASE, speed)["sparrow"]["met"] is met
+
+
+def test_goal_line_states_verdict_numbers_collapses_and_seeds():
+    arms = {"sparse-rl-rkv": arm(0.85, 0.2, 0.02), "naive-sparse-rkv": arm(0.70, 0.2, 0.02, True)}
+    goals = report.goals(arms, BASE, {})
+    line = report.goal_line("naive_sparse_degrades", goals["naive_sparse_degrades"])
+    assert line.startswith("- MET naive_sparse_degrades (")
+    assert "+0.150" in line and "stderr 0.028" in line and "naive_collapsed seeds 0" in line
+    assert "sparse-rl-rkv 0" in line
+    unmeasured = report.goal_line("sparrow", goals["sparrow"])
+    assert unmeasured.startswith("- NOT MET sparrow (") and "not measured" in unmeasured
