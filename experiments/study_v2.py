@@ -13,7 +13,9 @@ Stages, each resumable and each kept once done (re-run the same command after a 
    is rewritten after every finished part.
 3. `throughput`: that last step alone (the calibration, then dense and both schedules alternated), for a quiet
    machine while the arms are paused; `run` skips it once done.
-4. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
+4. `recall` (experiments/study_v2_recall.py): whether the starting model's samples restate the queried values
+   right, dense and under R-KV at the scoped budget (why the eviction arms learn nothing).
+5. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
 
     python experiments/study_v2.py warmstart     # ~15 min on 2 cores
     python experiments/study_v2.py rebuild-warmstart   # elsewhere, from its saved LoRA (runs/study_v2/warmstart-lora)
@@ -21,6 +23,7 @@ Stages, each resumable and each kept once done (re-run the same command after a 
     nohup python experiments/study_v2.py run > runs/study_v2/log.txt 2>&1 &    # hours per seed on 2 cores
     python experiments/study_v2.py run --seeds 0 --arms dense,sparse-rl-rkv    # a subset first
     python experiments/study_v2.py throughput    # ~10 min; nothing else running
+    python experiments/study_v2.py recall --prompts 64 --samples 4   # ~10 min
     python experiments/study_v2.py report
 """
 
@@ -35,6 +38,7 @@ import sys
 import torch
 from distill_sparse import cached, calibration_prompts, throughput
 from study import train_arm, write_atomic
+from study_v2_recall import recall
 from study_v2_report import report
 from study_v2_setup import (
     ARMS,
@@ -129,6 +133,29 @@ def accuracy(ev: dict, mode: str) -> dict:
             "kv_saved_fraction": m.get("kv_saved_fraction"), "peak_kv_positions": m.get("peak_kv_positions")}  # fmt: skip
 
 
+def scoped_rkv(cfg, budget: int):
+    """R-KV at the scoped budget with the setting's interval and window: the eviction arms' sampler."""
+    from sparserl.engine import KVConfig
+
+    return KVConfig(method="rkv", budget=budget, interval=cfg.kv.interval, window=cfg.kv.window)
+
+
+def recall_check(args: argparse.Namespace) -> dict:
+    """The starting model's recall table (study_v2_recall.py), dense and under R-KV at the scoped budget."""
+
+    def make() -> dict:
+        from sparserl.tasks import make_task
+
+        cfg = load_setting()
+        modes = {"dense": None, "rkv": scoped_rkv(cfg, chosen_budget())}
+        with torch.no_grad():
+            return recall(
+                cfg.model.spec, make_task(cfg.task, "test"), modes, args.prompts, args.samples, cfg.rollout
+            )
+
+    return cached(PARTS / "recall.json", make)
+
+
 def heldout(name: str, model: str, spec: str, budget: int, files: dict[str, str]) -> dict:
     """A model's held-out accuracy (EVAL_PROMPTS x EVAL_SAMPLES, the first test-split prompts) under dense
     inference, R-KV at the scoped budget, and the block_topk schedules HELDOUT_SCHEDULES lists for `model` (an
@@ -143,7 +170,7 @@ def heldout(name: str, model: str, spec: str, budget: int, files: dict[str, str]
         cfg = load_setting()
         loaded = load_eval_model(spec)
         task = make_task(cfg.task, "test")
-        modes = {"rkv": KVConfig(method="rkv", budget=budget, interval=cfg.kv.interval, window=cfg.kv.window)}
+        modes = {"rkv": scoped_rkv(cfg, budget)}
         for key in HELDOUT_SCHEDULES.get(model, ()):
             modes[key.replace("schedule_", "block_topk_")] = KVConfig(
                 method="block_topk", schedule=files[key], **BLOCK_TOPK
@@ -217,7 +244,8 @@ def run(args: argparse.Namespace) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "stage", choices=["warmstart", "rebuild-warmstart", "scope", "probe", "run", "throughput", "report"]
+        "stage",
+        choices=["warmstart", "rebuild-warmstart", "scope", "probe", "run", "throughput", "recall", "report"],
     )
     p.add_argument(
         "overrides", nargs="*", help="probe, warmstart: config overrides of the setting (key=value)"
@@ -226,9 +254,14 @@ def main() -> int:
     p.add_argument("--arms", default=",".join(ARMS), help="run: arms, comma-separated, in the order to run")
     p.add_argument("--repeats", type=int, default=3, help="run, throughput: repeats per schedule")
     p.add_argument(
-        "--prompts", type=int, default=48, help="scope, probe, warmstart: held-out prompts for rewards"
+        "--prompts",
+        type=int,
+        default=48,
+        help="scope, probe, warmstart, recall: held-out prompts for rewards",
     )
-    p.add_argument("--samples", type=int, default=2, help="scope, probe, warmstart: samples per prompt")
+    p.add_argument(
+        "--samples", type=int, default=2, help="scope, probe, warmstart, recall: samples per prompt"
+    )
     p.add_argument(
         "--mismatch-prompts", type=int, default=8, help="scope: prompts whose samples are scored densely"
     )
@@ -262,6 +295,8 @@ def main() -> int:
             print("chosen budget:", scope(args, path)["chosen_budget"])
     elif args.stage == "run":
         run(args)
+    elif args.stage == "recall":
+        print(recall_check(args))
     elif args.stage == "throughput":
         print(speed(schedule_files(calibration()), args.repeats))
         report()
