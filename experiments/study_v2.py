@@ -36,7 +36,7 @@ import statistics
 import sys
 
 import torch
-from distill_sparse import cached, calibration_prompts, throughput
+from distill_sparse import cached, calibration_prompts, read_part, throughput
 from study import train_arm, write_atomic
 from study_v2_recall import recall
 from study_v2_report import report
@@ -57,6 +57,7 @@ from study_v2_setup import (
     TAU_AGGRESSIVE,
     WARMSTART,
     WARMSTART_LORA,
+    eviction_kv,
     probe,
     rebuild_warmstart,
     scope,
@@ -133,27 +134,24 @@ def accuracy(ev: dict, mode: str) -> dict:
             "kv_saved_fraction": m.get("kv_saved_fraction"), "peak_kv_positions": m.get("peak_kv_positions")}  # fmt: skip
 
 
-def scoped_rkv(cfg, budget: int):
-    """R-KV at the scoped budget with the setting's interval and window: the eviction arms' sampler."""
-    from sparserl.engine import KVConfig
-
-    return KVConfig(method="rkv", budget=budget, interval=cfg.kv.interval, window=cfg.kv.window)
-
-
 def recall_check(args: argparse.Namespace) -> dict:
-    """The starting model's recall table (study_v2_recall.py), dense and under R-KV at the scoped budget."""
+    """The starting model's recall table (study_v2_recall.py), dense and under R-KV at the scoped budget; kept
+    once done, for the prompts and samples it was run with."""
+    path = PARTS / "recall.json"
+    done = read_part(path) if path.is_file() else None
+    if done and (done["prompts"], done["samples"]) != (args.prompts, args.samples):
+        raise SystemExit(f"{path.relative_to(ROOT)} holds {done['prompts']} prompts x {done['samples']} samples, "
+                         f"not {args.prompts} x {args.samples}; delete it to redo")  # fmt: skip
 
     def make() -> dict:
         from sparserl.tasks import make_task
 
         cfg = load_setting()
-        modes = {"dense": None, "rkv": scoped_rkv(cfg, chosen_budget())}
-        with torch.no_grad():
-            return recall(
-                cfg.model.spec, make_task(cfg.task, "test"), modes, args.prompts, args.samples, cfg.rollout
-            )
+        kv = eviction_kv(cfg, "rkv", chosen_budget())
+        return recall(cfg.model.spec, make_task(cfg.task, "test"), kv, args.prompts, args.samples, cfg.rollout,
+                      seed=1234)  # fmt: skip
 
-    return cached(PARTS / "recall.json", make)
+    return cached(path, make)
 
 
 def heldout(name: str, model: str, spec: str, budget: int, files: dict[str, str]) -> dict:
@@ -170,7 +168,7 @@ def heldout(name: str, model: str, spec: str, budget: int, files: dict[str, str]
         cfg = load_setting()
         loaded = load_eval_model(spec)
         task = make_task(cfg.task, "test")
-        modes = {"rkv": scoped_rkv(cfg, budget)}
+        modes = {"rkv": eviction_kv(cfg, "rkv", budget)}
         for key in HELDOUT_SCHEDULES.get(model, ()):
             modes[key.replace("schedule_", "block_topk_")] = KVConfig(
                 method="block_topk", schedule=files[key], **BLOCK_TOPK
@@ -257,7 +255,7 @@ def main() -> int:
         "--prompts",
         type=int,
         default=48,
-        help="scope, probe, warmstart, recall: held-out prompts for rewards",
+        help="scope, probe, warmstart, recall (the report's: 64): the first held-out prompts",
     )
     p.add_argument(
         "--samples", type=int, default=2, help="scope, probe, warmstart, recall: samples per prompt"
@@ -296,7 +294,8 @@ def main() -> int:
     elif args.stage == "run":
         run(args)
     elif args.stage == "recall":
-        print(recall_check(args))
+        recall_check(args)
+        report()
     elif args.stage == "throughput":
         print(speed(schedule_files(calibration()), args.repeats))
         report()

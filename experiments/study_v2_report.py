@@ -270,14 +270,15 @@ def markdown(result: dict) -> str:
 
 def goal_line(name: str, goal: dict) -> str:
     """One goal in words: verdict, target, value, every measured number beside it, collapses and seeds."""
-    if goal["value"] is None:
-        return f"- NOT MET {name} ({goal['target']}): {goal.get('reason', 'not measured')}"
+    head = f"- {'MET' if goal['met'] else 'NOT MET'} {name} ({goal['target']}): "
+    if "reason" in goal:  # not measured: its arms have not finished
+        return head + goal["reason"]
+    value = "n/a" if goal["value"] is None else f"{goal['value']:+.3f}"
     numbers = [f"{k} {v:.3f}" for k, v in goal.items() if k != "value" and isinstance(v, float)]
     fell = [f"{k} seeds {', '.join(str(s) for s, yes in v.items() if yes) or 'none'}" for k, v in goal.items()
             if k.endswith("collapsed")]  # fmt: skip
-    seeds = "; ".join(f"{arm} {','.join(map(str, s))}" for arm, s in goal.get("seeds", {}).items())
-    return (f"- {'MET' if goal['met'] else 'NOT MET'} {name} ({goal['target']}): {goal['value']:+.3f}; "
-            + "; ".join(numbers + fell) + f" (seeds: {seeds}). {goal.get('note', '')}")  # fmt: skip
+    seeds = "; ".join(f"{arm} {','.join(map(str, s))}" for arm, s in goal["seeds"].items())
+    return head + "; ".join([value, *numbers, *fell]) + f" (seeds: {seeds}). {goal['note']}"
 
 
 def report() -> dict:

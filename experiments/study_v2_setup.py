@@ -14,6 +14,7 @@ Run through experiments/study_v2.py (`python experiments/study_v2.py scope`, ...
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -101,10 +102,15 @@ def mismatch(sampler: list[torch.Tensor], dense: list[torch.Tensor]) -> dict[str
     }
 
 
+def eviction_kv(cfg, method: str, budget: int):
+    """The setting's KV section with an eviction method and budget: what the eviction arms sample with."""
+    return dataclasses.replace(cfg.kv, method=method, budget=budget)
+
+
 def scope(args: argparse.Namespace, path: Path) -> dict:
     """Run (or continue: each finished configuration is saved at once) the scoping; returns its result."""
     from sparserl.config import load_config
-    from sparserl.engine import KVConfig, RolloutEngine, score
+    from sparserl.engine import RolloutEngine, score
     from sparserl.eval.evaluate import evaluate
     from sparserl.models import encode_prompt, load_model
     from sparserl.tasks import make_task
@@ -137,7 +143,7 @@ def scope(args: argparse.Namespace, path: Path) -> dict:
         for budget in BUDGETS:
             if f"{method}@{budget}" in out["sparse"]:
                 continue
-            kv = KVConfig(method=method, budget=budget, interval=cfg.kv.interval, window=cfg.kv.window)
+            kv = eviction_kv(cfg, method, budget)
             sparse = evaluate(model, tok, task, kv=kv, dense=False, **common)["sparse"]
             rollouts = RolloutEngine(model, tok, kv).generate(
                 prompts, n=args.samples, max_new_tokens=r.max_new_tokens, temperature=r.temperature, seed=99

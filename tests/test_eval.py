@@ -140,12 +140,12 @@ def test_dense_and_sparse_share_prompts_and_seeds(tiny) -> None:
     for ex in out["examples"]:
         assert ex["dense"]["rewards"] == ex["sparse"]["rewards"]
         assert ex["dense"]["lengths"] == ex["sparse"]["lengths"]
-        assert ex["dense"]["first_completion"] == ex["sparse"]["first_completion"]
+        assert ex["dense"]["completions"] == ex["sparse"]["completions"]
     assert len({tuple(ex["dense"]["rewards"]) for ex in out["examples"]}) > 1  # the reward does vary
     # and a different seed gives different samples (the seed reaches the sampler)
     other = evaluate(model, tok, FirstByteTask(), kv=kv, samples=4, max_new_tokens=16, seed=1, details=True)
-    assert [e["dense"]["first_completion"] for e in other["examples"]] != [
-        e["dense"]["first_completion"] for e in out["examples"]
+    assert [e["dense"]["completions"] for e in other["examples"]] != [
+        e["dense"]["completions"] for e in out["examples"]
     ]
 
 

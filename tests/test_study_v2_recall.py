@@ -13,30 +13,34 @@ recall = importlib.import_module(
     "study_v2_recall"
 )  # a broken import fails the tests rather than skipping them
 
-FACTS = {"alpha": 9, "uniform": 0}
+FACTS = {"alpha": 9, "uniform": 2}
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("alpha = 9 and uniform = 0, so uniform + alpha = 0 + 9 = 9. \\boxed{9}", "recalled"),
-        ("Let alpha=9. uniform =0 so", "recalled"),
-        ("alphabet = 4, alpha = 9, uniform = 0", "recalled"),  # another name that starts alike is not alpha
-        ("alpha = 3 and uniform = 0, so 3", "misrecalled"),
+        ("alpha = 9 and uniform = 2, so uniform + alpha = 2 + 9 = 11. \\boxed{11}", "recalled"),
+        ("Let alpha=9. uniform =2 so", "recalled"),
+        ("Alpha = 9 and Uniform = 2", "recalled"),  # any case
+        ("- alpha = 9\n- uniform = 2", "recalled"),  # bullets on their own lines
+        ("* alpha = 3\n* uniform = 2", "misrecalled"),
+        ("alphabet = 4, alpha = 9, uniform = 2", "recalled"),  # a longer name that starts alike is not alpha
+        ("xalpha = 4, alpha = 9, uniform = 2", "recalled"),  # nor one that ends alike
+        ("alpha = 3 and uniform = 2, so 5", "misrecalled"),
+        ("alpha = 9 and uniform = -2", "misrecalled"),  # the sign is read
         ("alpha = 9, so the answer is 9", "unstated"),  # uniform never restated
-        ("uniform + alpha = 0 + 9 = 9", "unstated"),  # inside an expression: not a restatement
-        ("alpha = 9 and uniform = -2", "misrecalled"),
+        ("uniform + alpha = 5, and uniform = 2", "unstated"),  # an operator before the name: inside a sum
+        ("alpha = 3 + 6, uniform = 2", "unstated"),  # an operator after the number: inside a sum
     ],
 )
 def test_recall_class(text, expected):
     assert recall.recall_class(text, FACTS) == expected
 
 
-def test_recall_table_shares_and_accuracy_per_class():
-    table = recall.recall_table(
-        [("recalled", 1.0), ("recalled", 0.0), ("misrecalled", 0.0), ("unstated", 1.0)]
-    )
+def test_recall_table_shares_accuracy_and_examples_per_class():
+    rows = [("recalled", 1.0, "a"), ("recalled", 0.0, "b"), ("misrecalled", 0.0, "c"), ("unstated", 1.0, "d")]
+    table = recall.recall_table(rows)
     assert table["samples"] == 4 and table["accuracy"] == 0.5
-    assert table["recalled"] == {"share": 0.5, "accuracy": 0.5}
-    assert table["misrecalled"] == {"share": 0.25, "accuracy": 0.0}
-    assert recall.recall_table([("recalled", 1.0)])["unstated"] == {"share": 0.0, "accuracy": None}
+    assert table["recalled"] == {"share": 0.5, "accuracy": 0.5, "examples": ["a", "b"]}
+    assert table["misrecalled"] == {"share": 0.25, "accuracy": 0.0, "examples": ["c"]}
+    assert recall.recall_table(rows[:1])["unstated"] == {"share": 0.0, "accuracy": None, "examples": []}

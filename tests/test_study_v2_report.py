@@ -109,3 +109,11 @@ def test_goal_line_states_verdict_numbers_collapses_and_seeds():
     assert "sparse-rl-rkv 0" in line
     unmeasured = report.goal_line("sparrow", goals["sparrow"])
     assert unmeasured.startswith("- NOT MET sparrow (") and "not measured" in unmeasured
+
+
+def test_goal_line_of_a_measured_goal_without_a_value():
+    """The dense arm gained nothing: the ratio is None, yet the goal is measured and its gains are shown."""
+    arms = {"dense": arm(0.70, 0.15, 0.02), "sparse-rl-rkv": arm(0.72, 0.2, 0.02, saved=0.79)}
+    goal = report.goals(arms, BASE, {})["sparse_rl_keeps_dense_gain"]
+    line = report.goal_line("sparse_rl_keeps_dense_gain", goal)
+    assert goal["value"] is None and ": n/a; sparse_rl_gain 0.020" in line and "gained nothing" in line

@@ -178,7 +178,7 @@ def evaluate(
     method, under sparse inference with that KV policy. Both modes use the same prompts and, per chunk of
     `batch_prompts` prompts, the same sampling seed, so they differ only by the cache. Returns a JSON-ready
     dict: {'dense': {...}, 'sparse': {...}, 'sparse_minus_dense': {...}, ...}; with `details`, also the
-    per-prompt rewards, lengths and finish reasons under 'examples'."""
+    per-prompt rewards, lengths, finish reasons and completion texts under 'examples'."""
     from sparserl.models import encode_prompt
 
     if not isinstance(task, Task):
@@ -244,7 +244,7 @@ def evaluate(
                         "rewards": per[mode]["rewards"][j],
                         "lengths": per[mode]["lengths"][j],
                         "finish": per[mode]["finish"][j],
-                        "first_completion": per[mode]["texts"][j][0],
+                        "completions": per[mode]["texts"][j],
                     }
                     for mode in per
                 },
