@@ -264,8 +264,24 @@ def markdown(result: dict) -> str:
               ", ".join(f"{k} {v:.0f}" for k, v in result["positions_read"].items()), "",
               "Rollout tokens per CPU second: " +
               (", ".join(f"{k} {v:.1f}" for k, v in result["throughput_tokens_per_cpu_s"].items()) or "not measured yet"), ""]  # fmt: skip
+    if result.get("recall"):
+        lines += [recall_line(result["recall"]), ""]
     lines += ["## Goals", ""] + [goal_line(k, g) for k, g in result["goals"].items()]
     return "\n".join(lines) + "\n"
+
+
+def recall_line(recall: dict) -> str:
+    """The recall check (study_v2_recall.py) in one sentence per sampler."""
+    kv = recall["kv"]
+    cells = []
+    for mode in ("dense", kv["method"]):
+        t = recall[mode]
+        right, wrong = t["recalled"], t["misrecalled"]
+        acc = ["n/a" if c["accuracy"] is None else f"{c['accuracy']:.3f}" for c in (right, wrong)]
+        cells.append(f"{mode} accuracy {t['accuracy']:.3f}, values restated right {right['share']:.0%} "
+                     f"(accuracy {acc[0]}), wrong {wrong['share']:.0%} (accuracy {acc[1]})")  # fmt: skip
+    return (f"Recall check (the starting model, {recall['prompts']} prompts x {recall['samples']} samples, "
+            f"{kv['method']} {kv['budget']}): " + "; ".join(cells))  # fmt: skip
 
 
 def goal_line(name: str, goal: dict) -> str:

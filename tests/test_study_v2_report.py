@@ -117,3 +117,15 @@ def test_goal_line_of_a_measured_goal_without_a_value():
     goal = report.goals(arms, BASE, {})["sparse_rl_keeps_dense_gain"]
     line = report.goal_line("sparse_rl_keeps_dense_gain", goal)
     assert goal["value"] is None and ": n/a; sparse_rl_gain 0.020" in line and "gained nothing" in line
+
+
+def test_recall_line_reads_both_samplers_and_empty_classes():
+    table = {
+        "accuracy": 0.5,
+        "recalled": {"share": 0.6, "accuracy": 0.75},
+        "misrecalled": {"share": 0.0, "accuracy": None},
+    }
+    recall = {"prompts": 2, "samples": 4, "kv": {"method": "rkv", "budget": 96}, "dense": table, "rkv": table}
+    line = report.recall_line(recall)
+    assert "rkv 96" in line and "dense accuracy 0.500" in line and "right 60% (accuracy 0.750)" in line
+    assert "wrong 0% (accuracy n/a)" in line
