@@ -149,8 +149,11 @@ def goals(arms: dict[str, dict], base: dict | None, speed: dict) -> dict:
     dense, srl, naive = arms.get("dense"), arms.get("sparse-rl-rkv"), arms.get("naive-sparse-rkv")
     if srl and naive:
         g, se = gap(srl, naive, "dense")
-        collapse = any(naive["collapsed"].values())
-        measured("naive_sparse_degrades", g, g > 2 * se or collapse, ("sparse-rl-rkv", "naive-sparse-rkv"), stderr=se, naive_collapsed=naive["collapsed"],
+        # "degrades relative to Sparse-RL": a naive collapse counts where Sparse-RL's run of that seed held
+        alone = [s for s, fell in naive["collapsed"].items() if fell and srl["collapsed"].get(s) is False]
+        measured("naive_sparse_degrades", g, g > 2 * se or bool(alone), ("sparse-rl-rkv", "naive-sparse-rkv"), stderr=se,
+                 naive_collapsed=naive["collapsed"], sparse_rl_collapsed=srl["collapsed"],
+                 met_by_any_naive_collapse=g > 2 * se or any(naive["collapsed"].values()),
                  note="Sparse-RL minus naive R-KV, held-out accuracy under dense inference")  # fmt: skip
     if srl and dense and base:
         b = base["dense"]["accuracy"]
