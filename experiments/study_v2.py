@@ -15,6 +15,8 @@ Stages, each resumable and each kept once done (re-run the same command after a 
    machine while the arms are paused; `run` skips it once done.
 4. `recall` (experiments/study_v2_recall.py): whether the starting model's samples restate the queried values
    right, dense and under R-KV at the scoped budget (why the eviction arms learn nothing).
+   `step-prompts`: the starting model's R-KV reward on each training step's prompts, per seed (whether an
+   arm's fall in reward comes from the prompts it drew).
 5. `report` (experiments/study_v2_report.py): docs/results/study_v2/study_v2.json and .png from the parts done.
 
     python experiments/study_v2.py warmstart     # ~15 min on 2 cores
@@ -24,6 +26,7 @@ Stages, each resumable and each kept once done (re-run the same command after a 
     python experiments/study_v2.py run --seeds 0 --arms dense,sparse-rl-rkv    # a subset first
     python experiments/study_v2.py throughput    # ~10 min; nothing else running
     python experiments/study_v2.py recall --prompts 64 --samples 4   # ~10 min
+    python experiments/study_v2.py step-prompts --samples 2          # ~15 min
     python experiments/study_v2.py report
 """
 
@@ -38,7 +41,7 @@ import sys
 import torch
 from distill_sparse import cached, calibration_prompts, read_part, throughput
 from study import train_arm, write_atomic
-from study_v2_recall import recall
+from study_v2_recall import recall, step_prompts_reward
 from study_v2_report import report
 from study_v2_setup import (
     ARMS,
@@ -154,6 +157,20 @@ def recall_check(args: argparse.Namespace) -> dict:
     return cached(path, make)
 
 
+def step_prompts_check(args: argparse.Namespace) -> dict:
+    """The starting model's R-KV reward on each training step's prompts, per seed (study_v2_recall.py)."""
+
+    def make() -> dict:
+        from sparserl.tasks import make_task
+
+        cfg = load_setting()
+        kv = eviction_kv(cfg, "rkv", chosen_budget())
+        return step_prompts_reward(cfg.model.spec, make_task(cfg.task, "train"), kv, args.seeds, STEPS,
+                                   cfg.rollout.prompts_per_step, args.samples, cfg.rollout)  # fmt: skip
+
+    return cached(PARTS / "step_prompts.json", make)
+
+
 def heldout(name: str, model: str, spec: str, budget: int, files: dict[str, str]) -> dict:
     """A model's held-out accuracy (EVAL_PROMPTS x EVAL_SAMPLES, the first test-split prompts) under dense
     inference, R-KV at the scoped budget, and the block_topk schedules HELDOUT_SCHEDULES lists for `model` (an
@@ -243,12 +260,22 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "stage",
-        choices=["warmstart", "rebuild-warmstart", "scope", "probe", "run", "throughput", "recall", "report"],
+        choices=[
+            "warmstart",
+            "rebuild-warmstart",
+            "scope",
+            "probe",
+            "run",
+            "throughput",
+            "recall",
+            "step-prompts",
+            "report",
+        ],
     )
     p.add_argument(
         "overrides", nargs="*", help="probe, warmstart: config overrides of the setting (key=value)"
     )
-    p.add_argument("--seeds", default="0,1,2", help="run: training seeds, comma-separated")
+    p.add_argument("--seeds", default="0,1,2", help="run, step-prompts: training seeds, comma-separated")
     p.add_argument("--arms", default=",".join(ARMS), help="run: arms, comma-separated, in the order to run")
     p.add_argument("--repeats", type=int, default=3, help="run, throughput: repeats per schedule")
     p.add_argument(
@@ -258,7 +285,10 @@ def main() -> int:
         help="scope, probe, warmstart, recall (the report's: 64): the first held-out prompts",
     )
     p.add_argument(
-        "--samples", type=int, default=2, help="scope, probe, warmstart, recall: samples per prompt"
+        "--samples",
+        type=int,
+        default=2,
+        help="scope, probe, warmstart, recall (the report's: 4), step-prompts (2): samples per prompt",
     )
     p.add_argument(
         "--mismatch-prompts", type=int, default=8, help="scope: prompts whose samples are scored densely"
@@ -296,6 +326,8 @@ def main() -> int:
     elif args.stage == "recall":
         recall_check(args)
         report()
+    elif args.stage == "step-prompts":
+        step_prompts_check(args)
     elif args.stage == "throughput":
         print(speed(schedule_files(calibration()), args.repeats))
         report()

@@ -74,3 +74,35 @@ def recall(model_spec: str, task: Any, kv: Any, prompts: int, samples: int, roll
         out[name] = recall_table(rows)
         print(name, {c: round(out[name][c]["share"], 3) for c in CLASSES}, flush=True)
     return out
+
+
+def step_prompts_reward(model_spec: str, task: Any, kv: Any, seeds: list[int], steps: int, per_step: int,
+                        samples: int, rollout: Any) -> dict:  # fmt: skip
+    """The starting model's reward under `kv` on each training step's prompts, per seed: the trainer draws
+    them in a seeded order (sparserl.trainer.data.PromptSampler), the same for every arm of a seed, so a fall
+    in an arm's reward that this curve shares comes from its prompts, not from its training."""
+    from sparserl.engine import RolloutEngine
+    from sparserl.models import encode_prompt, load_model
+    from sparserl.trainer.data import PromptSampler
+
+    model, tok = load_model(model_spec)
+    engine = RolloutEngine(model, tok, kv)
+    out: dict[str, Any] = {
+        "model": model_spec,
+        "samples": samples,
+        "kv": {"method": kv.method, "budget": kv.budget},
+    }
+    for seed in seeds:
+        order = PromptSampler(len(task), seed).take(steps * per_step)
+        examples = [task[i] for i in order]
+        gen = engine.generate([encode_prompt(tok, ex.messages) for ex in examples], n=samples, seed=1234,
+                              max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p)  # fmt: skip
+        rewards = [0.0] * steps
+        for s in gen.samples:
+            ex = examples[s.prompt_index]
+            rewards[s.prompt_index // per_step] += task.score(
+                tok.decode(s.completion_ids, skip_special_tokens=True), ex
+            )
+        out[str(seed)] = [r / (per_step * samples) for r in rewards]
+        print(seed, [round(r, 2) for r in out[str(seed)]], flush=True)
+    return out
