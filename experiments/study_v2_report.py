@@ -330,8 +330,7 @@ def report() -> dict:
                    for arm in arms},  # fmt: skip
         "positions_read": {name: positions_read(cal[name], cal["table"]) for name in ("schedule_tau086", "schedule_tau075")} if cal else {},
         "throughput_tokens_per_cpu_s": {k: v["tokens_per_cpu_s"] for k, v in speed.items() if isinstance(v, dict)},
-        "scoping": "docs/results/study_v2/scoping.json",
-        "recall": read_part(PARTS / "recall.json") if (PARTS / "recall.json").is_file() else None,
+        "scoping": "docs/results/study_v2/scoping.json",        **{k: read_part(PARTS / f"{k}.json") if (PARTS / f"{k}.json").is_file() else None for k in ("recall", "step_prompts")},
     }  # fmt: skip
     scoping = read_part(RESULTS / "scoping.json") if (RESULTS / "scoping.json").is_file() else {}
     if scoping.get("chosen_budget"):  # an eviction cache holds at most budget + interval - 1 positions
