@@ -3,6 +3,7 @@ on request, the dense next-token distributions at every completion position (the
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -88,17 +89,24 @@ def _hidden_at_completions(lm, prompt_ids, completion_ids, t_c: int, device) -> 
     return at_completions(hidden, prompt_ids, completion_ids, t_c)
 
 
+def _cache_name(decoder: nn.Module) -> str:
+    """The decoder's name for its KV cache, argument and output: transformers 5.24 renamed `past_key_values` to
+    `cache` (the old name warns on every call and goes in 5.40); the versions pyproject allows have either."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
 def _shared_prompt_hidden(lm, prompt: list[int], completions, t_c: int, device) -> Tensor:
     """`_hidden_at_completions` for rows of one prompt: the prompt but its last token runs once (a single row,
     or a one-token prompt, has nothing to share and runs as one)."""
     if len(prompt) < 2 or len(completions) == 1:
         return _hidden_at_completions(lm, [prompt] * len(completions), completions, t_c, device)
     head = torch.tensor([prompt[:-1]], dtype=torch.long, device=device)
-    past = lm.model(input_ids=head, use_cache=True).past_key_values
+    name = _cache_name(lm.model)
+    past = getattr(lm.model(input_ids=head, use_cache=True), name)
     past.batch_repeat_interleave(len(completions))
     ids, attn = right_padded([[prompt[-1], *c] for c in completions], device)
     attn = torch.cat([attn.new_ones(len(completions), head.shape[1]), attn], dim=1)
-    hidden = lm.model(input_ids=ids, attention_mask=attn, past_key_values=past).last_hidden_state
+    hidden = lm.model(input_ids=ids, attention_mask=attn, **{name: past}).last_hidden_state
     hidden = hidden[:, :t_c]
     return torch.nn.functional.pad(hidden, (0, 0, 0, t_c - hidden.shape[1]))
 
