@@ -9,7 +9,10 @@ misrecalls while its accuracy given a right recall stays near dense's.
 from __future__ import annotations
 
 import re
+import statistics
 from typing import Any
+
+from sparserl.tasks import Example, Task
 
 CLASSES = ("recalled", "misrecalled", "unstated")
 AFTER_OPERAND = (
@@ -76,33 +79,43 @@ def recall(model_spec: str, task: Any, kv: Any, prompts: int, samples: int, roll
     return out
 
 
-def step_prompts_reward(model_spec: str, task: Any, kv: Any, seeds: list[int], steps: int, per_step: int,
+class StepPrompts(Task):
+    """The rows one seed's training steps draw, in the order drawn, scored by the task's own reward: a view that
+    `sparserl.eval.evaluate` can sample and score like any task."""
+
+    def __init__(self, task: Task, order: list[int]) -> None:
+        self.task, self.order = task, order
+        self.name, self.self_guarded, self.reward_timeout = task.name, task.self_guarded, task.reward_timeout
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> Example:
+        return self.task[self.order[i]]
+
+    def reward(self, completion_text: str, example: Example) -> float:
+        return self.task.reward(completion_text, example)
+
+
+def step_prompts_reward(model_spec: str, task: Task, kv: Any, seeds: list[int], steps: int, per_step: int,
                         samples: int, rollout: Any) -> dict:  # fmt: skip
     """The starting model's reward under `kv` on each training step's prompts, per seed: the trainer draws
     them in a seeded order (sparserl.trainer.data.PromptSampler), the same for every arm of a seed, so a fall
     in an arm's reward that this curve shares comes from its prompts, not from its training."""
-    from sparserl.engine import RolloutEngine
-    from sparserl.models import encode_prompt, load_model
+    from sparserl.eval.evaluate import evaluate
+    from sparserl.models import load_model
     from sparserl.trainer.data import PromptSampler
 
     model, tok = load_model(model_spec)
-    engine = RolloutEngine(model, tok, kv)
-    out: dict[str, Any] = {
-        "model": model_spec,
-        "samples": samples,
-        "kv": {"method": kv.method, "budget": kv.budget},
-    }
+    out: dict[str, Any] = {"model": model_spec, "samples": samples}
     for seed in seeds:
-        order = PromptSampler(len(task), seed).take(steps * per_step)
-        examples = [task[i] for i in order]
-        gen = engine.generate([encode_prompt(tok, ex.messages) for ex in examples], n=samples, seed=1234,
-                              max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p)  # fmt: skip
-        rewards = [0.0] * steps
-        for s in gen.samples:
-            ex = examples[s.prompt_index]
-            rewards[s.prompt_index // per_step] += task.score(
-                tok.decode(s.completion_ids, skip_special_tokens=True), ex
-            )
-        out[str(seed)] = [r / (per_step * samples) for r in rewards]
+        view = StepPrompts(task, PromptSampler(len(task), seed).take(steps * per_step))
+        ev = evaluate(model, tok, view, kv=kv, samples=samples, seed=1234, dense=False, details=True,
+                      max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p)  # fmt: skip
+        out |= {"kv": ev["kv"], "sampling": ev["sampling"]}
+        per_prompt = [statistics.fmean(ex["sparse"]["rewards"]) for ex in ev["examples"]]
+        out[str(seed)] = [
+            statistics.fmean(per_prompt[s : s + per_step]) for s in range(0, len(view), per_step)
+        ]
         print(seed, [round(r, 2) for r in out[str(seed)]], flush=True)
     return out

@@ -44,3 +44,24 @@ def test_recall_table_shares_accuracy_and_examples_per_class():
     assert table["recalled"] == {"share": 0.5, "accuracy": 0.5, "examples": ["a", "b"]}
     assert table["misrecalled"] == {"share": 0.25, "accuracy": 0.0, "examples": ["c"]}
     assert recall.recall_table(rows[:1])["unstated"] == {"share": 0.0, "accuracy": None, "examples": []}
+
+
+def test_step_prompts_view_reads_the_drawn_rows_in_order_and_scores_with_the_task():
+    from sparserl.tasks import Example, Task
+
+    class Numbers(Task):
+        name = "numbers"
+
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            return Example(messages=[{"role": "user", "content": str(i)}], answer=str(i))
+
+        def reward(self, completion_text, example):
+            return float(completion_text == example.answer)
+
+    view = recall.StepPrompts(Numbers(), [3, 0, 3])
+    assert len(view) == 3 and view.name == "numbers"
+    assert [ex.answer for ex in view] == ["3", "0", "3"]
+    assert view.score("3", view[0]) == 1.0 and view.score("3", view[1]) == 0.0
