@@ -81,6 +81,11 @@ def read_part(path: Path) -> dict:
     return {k: v for k, v in json.loads(path.read_text()).items() if k != "goals"}
 
 
+def read_part_if_done(path: Path, missing: Any = None) -> Any:
+    """`read_part(path)`, or `missing` where that part has not run yet."""
+    return read_part(path) if path.is_file() else missing
+
+
 def cached(path: Path, make) -> dict:
     """`make()` written to `path` once (through a temporary file, so a killed run leaves no half-written part);
     later runs read it back."""

@@ -39,7 +39,7 @@ import statistics
 import sys
 
 import torch
-from distill_sparse import cached, calibration_prompts, read_part, throughput
+from distill_sparse import cached, calibration_prompts, read_part_if_done, throughput
 from study import train_arm, write_atomic
 from study_v2_recall import recall, step_prompts_reward
 from study_v2_report import report
@@ -141,7 +141,7 @@ def recall_check(args: argparse.Namespace) -> dict:
     """The starting model's recall table (study_v2_recall.py), dense and under R-KV at the scoped budget; kept
     once done, for the prompts and samples it was run with."""
     path = PARTS / "recall.json"
-    done = read_part(path) if path.is_file() else None
+    done = read_part_if_done(path)
     if done and (done["prompts"], done["samples"]) != (args.prompts, args.samples):
         raise SystemExit(f"{path.relative_to(ROOT)} holds {done['prompts']} prompts x {done['samples']} samples, "
                          f"not {args.prompts} x {args.samples}; delete it to redo")  # fmt: skip

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from distill_sparse import cached, positions_read, read_part
+from distill_sparse import cached, positions_read, read_part, read_part_if_done
 from study import read_metrics, write_atomic
 from study_v2_setup import (
     ARMS,
@@ -307,11 +307,9 @@ def report() -> dict:
         arm, seed = part.stem.rsplit("-seed", 1)
         done.setdefault(arm, {})[int(seed)] = read_part(part)
     runs = {arm: {s: run_curves(f"{arm}-seed{s}") for s in seeds} for arm, seeds in done.items()}
-    base_file, speed_file, cal_file = (PARTS / "heldout" / "base.json", PARTS / "throughput.json",
-                                       PARTS / "calibration.json")  # fmt: skip
-    base = read_part(base_file) if base_file.is_file() else None
-    speed = read_part(speed_file) if speed_file.is_file() else {}
-    cal = read_part(cal_file) if cal_file.is_file() else None
+    base = read_part_if_done(PARTS / "heldout" / "base.json")
+    speed = read_part_if_done(PARTS / "throughput.json", {})
+    cal = read_part_if_done(PARTS / "calibration.json")
     arms = {arm: arm_summary(done[arm], runs[arm]) for arm in ARMS if arm in done}
     heldout = (
         {"starting model": {m: {"mean": base[m]["accuracy"], "stderr": base[m]["stderr"]} for m in MODES}}
@@ -330,9 +328,10 @@ def report() -> dict:
                    for arm in arms},  # fmt: skip
         "positions_read": {name: positions_read(cal[name], cal["table"]) for name in ("schedule_tau086", "schedule_tau075")} if cal else {},
         "throughput_tokens_per_cpu_s": {k: v["tokens_per_cpu_s"] for k, v in speed.items() if isinstance(v, dict)},
-        "scoping": "docs/results/study_v2/scoping.json",        **{k: read_part(PARTS / f"{k}.json") if (PARTS / f"{k}.json").is_file() else None for k in ("recall", "step_prompts")},
+        "scoping": "docs/results/study_v2/scoping.json",
+        **{k: read_part_if_done(PARTS / f"{k}.json") for k in ("recall", "step_prompts")},
     }  # fmt: skip
-    scoping = read_part(RESULTS / "scoping.json") if (RESULTS / "scoping.json").is_file() else {}
+    scoping = read_part_if_done(RESULTS / "scoping.json", {})
     if scoping.get("chosen_budget"):  # an eviction cache holds at most budget + interval - 1 positions
         result["positions_read"]["eviction (at most)"] = (
             scoping["chosen_budget"] + scoping["setting"]["interval"] - 1
