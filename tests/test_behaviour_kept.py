@@ -1,0 +1,96 @@
+"""Behaviour kept across refactors: short tiny-model runs give the metrics and final weights pinned in
+tests/fixtures/behaviour_kept.json, which was written by the code before the seams redesign
+(`python tests/test_behaviour_kept.py --write`, run with that code first on the import path).
+
+Bit-identical on the CPU kind the fixture was written on (its `cpu_capability`); on another vector unit the
+float sums may round differently, so there the metrics are compared to 1e-5 and the weight digest is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.test_distill import distill_cfg  # noqa: E402
+from tests.test_trainer import ParityTask, rows, tiny_cfg  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "fixtures" / "behaviour_kept.json"
+ARMS = {
+    "default": (tiny_cfg, ["trainer.steps=3", "trainer.eval_prompts=2"]),
+    "cap_partial": (
+        tiny_cfg,
+        ["trainer.steps=3", "rollout.partial.enable=true", "rollout.partial.max_staleness=3",
+         "rollout.kv_memory_cap=1MiB"],
+    ),  # fmt: skip
+    "epochs_kl_lora": (
+        tiny_cfg,
+        ["trainer.steps=2", "model.lora=true", "optim.ppo_epochs=2", "algo.kl_coef=0.05", "algo.preset=tis"],
+    ),
+    "distill": (distill_cfg, ["trainer.steps=2"]),
+}
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _is_timing(key: str) -> bool:
+    return key.startswith("time/") or key.endswith("_s") or "per_s" in key
+
+
+def run_arm(tmp_path: Path, arm: str) -> dict:
+    """Train one arm; its metrics (timings aside) and the digest of its final weights (and adapter)."""
+    from sparserl.trainer import Trainer
+
+    make_cfg, extra = ARMS[arm]
+    trainer = Trainer(make_cfg(tmp_path, *extra, name=arm), task=ParityTask(), eval_task=ParityTask())
+    try:
+        trainer.train()
+        weights = dict(trainer.policy.weights())
+        if trainer.cfg.distill.enable:
+            adapter = trainer.policy.adapter_weights(trainer.policy.distill_adapter)
+            weights.update({f"distill/{k}": v for k, v in adapter.items()})
+    finally:
+        trainer.close()
+    metrics = [{k: v for k, v in r.items() if not _is_timing(k)} for r in rows(tmp_path / arm)]
+    return {"metrics": metrics, "weights_sha256": _digest(weights)}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_runs_match_the_fixture(tmp_path: Path, arm: str) -> None:
+    pinned = json.loads(FIXTURE.read_text())
+    want, got = pinned["arms"][arm], run_arm(tmp_path, arm)
+    same_cpu = pinned["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert len(got["metrics"]) == len(want["metrics"])
+    for a, b in zip(got["metrics"], want["metrics"], strict=True):
+        assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+        for k in a:
+            if same_cpu or not isinstance(a[k], float):
+                assert a[k] == b[k], (a["step"], k, a[k], b[k])
+            else:
+                assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+    if same_cpu:
+        assert got["weights_sha256"] == want["weights_sha256"]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    import tempfile
+
+    torch.set_num_threads(1)
+    out = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "arms": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ARMS:
+            out["arms"][name] = run_arm(Path(tmp), name)
+    FIXTURE.parent.mkdir(exist_ok=True)
+    FIXTURE.write_text(json.dumps(out, indent=1) + "\n")
