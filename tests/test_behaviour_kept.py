@@ -46,7 +46,7 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _is_timing(key: str) -> bool:
-    return key.startswith("time/") or key.endswith("_s") or "per_s" in key
+    return key == "time" or key.startswith("time/") or key.endswith("_s") or "per_s" in key
 
 
 def run_arm(tmp_path: Path, arm: str) -> dict:
