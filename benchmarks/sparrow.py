@@ -16,7 +16,7 @@ Two parts, run together or apart (`--parts`), written into one JSON:
 - **alpha**, per sparse arm: `--alpha-samples` generations of the short chat prompt below (not a calibration
   prompt) to `--alpha-length` new tokens (default: the whole context), temperature 1, EOS ignored, each with
   the arm's KV policy, and the exact alpha_t = sum_v min(p_sparse, p_dense) of every token against the dense
-  model on the same prefix (`eval.acceptance.measure_acceptance`; an arm's samples are drawn in one call, since a
+  model on the same prefix (`engine.acceptance.measure_acceptance`; an arm's samples are drawn in one call, since a
   batch-1 step costs about what a batch-2 step does, its weight reads, so their full distributions, 4 bytes x
   49,152 ids per token, 3.2 GB for 2 x 8140 tokens, are held at once), pooled per `--bin-width` bin of
   absolute position: P5, P1, mean, fraction below tau.
@@ -63,9 +63,9 @@ from sparserl.cost import INTENSITY_PRESETS, resolve_intensity, shape_from_confi
 from sparserl.cost.probe import time_decode_steps
 from sparserl.cost.report import timed_steps_estimate
 from sparserl.engine import KVConfig, RolloutEngine
+from sparserl.engine.acceptance import measure_acceptance
 from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
-from sparserl.eval.acceptance import measure_acceptance
 from sparserl.eval.calibrate import DEFAULT_BIN_WIDTH, DEFAULT_TAU
 from sparserl.models import encode_prompt, load_model
 
@@ -409,7 +409,7 @@ class Bench:
             "alpha_method": f"exact alpha of {args.alpha_samples} samples per sparse arm of the short prompt, "
             "drawn in one call, temperature 1, EOS ignored, with the arm's KV policy, "
             f"scored by the dense model on the same prefixes; P5 per {args.bin_width}-position bin "
-            "(eval.acceptance.measure_acceptance)",
+            "(engine.acceptance.measure_acceptance)",
             "schedule": provenance,
             "goals": goals_report(runs, summary, max(self.grid), args.tau, provenance),
             "goal_thresholds": GOALS,

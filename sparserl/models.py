@@ -94,26 +94,6 @@ def load_model(
     return model.to(device).eval(), tokenizer
 
 
-def resolve_device(name: str | None, key: str) -> str:
-    """The torch device `name` stands for ('auto' or empty: cuda when available, else cpu). An unknown device, or
-    one this machine lacks, is a ConfigError naming `key` (the flag or config key that chose it) before any model
-    is loaded."""
-    from sparserl.config.errors import ConfigError
-
-    if not name or name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(
-            f"{key} {name!r} is not a torch device (e.g. auto, cpu, cuda, cuda:1, mps)"
-        ) from None
-    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
-    if device.type in available and not available[device.type]():
-        raise ConfigError(f"{key} {name}: no {device.type} device on this machine; use cpu")
-    return name
-
-
 def looks_like_path(spec: str) -> bool:
     """Whether a model spec is meant as a local path rather than a Hugging Face id. The rule: it exists on
     disk, or starts with '/', '.' or '~', or ends in '.gguf', or contains a backslash or more than one '/'

@@ -22,10 +22,10 @@ from sparserl.algo import acceptance_by_bin, acceptance_exact, acceptance_metric
 from sparserl.algo.acceptance import TOO_FEW_TOKENS
 from sparserl.config import ConfigError
 from sparserl.engine import KVConfig, RolloutEngine, score
+from sparserl.engine.acceptance import measure_acceptance, rollout_acceptance
 from sparserl.engine.sampling import processed_logprobs
 from sparserl.engine.scoring import score_distributions
 from sparserl.errors import UserError
-from sparserl.eval.acceptance import measure_acceptance, rollout_acceptance
 from sparserl.models import encode_prompt, tiny_model
 
 DENSE_TOL = 1e-4  # alpha of a dense run: 1 up to the sampler/scorer round-off

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparserl.cli import MODEL_LOAD_ARGS, ROW_FIELD_ARGS, arg, command
+from sparserl.cli.common import MODEL_LOAD_ARGS, ROW_FIELD_ARGS, arg, command
 
 # ---------------------------------------------------------------------------------------------- plot
 

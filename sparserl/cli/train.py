@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sparserl.cli import arg, command
+from sparserl.cli.common import arg, command
 
 # ---------------------------------------------------------------------------------------------- train
 

@@ -1,7 +1,7 @@
 """Calibrating KV budgets by the tail of the acceptance rate (Sparrow, spec section 3; `sparserl calibrate`).
 
 For each candidate budget, sample calibration prompts x n with that constant budget, take alpha of every token
-against the dense policy (`eval.acceptance.measure_acceptance`), and pool it per bin of absolute position: the
+against the dense policy (`engine.acceptance.measure_acceptance`), and pool it per bin of absolute position: the
 P5 per (budget, bin) is the table. The schedule takes, per bin, the smallest budget whose P5 >= tau, then the
 running maximum, so that it is non-decreasing; it is written in the format `kv.schedule` reads. `check_schedule`
 measures the same per-bin tail with a schedule itself, on other (held-out) prompts. docs/calibration.md.
@@ -21,10 +21,10 @@ from torch import nn
 
 from sparserl.algo.acceptance import TOO_FEW_TOKENS, AcceptanceBin, check_tau
 from sparserl.config import ConfigError
+from sparserl.engine.acceptance import measure_acceptance
 from sparserl.engine.kv_config import KV_METHODS, KVConfig
 from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
-from sparserl.eval.acceptance import measure_acceptance
 from sparserl.eval.calibration_plot import plot_heatmap
 from sparserl.eval.evaluate import write_json
 

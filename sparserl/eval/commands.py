@@ -37,7 +37,7 @@ def kv_config(
 
 def _device(name: str | None) -> str:
     """The torch device `--device` names (default: cuda when available, else cpu)."""
-    from sparserl.models import resolve_device
+    from sparserl.device import resolve_device
 
     return resolve_device(name, "--device")
 

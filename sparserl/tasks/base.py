@@ -1,13 +1,12 @@
 """The task interface: an `Example` is one prompt with its reference answer; a `Task` is a sequence of them
-plus the reward of a completion. Tasks are registered by name so configs can pick them."""
+plus the reward of a completion. Tasks are registered by name (sparserl/tasks/registry.py) so configs can pick
+them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from sparserl.errors import UserError
-from sparserl.tasks.config import BUILTIN_TASKS, TaskConfig
 from sparserl.tasks.rewards import RewardStats, safe_call
 
 
@@ -73,42 +72,3 @@ class Task:
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
         return [self.score(c, e) for c, e in zip(completions, examples, strict=True)]
-
-
-TaskFactory = Callable[[TaskConfig, str], Task]
-TASKS: dict[str, TaskFactory] = {}
-
-
-def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
-    """Register a task factory `(cfg, split) -> Task` under `name`, so `TaskConfig(name=...)` selects it."""
-
-    def deco(factory: TaskFactory) -> TaskFactory:
-        TASKS[name] = factory
-        return factory
-
-    return deco
-
-
-def make_task(cfg: TaskConfig, split: str = "train") -> Task:
-    """Build the task `cfg.name` for `split` (`cfg.split` wins when set). A name that is not registered is
-    a label for the dataset in `cfg.data` or, without it, a local data file or Hugging Face dataset name.
-    With `cfg.reward` set, the rewards come from those functions (see `reward_fns.with_reward_fns`)."""
-    import sparserl.tasks.builtin  # noqa: F401  (registers the built-in tasks)
-    from sparserl.tasks.dataset import is_local_source, make_dataset_task
-
-    split = cfg.split or split
-    if cfg.name in TASKS:
-        task = TASKS[cfg.name](cfg, split)
-    elif cfg.data or is_local_source(cfg.name) or "/" in cfg.name:
-        task = make_dataset_task(cfg, split)
-    else:
-        raise UserError(
-            f"task.name={cfg.name!r} is unknown; choose one of "
-            f"{', '.join(sorted(set(TASKS) | set(BUILTIN_TASKS)))}, a .jsonl/.json/.parquet path or a Hugging "
-            "Face dataset name"
-        )
-    if cfg.reward:
-        from sparserl.tasks.reward_fns import with_reward_fns
-
-        task = with_reward_fns(task, cfg.reward, cfg.reward_weights, cfg.reward_timeout)
-    return task

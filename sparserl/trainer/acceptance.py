@@ -12,8 +12,8 @@ from torch import nn
 
 from sparserl.algo.acceptance import acceptance_metrics
 from sparserl.config import ConfigError
+from sparserl.engine.acceptance import rollout_acceptance
 from sparserl.engine.rollout import Sample
-from sparserl.eval.acceptance import rollout_acceptance
 
 
 def check_acceptance(cfg: Any, vocab_size: int) -> None:

@@ -78,7 +78,8 @@ class Policy:
         seed: int = 0,
         distill: DistillConfig | None = None,
     ):
-        from sparserl.models import prepare_for_training, resolve_device
+        from sparserl.device import resolve_device
+        from sparserl.models import prepare_for_training
 
         device = resolve_device(cfg.device, "model.device")  # before the load: a bad device fails at once
         model, tokenizer = (loader or default_loader)(cfg)

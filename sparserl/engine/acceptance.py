@@ -1,5 +1,6 @@
 """The acceptance rate alpha_t of sampled tokens: the sampler's recorded distributions against the dense policy's
 on the same prefixes (sparserl.algo.acceptance), for training-time logging and for calibrating KV budgets.
+In the engine (it drives a `RolloutEngine` and the dense scorer) so that the trainer and eval both build on it.
 
 Both sides are the *processed* distributions, the ones tokens are drawn from (temperature, then top-k, then
 top-p, each side cut by its own top-k / nucleus): alpha is then the chance that the two actors' draws agree under
