@@ -10,6 +10,8 @@ copy of the cache), and new rows are appended into storage reserved beyond the l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -231,3 +233,11 @@ class _RowState(dict):
         store[: value.shape[0]] = value
         self._cache._store[f"state.{name}"] = store
         super().__setitem__(name, store[: value.shape[0]])
+
+
+def dense_kv_bytes(
+    bytes_per_position: float, rows: int, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> float:
+    """What a dense cache allocates for a batch of `rows` sequences, the yardstick of the KV saved: every row
+    holds the longest of `prompts` plus `max_new_tokens` positions of `bytes_per_position` bytes."""
+    return float(bytes_per_position) * rows * (max(len(p) for p in prompts) + max_new_tokens)

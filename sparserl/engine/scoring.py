@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
 from sparserl.engine.decoder import causal_lm
+from sparserl.engine.module_mode import module_mode
+from sparserl.engine.padding import right_pad
 from sparserl.engine.sampling import (
     TokenDistributions,
     check_distribution_request,
@@ -51,13 +52,7 @@ def _completion_logits(
 
 def completion_targets(completion_ids: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
     """Token ids [B, T] and mask [B, T] of right-padded completions (T: the longest, at least 1)."""
-    t_c = max(max(len(c) for c in completion_ids), 1)
-    targets = torch.zeros(len(completion_ids), t_c, dtype=torch.long)
-    mask = torch.zeros(len(completion_ids), t_c, dtype=torch.bool)
-    for i, c in enumerate(completion_ids):
-        targets[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-        mask[i, : len(c)] = True
-    return targets, mask
+    return right_pad(completion_ids, width=max(max(len(c) for c in completion_ids), 1))
 
 
 def at_completions(hidden: Tensor, prompt_ids, completion_ids, t_c: int) -> Tensor:
@@ -71,13 +66,8 @@ def at_completions(hidden: Tensor, prompt_ids, completion_ids, t_c: int) -> Tens
 
 def right_padded(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Token ids and attention mask [B, W] of right-padded rows."""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attn = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-        attn[i, : len(r)] = 1
-    return ids.to(device), attn.to(device)
+    ids, mask = right_pad(rows)
+    return ids.to(device), mask.long().to(device)
 
 
 def _hidden_at_completions(lm, prompt_ids, completion_ids, t_c: int, device) -> Tensor:
@@ -150,17 +140,6 @@ def micro_batches(
         start = end
 
 
-@contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Dropout off while scoring; the model's mode is restored afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 @torch.no_grad()
 def score(
     model: nn.Module,
@@ -171,7 +150,7 @@ def score(
 ) -> list[Tensor]:
     """Per-token log-probs (float32, CPU) of each completion, micro-batched to `token_budget` padded tokens."""
     out: list[Tensor | None] = [None] * len(prompt_ids)
-    with _eval_mode(model):
+    with module_mode(model, training=False):  # dropout off while scoring
         for chunk in micro_batches(prompt_ids, completion_ids, token_budget):
             logp, _ = completion_logprobs(
                 model, [prompt_ids[i] for i in chunk], [completion_ids[i] for i in chunk], temperature
@@ -199,7 +178,7 @@ def score_distributions(
     (4 bytes x V per token). Micro-batched to `token_budget` padded tokens."""
     check_distribution_request(top_logprobs, causal_lm(model).lm_head.out_features, "score_distributions")
     out: list[TokenDistributions | None] = [None] * len(prompt_ids)
-    with _eval_mode(model):
+    with module_mode(model, training=False):  # dropout off while scoring
         for chunk in micro_batches(prompt_ids, completion_ids, token_budget):
             logits, _, _ = _completion_logits(
                 model, [prompt_ids[i] for i in chunk], [completion_ids[i] for i in chunk]

@@ -251,6 +251,7 @@ def rollout_command(args: argparse.Namespace) -> int:
     from rich.panel import Panel
 
     from sparserl.engine import RolloutEngine
+    from sparserl.engine.cache import dense_kv_bytes
     from sparserl.eval.loading import eval_task_config, load_eval_model
     from sparserl.models import encode_prompt
     from sparserl.tasks import make_task
@@ -295,7 +296,7 @@ def rollout_command(args: argparse.Namespace) -> int:
         )
     st = out.stats
     rows = len(out)
-    dense_bytes = st["kv_bytes_per_position"] * rows * (max(map(len, prompts)) + args.max_new_tokens)
+    dense_bytes = dense_kv_bytes(st["kv_bytes_per_position"], rows, prompts, args.max_new_tokens)
     dense_positions = max(len(prompts[s.prompt_index]) + len(s.completion_ids) for s in out.samples)
     mode = f"sparse {kv.method}, budget {kv.budget}, interval {kv.interval}" if kv.sparse else "dense"
     console.print(

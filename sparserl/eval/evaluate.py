@@ -5,7 +5,6 @@ completion length, truncated share and KV memory for each, and the sparse-minus-
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,9 @@ import numpy as np
 import torch
 
 from sparserl.engine import KVConfig, RolloutEngine
+from sparserl.engine.cache import dense_kv_bytes
+from sparserl.engine.context_length import split_by_fit, too_long_message
+from sparserl.engine.scored import generate_and_score
 from sparserl.errors import DataError, UserError
 from sparserl.eval.metrics import summarize_rewards
 from sparserl.tasks import Example, Task
@@ -64,13 +66,15 @@ def check_prompt_lengths(
         raise UserError(
             f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's {limit} positions"
         )
-    long = [i for i in indices if len(prompt_ids[i]) + max_new_tokens > limit]
+    _, long = split_by_fit(indices, lambda i: len(prompt_ids[i]), max_new_tokens, limit)
     if long:
-        where = ", ".join(str(task[i].meta.get("source") or f"prompt {i}") for i in long[:3])
-        more = f" and {len(long) - 3} more" if len(long) > 3 else ""
+
+        def where(i: int) -> str:
+            return str(task[i].meta.get("source") or f"prompt {i}")
+
         raise DataError(
-            f"{len(long)} prompt(s) longer than {limit - max_new_tokens} tokens (the model's {limit} positions "
-            f"minus max_new_tokens={max_new_tokens}): {where}{more}; lower max_new_tokens or drop those rows"
+            f"{too_long_message(long, where, max_new_tokens, limit, 'max_new_tokens')}; lower max_new_tokens "
+            "or drop those rows"
         )
 
 
@@ -96,34 +100,37 @@ def _run_mode(
     retained, generated, gen_s, reward_s, bytes_per_pos = 0.0, 0, 0.0, 0.0, 0.0
     dense_bytes = 0.0
     stats_before = dict(task.stats.as_metrics())
+
+    def score_each(texts: list[str], examples: list[Example]) -> list[float]:
+        return [task.score(text, example) for text, example in zip(texts, examples, strict=True)]
+
     for start in range(0, len(indices), batch_prompts):
         chunk = list(range(start, min(start + batch_prompts, len(indices))))
         ids = [prompt_ids[i] for i in chunk]
-        out = engine.generate(ids, n=samples, seed=chunk_seed(seed, start), **gen_kwargs)
-        st = out.stats
+        rows = [indices[i] for i in chunk]
+        scored = generate_and_score(
+            engine, tok, task, rows, ids, gen_kwargs, chunk_seed(seed, start), score_each, samples
+        )
+        st = scored.stats
         agg["peak_kv_bytes"] = max(agg["peak_kv_bytes"], float(st["peak_kv_bytes"]))
         agg["peak_kv_positions"] = max(agg["peak_kv_positions"], float(st["peak_kv_positions"]))
         agg["compression_events"] += float(st["compression_events"])
         bytes_per_pos = float(st["kv_bytes_per_position"])
-        # What the engine preallocates for the same chunk with a dense cache: rows x (longest prompt + max new).
-        dense_chunk = bytes_per_pos * len(out) * (max(len(p) for p in ids) + gen_kwargs["max_new_tokens"])
+        dense_chunk = dense_kv_bytes(bytes_per_pos, len(scored.samples), ids, gen_kwargs["max_new_tokens"])
         dense_bytes = max(dense_bytes, dense_chunk)
         gen_s += float(st["prefill_s"]) + float(st["decode_s"])
         generated += int(st["generated_tokens"])
-        t0 = time.perf_counter()
-        by_prompt: dict[int, list] = {}
-        for s in out.samples:
-            by_prompt.setdefault(s.prompt_index, []).append(s)
+        by_prompt: dict[int, list[int]] = {}
+        for j, s in enumerate(scored.samples):
+            by_prompt.setdefault(s.prompt_index, []).append(j)
             retained += float(s.stats.get("retained_fraction", 1.0))
-        for local, i in enumerate(chunk):
+        for local in range(len(chunk)):
             group = by_prompt[local]
-            example = task[indices[i]]
-            decoded = tok.batch_decode([s.completion_ids for s in group], skip_special_tokens=True)
-            rewards.append([task.score(text, example) for text in decoded])
-            lengths.append([len(s.completion_ids) for s in group])
-            finishes.append([s.finish_reason for s in group])
-            texts.append(decoded)
-        reward_s += time.perf_counter() - t0
+            rewards.append([scored.rewards[j] for j in group])
+            lengths.append([scored.lengths[j] for j in group])
+            finishes.append([scored.samples[j].finish_reason for j in group])
+            texts.append([scored.texts[j] for j in group])
+        reward_s += scored.score_s
         if progress is not None:
             progress(mode, chunk[-1] + 1, len(indices))
     n_samples = sum(len(x) for x in lengths)

@@ -21,6 +21,7 @@ from rich.progress import (
 )
 
 from sparserl.config import ConfigError, LoggingConfig, flatten
+from sparserl.engine.cache import dense_kv_bytes
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
@@ -243,7 +244,7 @@ def kv_saving_metrics(
         stats.get(k) for k in ("kv_bytes_per_position", "peak_kv_bytes", "peak_kv_positions")
     )
     if per_pos and peak_bytes and is_number(per_pos) and is_number(peak_bytes):
-        dense_bytes = float(per_pos) * len(prompts) * (max(len(p) for p in prompts) + max_new)
+        dense_bytes = dense_kv_bytes(per_pos, len(prompts), prompts, max_new)
         out["kv/dense_kv_bytes"] = dense_bytes
         out["kv/saved_fraction"] = max(0.0, 1.0 - float(peak_bytes) / dense_bytes) if sparse else 0.0
     if peak and is_number(peak) and dense_peak:
