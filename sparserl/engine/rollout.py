@@ -14,9 +14,12 @@ from transformers import PreTrainedTokenizerBase
 
 from sparserl.engine.cache import KVCache
 from sparserl.engine.compression import make_evictor
+from sparserl.engine.context_length import prompt_fits
 from sparserl.engine.decoder import Decoder, decode_attention, prefill_attention
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.kv_config import KVConfig
+from sparserl.engine.module_mode import module_mode
+from sparserl.engine.padding import right_pad
 from sparserl.engine.sampling import DistributionRecorder, TokenDistributions, check_distribution_request
 from sparserl.engine.sparse_attention import make_sparse_attention
 
@@ -159,7 +162,7 @@ class RolloutEngine:
                 raise ValueError(
                     f"generate: prompt {i} has token id {bad[0]} outside the vocabulary [0, {vocab})"
                 )
-            if limit and len(p) + max_new_tokens > limit:
+            if not prompt_fits(len(p), max_new_tokens, limit):
                 raise ValueError(
                     f"generate: prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} it exceeds "
                     f"the model's context of {limit} positions"
@@ -235,24 +238,19 @@ class RolloutEngine:
     @contextmanager
     def decoding(self) -> Iterator[None]:
         """The model in eval mode with the packed weights built, for the duration of a run; restored after."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), self.sampling_context():
-                self.decoder.prepare()
-                yield
-        finally:
-            self.decoder.release()
-            self.model.train(was_training)
+        with module_mode(self.model, training=False):
+            try:
+                with torch.no_grad(), self.sampling_context():
+                    self.decoder.prepare()
+                    yield
+            finally:
+                self.decoder.release()
 
     def _prefill(self, prompt_ids, prompt_len: Tensor, cache: KVCache) -> Tensor:
         """Dense forward over the right-padded prompts, filling the cache; returns next-token logits [P, V]."""
         dec, dev = self.decoder, self.decoder.device
         p, t = len(prompt_ids), int(prompt_len.max())
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.full((p, t), pad, dtype=torch.long, device=dev)
-        for i, row in enumerate(prompt_ids):
-            ids[i, : len(row)] = torch.tensor(row, device=dev)
+        ids = right_pad(prompt_ids, value=self.tokenizer.pad_token_id or 0, width=t)[0].to(dev)
         valid = torch.arange(t, device=dev)[None, :] < prompt_len[:, None]
         positions = torch.arange(t, device=dev)[None, :].expand(p, t)
         hidden = dec.embed(ids)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from sparserl.engine.context_length import split_by_fit, too_long_message
 from sparserl.errors import DataError
 
 
@@ -62,20 +63,11 @@ def usable_rows(
     rows = range(len(task))
     if not max_positions or not rows or not getattr(task[0], "where", ""):
         return list(rows)[:want], None
-    budget = max_positions - max_new_tokens
-    keep: list[int] = []
-    long: list[int] = []
-    for i in rows:
-        if want is not None and len(keep) >= want:
-            break
-        (keep if prompt_length(i) <= budget else long).append(i)
+    keep, long = split_by_fit(rows, prompt_length, max_new_tokens, max_positions, want)
     if not long:
         return keep, None
-    where = ", ".join(task[i].where for i in long[:3])
-    more = f" and {len(long) - 3} more" if len(long) > 3 else ""
-    what = (
-        f"{len(long)} prompt(s) longer than {budget} tokens (the model's {max_positions} positions minus "
-        f"rollout.max_new_tokens={max_new_tokens}): {where}{more}"
+    what = too_long_message(
+        long, lambda i: task[i].where, max_new_tokens, max_positions, "rollout.max_new_tokens"
     )
     if on_long_prompt == "error":
         raise DataError(
