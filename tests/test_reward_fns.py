@@ -21,11 +21,15 @@ ROWS = [
     {"question": "What is 3 + 3?", "answer": "6", "level": 2, "hint": "double"},
 ]
 REWARDS_PY = '''
-CALLS = []
+import json
+import pathlib
+
+CALLS = pathlib.Path(__file__).with_suffix(".calls.jsonl")  # it runs in a worker process: calls go to a file
 
 def exact(completions, answer, **kwargs):
     """TRL style: the completions and the row's fields, one list each."""
-    CALLS.append(dict(kwargs, completions=completions, answer=answer))
+    with CALLS.open("a") as f:
+        f.write(json.dumps(dict(kwargs, completions=completions, answer=answer)) + "\\n")
     return [1.0 if f"\\\\boxed{{{a}}}" in c else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 def short(completions, **kwargs):
@@ -58,7 +62,7 @@ def test_module_function_gets_trl_keyword_arguments(tmp_path: Path, user_module:
     completions = ["so \\boxed{9}", "so \\boxed{5}", "so \\boxed{6}"]
     examples = [task[0], task[0], task[1]]
     assert task.score_batch(completions, examples) == [1.0, 0.0, 1.0]
-    (call,) = user_module.CALLS
+    (call,) = [json.loads(line) for line in user_module.CALLS.read_text().splitlines()]
     assert call["completions"] == completions
     assert call["answer"] == ["9", "9", "6"] and call["level"] == [1, 1, 2]
     assert call["hint"] == [None, None, "double"]  # a field some rows lack

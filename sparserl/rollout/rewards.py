@@ -7,7 +7,7 @@ from it; a user's pure-Python reward function shares the interpreter with the de
 
 from __future__ import annotations
 
-import math
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -15,12 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sparserl.tasks.rewards import MAX_ABS_REWARD, usable_reward
+
+logger = logging.getLogger(__name__)
+_SAID: set[str] = set()  # what task_rewards has said once on the console
+
 
 def task_rewards(task: Any, texts: list[str], examples: list[Any], counters: dict[str, float]) -> Tensor:
     """One reward per completion, scored as one batch (users' TRL-style reward functions see all of it); a
-    reward that raises, overruns or is not finite scores 0 and is counted. An object with only
-    `reward(text, example)` (not a `Task`) is called per completion under the same rule (errors counted in
-    `counters["reward/errors"]`)."""
+    reward that raises, overruns, is not finite or lies beyond +-MAX_ABS_REWARD (e.g. a sane reward times a
+    huge task.reward_weights) scores 0 and is counted. An object with only `reward(text, example)` (not a
+    `Task`) is called per completion under the same rule (errors counted in `counters["reward/errors"]`)."""
     if hasattr(task, "score_batch"):
         scores = task.score_batch(texts, examples)
     else:
@@ -31,7 +36,20 @@ def task_rewards(task: Any, texts: list[str], examples: list[Any], counters: dic
             except Exception:  # noqa: BLE001 - a broken reward must not stop training
                 scores.append(0.0)
                 counters["reward/errors"] = counters.get("reward/errors", 0) + 1
-    return torch.tensor([s if math.isfinite(s) else 0.0 for s in scores], dtype=torch.float32)
+    bad = [s for s in scores if not usable_reward(s)]
+    if bad:
+        counters["reward/errors"] = counters.get("reward/errors", 0) + len(bad)
+        name = getattr(task, "name", type(task).__name__)
+        if name not in _SAID:
+            _SAID.add(name)
+            logger.warning(
+                "task %s: a completion's reward is %g, not a finite number within +-%g (check "
+                "task.reward_weights): such rewards score 0 (counted in reward/errors; said once)",
+                name,
+                bad[0],
+                MAX_ABS_REWARD,
+            )
+    return torch.tensor([s if usable_reward(s) else 0.0 for s in scores], dtype=torch.float32)
 
 
 class RewardWorker:

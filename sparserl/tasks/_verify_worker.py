@@ -26,9 +26,19 @@ def _die_with_parent(parent_pid: int | None) -> None:
         sys.exit(0)
 
 
+def ignore_interrupts() -> None:
+    """Ignore SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM to the whole process group must not end
+    this worker while the trainer finishes its step; the trainer closes it (stdin EOF, or its death)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def main() -> None:
     """Serve requests until stdin closes (the parent pid, when given, is the first argument)."""
     _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else None)
+    ignore_interrupts()
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the reply stream
     sys.stdout = sys.stderr

@@ -14,8 +14,18 @@ Functions are named in `task.reward` as 'module:function' or 'path/to/file.py:fu
 callables from Python; 'builtin' stands for the task's own verifiable reward, so a format or length bonus can
 be added to correctness. The reward of a completion is the weighted sum over the functions. Each call runs
 under `task.reward_timeout` like the built-in rewards: a function that raises, overruns, returns the wrong
-number of rewards, or a NaN/inf or non-number, scores 0 for the completions affected, which are counted in
-`reward/errors` and `reward/timeouts`; training goes on.
+number of rewards, or a NaN/inf, a value beyond +-MAX_ABS_REWARD (1e6) or a non-number, scores 0 for the
+completions affected, which are counted in `reward/errors` and `reward/timeouts`; training goes on. What a
+function did is said once per function and kind of failure.
+
+Isolation: named functions ('module:function', 'file.py:function') and plain module-level functions given
+from Python are loaded and called in a worker process (`reward_process`), so that `sys.exit`, `os._exit`, a
+signal, a hang or a memory blow-up ends only that worker (restarted on the next call; an ended worker is also
+counted in `reward/crashes`). Their module is imported there, not in the trainer, when the task is built: an
+import that fails or exits is a UserError naming the spec before training starts. A callable that cannot be
+sent to the worker by reference (a lambda, a closure, a function of `__main__` such as a notebook's, a bound
+method, a callable object) runs in the trainer's process, as it is, with a note said once: an exception,
+`sys.exit` or a hang still scores 0, but `os._exit`, a signal or a crash in it ends the run.
 """
 
 from __future__ import annotations
@@ -24,9 +34,13 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
+import logging
 import os
+import pickle
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +55,10 @@ from sparserl.tasks.rewards import (
     record_failure,
 )
 
+logger = logging.getLogger(__name__)
 RewardFn = Callable[..., Sequence[Any]]
 RESERVED_COLUMNS = ("prompt", "completion")  # as in TRL: the prompt comes as `prompts`
+_NOTED_IN_PROCESS: set[str] = set()  # in-process reward functions already said (once per process)
 
 
 # -------------------------------------------------------------------------------------------------- loading
@@ -63,6 +79,9 @@ def _import_file(path: Path, spec: str) -> Any:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
+    except SystemExit as e:
+        del sys.modules[name]
+        raise UserError(f"task.reward={spec!r}: importing {path} called sys.exit({e.code!r})") from None
     except Exception as e:
         del sys.modules[name]
         raise UserError(f"task.reward={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
@@ -76,6 +95,10 @@ def _import_module(module_name: str, spec: str) -> Any:
         sys.path.append(cwd)
     try:
         return importlib.import_module(module_name)
+    except SystemExit as e:
+        raise UserError(
+            f"task.reward={spec!r}: importing module {module_name!r} called sys.exit({e.code!r})"
+        ) from None
     except Exception as e:
         raise UserError(
             f"task.reward={spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
@@ -145,6 +168,67 @@ def _function_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
+def by_reference(fn: Any) -> bytes | str:
+    """The pickle of `fn` by reference (module and name), which a worker process can load; else why not."""
+    if not inspect.isfunction(fn):
+        return f"it is a {type(fn).__name__}, not a plain function"
+    module = getattr(fn, "__module__", None)
+    if not module or module == "__main__":
+        return "it is defined in __main__ (a script or notebook), which a worker cannot import"
+    if "<" in fn.__qualname__:  # <lambda>, <locals>
+        return "it is a lambda or a local function"
+    try:
+        return pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - any reason means: keep it in-process
+        return f"it cannot be pickled ({type(e).__name__}: {e})"
+
+
+@dataclass(frozen=True)
+class _Isolated:
+    """A reward function loaded in the task's worker process under `key`."""
+
+    key: str
+
+
+class _NotAReward(str):
+    """An item of an isolated function's result that is no number (the text says why)."""
+
+
+class _BadReturn(ValueError):
+    """A function returned something that is not one usable reward per completion."""
+
+
+def _failure_kind(error: BaseException) -> str:
+    """What a failure was, for saying each kind once per function: 'timeout', 'sys.exit(3)', 'ValueError'."""
+    from sparserl.tasks.reward_process import RewardCrash, RewardRaised
+
+    if isinstance(error, RewardTimeout):
+        return "timeout"
+    if isinstance(error, _BadReturn):
+        return "bad return"
+    if isinstance(error, RewardCrash):
+        return str(error)
+    if isinstance(error, RewardRaised):
+        return str(error).split(":", 1)[0]
+    if isinstance(error, SystemExit):
+        return f"sys.exit({error.code!r})"
+    return type(error).__name__
+
+
+def _what_it_did(error: BaseException, timeout: float | None) -> str:
+    """The console's words for a failure: 'called sys.exit(3)', 'overran its 5s limit (task.reward_timeout)'."""
+    from sparserl.tasks.reward_process import RewardCrash, RewardRaised
+
+    if isinstance(error, RewardTimeout):
+        limit = f"its {timeout:g}s limit" if timeout is not None else "its time limit"
+        return f"overran {limit} (task.reward_timeout)"
+    if isinstance(error, (RewardCrash, RewardRaised, _BadReturn)):
+        return str(error)
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r})"
+    return f"raised {type(error).__name__}: {error}"
+
+
 class RewardFnTask(Task):
     """`task`'s prompts, rewarded by the weighted sum of reward functions (see the module docstring). Counts
     failures in the wrapped task's `stats`, so the trainer's reward/errors and reward/timeouts cover the
@@ -166,9 +250,60 @@ class RewardFnTask(Task):
         self.task = task
         self.name = task.name
         self.reward_timeout = timeout if timeout is not None else task.reward_timeout
-        self.rewards = [r if callable(r) or r == BUILTIN_REWARD else load_reward_function(r) for r in rewards]
         self.names = [r if isinstance(r, str) else _function_name(r) for r in rewards]
         self.weights = [float(w) for w in weights] if weights else [1.0] * len(rewards)
+        self._process: Any = None  # reward_process.RewardProcess, started for the first isolated function
+        self._said: set[tuple[str, str]] = set()
+        try:
+            self.rewards = [self._prepare(r, i) for i, r in enumerate(rewards)]
+        except BaseException:
+            self.close()
+            raise
+
+    def _prepare(self, reward: RewardFn | str, index: int) -> Any:
+        """`reward` as called: BUILTIN_REWARD, an `_Isolated` handle in the worker, or the callable itself."""
+        if isinstance(reward, str) and reward == BUILTIN_REWARD:
+            return reward
+        if not isinstance(reward, str) and not callable(reward):
+            raise UserError(f"reward function {reward!r} is not callable")
+        source = reward if isinstance(reward, str) else by_reference(reward)
+        if isinstance(source, str) and not isinstance(reward, str):
+            return self._in_process(reward, source)
+        if isinstance(reward, str):
+            _check_spec(reward)
+        if self._process is None:
+            from sparserl.tasks.reward_process import RewardProcess
+
+            self._process = RewardProcess()
+        key = f"{index}:{self.names[index]}"
+        location = reward.rpartition(":")[0] if isinstance(reward, str) else self.names[index]
+        failure = self._process.load(key, source, what=f"importing {location}")
+        if failure is None:
+            return _Isolated(key)
+        if isinstance(reward, str):
+            raise UserError(
+                failure if failure.startswith("task.reward=") else f"task.reward={reward!r}: {failure}"
+            )
+        return self._in_process(reward, f"the worker could not load it ({failure})")
+
+    def _in_process(self, fn: RewardFn, why: str) -> RewardFn:
+        """`fn`, called in the trainer's process; says so once per function name."""
+        name = _function_name(fn)
+        if name not in _NOTED_IN_PROCESS:
+            _NOTED_IN_PROCESS.add(name)
+            logger.warning(
+                "reward function %s runs in the trainer's process, not isolated in a worker: %s. An exception, "
+                "sys.exit or a hang in it scores 0, but os._exit, a signal or a crash ends the run; define it "
+                "at the top level of an importable module to isolate it.",
+                name,
+                why,
+            )
+        return fn
+
+    def close(self) -> None:
+        """Stop the reward worker, if any (a later call starts it again)."""
+        if self._process is not None:
+            self._process.close()
 
     @property
     def stats(self) -> RewardStats:
@@ -206,46 +341,94 @@ class RewardFnTask(Task):
             total = [t + weight * s for t, s in zip(total, scores, strict=True)]
         return total
 
+    def _call(self, fn: Any, kwargs: dict[str, Any]) -> Any:
+        """`fn(**kwargs)` under the timeout: in the worker for an `_Isolated` one (its items come back as
+        floats, None or `_NotAReward`), else in this process."""
+        if not isinstance(fn, _Isolated):
+            return call_with_deadline(functools.partial(fn, **kwargs), (), self.reward_timeout)
+        kind, values = self._process.call(fn.key, kwargs, self.reward_timeout)
+        if kind == "count":
+            return _NotAReward(values)
+        return [_NotAReward(v) if isinstance(v, str) else v for v in values]
+
     def _guarded_scores(
-        self, fn: RewardFn, name: str, completions: list[str], examples: list[Example]
+        self, fn: Any, name: str, completions: list[str], examples: list[Example]
     ) -> list[float]:
-        """`fn`'s reward of each completion, 0 for those it fails on (counted). A batch call that raises is
-        retried one completion at a time, so only the completions it raises on score 0; an overrun is not
-        retried (it would cost the timeout again per completion), nor a wrong number of rewards (a bug)."""
+        """`fn`'s reward of each completion, 0 for those it fails on (counted). A batch call that raises (or
+        calls sys.exit) is retried one completion at a time, so only the completions it raises on score 0;
+        an overrun or an ended worker is not retried (it would cost as much again per completion), nor a
+        wrong number of rewards (a bug)."""
+        from sparserl.tasks.reward_process import RewardCrash
+
         n = len(completions)
         try:
-            call = functools.partial(fn, **reward_kwargs(completions, examples))
-            values = call_with_deadline(call, (), self.reward_timeout)
-        except Exception as e:
-            if n > 1 and not isinstance(e, RewardTimeout):
+            values = self._call(fn, reward_kwargs(completions, examples))
+        except (RewardTimeout, RewardCrash) as e:
+            return self._failed(e, n, name)
+        except (Exception, SystemExit) as e:
+            if n > 1:
                 return [
                     s
                     for c, ex in zip(completions, examples, strict=True)
                     for s in self._guarded_scores(fn, name, [c], [ex])
                 ]
             return self._failed(e, n, name)
-        count = _reward_count(values)
+        count = None if isinstance(values, _NotAReward) else _reward_count(values)
         if count != n:
-            got = f"a {type(values).__name__}" if count is None else f"{count} rewards"
-            return self._failed(ValueError(f"returned {got} for {n} completions"), n, name)
+            if isinstance(values, _NotAReward):
+                got = str(values)
+            else:
+                got = f"a {type(values).__name__}" if count is None else f"{count} rewards"
+            return self._failed(_BadReturn(f"returned {got} for {n} completions"), n, name)
         self.stats.calls += n
         return [self._one_value(v, name) for v in values]
 
-    def _failed(self, error: Exception, n: int, name: str) -> list[float]:
+    def _failed(self, error: BaseException, n: int, name: str) -> list[float]:
         """Zeros for `n` completions a call of function `name` failed on, counted in the stats."""
         self.stats.calls += n
-        record_failure(self.stats, error, n, source=f"reward function {name}")
+        self._record(error, n, name)
         return [0.0] * n
 
+    def _record(self, error: BaseException, n: int, name: str) -> None:
+        """Count a failure of `n` completions and say what function `name` did, once per kind."""
+        from sparserl.tasks.reward_process import RewardCrash
+
+        record_failure(self.stats, error, n, source=f"reward function {name}", log=False)
+        if isinstance(error, RewardCrash):
+            self.stats.crashes += n
+        kind = _failure_kind(error)
+        if (name, kind) not in self._said:
+            self._said.add((name, kind))
+            counter = "timeouts" if isinstance(error, RewardTimeout) else "errors"
+            logger.warning(
+                "reward function %s %s: its completions score 0 (counted in reward/%s; said once)",
+                name,
+                _what_it_did(error, self.reward_timeout),
+                counter,
+            )
+
     def _one_value(self, value: Any, name: str) -> float:
-        """A returned reward as a float: None (does not apply) is 0; NaN, inf or a non-number is 0, counted."""
+        """A returned reward as a float: None (does not apply) is 0; NaN, inf, beyond +-MAX_ABS_REWARD or a
+        non-number is 0, counted."""
         if value is None:
+            return 0.0
+        if isinstance(value, _NotAReward):
+            self._record(_BadReturn(f"returned an item that is not a number ({value})"), 1, name)
             return 0.0
         try:
             return finite_reward(value)
-        except (TypeError, ValueError) as e:
-            record_failure(self.stats, e, source=f"reward function {name}")
+        except (TypeError, ValueError, OverflowError) as e:
+            self._record(_BadReturn(f"returned {str(value)[:40]!r}, not a usable reward ({e})"), 1, name)
             return 0.0
+
+
+def _check_spec(spec: str) -> None:
+    """Raise the usual UserError for a spec that is not 'module:function' / 'file.py:function'."""
+    location, sep, attr = spec.rpartition(":")
+    if not sep or not location or not attr:
+        raise UserError(
+            f"task.reward={spec!r} must be 'module:function', 'path/to/file.py:function' or '{BUILTIN_REWARD}'"
+        )
 
 
 def with_reward_fns(

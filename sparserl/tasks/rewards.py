@@ -4,8 +4,9 @@ Equivalence first tries an exact numeric comparison (fast, covers arithmetic and
 otherwise asks math-verify. math-verify's own timeout uses `signal.alarm`, which only works in the main thread
 and cannot interrupt a computation stuck in C (a huge power or factorial inside sympy), so its timeouts are
 disabled and the call runs in a worker process (`sparserl.tasks._verify_worker`) that is killed and
-restarted when it overruns. Any reward function can be wrapped with `safe_call`: an exception or an overrun
-scores 0 and is counted in `RewardStats`, which the trainer logs.
+restarted when it overruns. Any reward function can be wrapped with `safe_call`: an exception, an overrun or a
+value that is not a finite number within +-MAX_ABS_REWARD scores 0 and is counted in `RewardStats`, which the
+trainer logs. Users' reward functions run in a worker process of their own (`reward_process`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+# The largest reward magnitude taken as a reward: beyond it (1e200, or a sane reward times a huge
+# task.reward_weights) a value is a bug, scores 0 and is counted; float32 advantages would overflow anyway.
+MAX_ABS_REWARD = 1e6
 
 
 class RewardTimeout(TimeoutError):
@@ -45,19 +49,23 @@ class RewardStats:
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    crashes: int = 0  # of the errors: calls whose worker process ended (os._exit, a signal, a crash)
     last_error: str = ""
 
     def as_metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """The counters as a flat metrics dict."""
-        return {
+        """The counters as a flat metrics dict (`crashes` only once there is one)."""
+        out = {
             f"{prefix}calls": float(self.calls),
             f"{prefix}errors": float(self.errors),
             f"{prefix}timeouts": float(self.timeouts),
         }
+        if self.crashes:
+            out[f"{prefix}crashes"] = float(self.crashes)
+        return out
 
     def reset(self) -> None:
         """Zero the counters (e.g. after each logged step)."""
-        self.calls = self.errors = self.timeouts = 0
+        self.calls = self.errors = self.timeouts = self.crashes = 0
         self.last_error = ""
 
 
@@ -457,26 +465,36 @@ def call_with_deadline(fn: Callable[..., Any], args: tuple, timeout: float | Non
     return box["value"]
 
 
+def usable_reward(value: float) -> bool:
+    """Whether `value` is finite and within +-MAX_ABS_REWARD."""
+    return math.isfinite(value) and abs(value) <= MAX_ABS_REWARD
+
+
 def finite_reward(value: Any) -> float:
-    """`float(value)`; ValueError when it is NaN or infinite (such a reward would poison the advantages)."""
+    """`float(value)`; ValueError when it is NaN, infinite or beyond +-MAX_ABS_REWARD (such a reward would
+    poison the advantages)."""
     reward = float(value)
     if not math.isfinite(reward):
         raise ValueError(f"reward is {reward}")
+    if abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(f"reward is {reward:g}, beyond +-{MAX_ABS_REWARD:g}")
     return reward
 
 
-def record_failure(stats: RewardStats, error: Exception, count: int = 1, source: str = "reward") -> None:
+def record_failure(
+    stats: RewardStats, error: BaseException, count: int = 1, source: str = "reward", log: bool = True
+) -> None:
     """Count `count` completions that scored 0 because `source` failed with `error` (a RewardTimeout is a
-    timeout, anything else an error), and log the first few failures of each kind."""
+    timeout, anything else an error), and (with `log`) log the first few failures of each kind."""
     if isinstance(error, RewardTimeout):
         stats.timeouts += count
         stats.last_error = f"{source}: {error}"
-        if stats.timeouts - count < _MAX_LOGGED_ERRORS:
+        if log and stats.timeouts - count < _MAX_LOGGED_ERRORS:
             logger.warning("%s timed out (scored 0): %s", source, error)
     else:
         stats.errors += count
         stats.last_error = f"{source}: {type(error).__name__}: {error}"
-        if stats.errors - count < _MAX_LOGGED_ERRORS:
+        if log and stats.errors - count < _MAX_LOGGED_ERRORS:
             logger.warning("%s raised (scored 0): %s: %s", source, type(error).__name__, error)
 
 

@@ -1,0 +1,113 @@
+"""Worker process of `reward_process.RewardProcess`: loads users' reward functions and calls them, so that
+whatever they do (raise, `sys.exit`, `os._exit`, a signal, a hang, a memory blow-up) can only end this process.
+
+Requests and replies are length-prefixed pickles on stdin / the original stdout (stray prints go to stderr):
+- `("load", key, source, cwd, sys_path)`: `source` is a 'module:function' / 'file.py:function' spec or the
+  pickle of a function (found by reference); replies `("ok",)` or `("error", message)`;
+- `("call", key, kwargs)`: replies `("values", [float | None | str])` (a str says why that item is not a
+  reward), `("count", what)` when the result is not a sequence, or `("raised", what)`.
+SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole process group must not cut a
+step short; the parent closes this worker (stdin EOF, or PR_SET_PDEATHSIG when the parent dies).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+from typing import Any
+
+from sparserl.tasks.reward_process import receive, send
+
+
+def describe(error: BaseException) -> str:
+    """What a reward function did, for the console: 'called sys.exit(3)', 'raised ValueError: ...'."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r})" if error.code is not None else "called sys.exit()"
+    return f"raised {type(error).__name__}: {error}"
+
+
+def _limit_memory() -> None:
+    """Cap this process's data segment at $SPARSERL_REWARD_MEMORY bytes (set by the parent; 0: no cap), so
+    that a memory blow-up is a MemoryError here rather than the OOM killer choosing the trainer."""
+    limit = int(os.environ.get("SPARSERL_REWARD_MEMORY_BYTES", "0") or 0)
+    if limit <= 0:
+        return
+    try:
+        import resource
+
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _as_reward(value: Any) -> float | None | str:
+    """A returned item as a float, None (does not apply), or a str saying why it is not a reward."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which counts it
+        return f"{type(e).__name__}: {e}"
+
+
+def _load(source: str | bytes) -> Any:
+    """The function named by a spec, or unpickled (by reference) from the parent."""
+    if isinstance(source, bytes):
+        return pickle.loads(source)
+    from sparserl.tasks.reward_fns import load_reward_function
+
+    return load_reward_function(source)
+
+
+def _call(fn: Any, kwargs: dict[str, Any]) -> tuple:
+    values = fn(**kwargs)
+    if isinstance(values, (str, bytes, dict)):
+        return ("count", f"a {type(values).__name__}")
+    try:
+        items = list(values)
+    except TypeError:
+        return ("count", f"a {type(values).__name__}")
+    return ("values", [_as_reward(v) for v in items])
+
+
+def main() -> None:
+    """Serve requests until stdin closes (the parent pid is the first argument)."""
+    from sparserl.tasks._verify_worker import _die_with_parent, ignore_interrupts
+
+    _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else None)
+    ignore_interrupts()
+    _limit_memory()
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to stderr, never into the reply stream
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    functions: dict[str, Any] = {}
+    send(out, ("ready",))
+    while (request := receive(inp)) is not None:
+        op = request[0]
+        try:
+            if op == "load":
+                _, key, source, cwd, path = request
+                sys.path[:] = path
+                os.chdir(cwd)
+                functions[key] = _load(source)
+                reply: tuple = ("ok",)
+            else:
+                _, key, kwargs = request
+                reply = _call(functions[key], kwargs)
+        except BaseException as e:  # noqa: BLE001 - whatever user code does is reported, not fatal here
+            from sparserl.errors import UserError
+
+            reply = (
+                "error" if op == "load" else "raised",
+                str(e) if isinstance(e, UserError) else describe(e),
+            )
+        send(out, reply)
+
+
+if __name__ == "__main__":
+    main()
