@@ -9,6 +9,8 @@ batch normalisation, so a correction never hides the mismatch it corrects.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -62,6 +64,194 @@ def correction_reference(logp_old: Tensor | None, logp_learner: Tensor, cfg: Alg
     return logp_old
 
 
+@dataclass(frozen=True)
+class Ratios:
+    """One batch's log-probs and sparsity ratios, what every rule reads. [B, T] unless noted; values at masked
+    positions are zeros, never garbage."""
+
+    old: Tensor  # log pi_old (the correction reference)
+    samp: Tensor  # log pi_sparse recorded by the sampler
+    raw: Tensor  # unclamped log xi; -inf where pi_old gives the sampled token no mass (never NaN)
+    log_xi: Tensor  # log xi clamped to [-clamp, clamp] per token (sparse-rl.md section 3)
+    xi: Tensor  # exp(log_xi)
+    valid: Tensor  # bool response mask
+    n_tok: Tensor  # [B] response tokens per sequence
+    has_tokens: Tensor  # [B] rows with at least one response token
+    seq_log_xi: Tensor  # [B] sum over a sequence of its clamped per-token log xi
+    clamp: float
+    advantages: Tensor | None = None  # [B] or [B, T], for the sign-aware rules
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one rejection rule decides: the tokens ([B, T]) or sequences ([B]) it drops, an optional factor
+    [B] on the sequences' IS weights, and its metrics (names without the 'rollout_corr/' prefix)."""
+
+    drop: Tensor
+    metrics: dict[str, Tensor]
+    seq_weight: Tensor | None = None
+
+
+def log_ratios(
+    logp_old: Tensor, logp_sampler: Tensor, mask: Tensor, clamp: float, advantages: Tensor | None = None
+) -> Ratios:
+    """Check the inputs and compute the ratios the rules share (raises naming the first unusable token)."""
+    check_2d("logp_old", logp_old)
+    if logp_sampler.shape != logp_old.shape:
+        raise ValueError(
+            f"logp_sampler has shape {tuple(logp_sampler.shape)}, expected logp_old's {tuple(logp_old.shape)}"
+        )
+    valid = as_mask(mask, logp_old)
+    old = masked_fill_safe(upcast(logp_old.detach()), valid)
+    samp = masked_fill_safe(upcast(logp_sampler.detach()), valid)
+    bad = valid & ~(torch.isfinite(samp) & ~torch.isnan(old) & (old < float("inf")))
+    if bool(bad.any()):
+        where = torch.nonzero(bad)[0].tolist()
+        raise ValueError(
+            f"log-probs are not usable at response token [seq {where[0]}, pos {where[1]}]: "
+            f"logp_sampler={float(samp[where[0], where[1]])}, logp_old={float(old[where[0], where[1]])} "
+            "(the sampler's log-prob of a sampled token must be finite; logp_old must not be NaN)"
+        )
+    raw = masked_fill_safe(old - samp, valid)
+    log_xi = raw.clamp(-clamp, clamp)
+    n_tok = valid.sum(dim=1)
+    return Ratios(
+        old, samp, raw, log_xi, log_xi.exp(), valid, n_tok, n_tok > 0, masked_sum(log_xi, valid, dim=1), clamp,
+        advantages,
+    )  # fmt: skip
+
+
+# ---- token IS weights ----------------------------------------------------------------------------------------
+
+
+def token_is_weights(r: Ratios, cfg: AlgoConfig) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Token TIS (w = min(xi, cap)) and IcePop (w = xi inside [low, high], else 0 and dropped): the weights
+    before rejection (they define the batch-normalisation factor), the tokens IcePop drops, metrics."""
+    m: dict[str, Tensor] = {}
+    icepop = cfg.icepop_low is not None or cfg.icepop_high is not None
+    weight = r.xi if cfg.tis_cap is not None or icepop else torch.ones_like(r.xi)
+    dropped = torch.zeros_like(r.valid)
+    if cfg.tis_cap is not None:
+        weight = weight.clamp(max=cfg.tis_cap)
+        m["tis_truncated_fraction"] = masked_mean((r.log_xi > _log(cfg.tis_cap)).float(), r.valid)
+    if icepop:
+        lo, hi = _outside(r.log_xi, cfg.icepop_low, cfg.icepop_high)
+        dropped = lo | hi
+        weight = torch.where(dropped, torch.zeros_like(weight), weight)
+        m["icepop_masked_fraction_low"] = masked_mean(lo.float(), r.valid)
+        m["icepop_masked_fraction_high"] = masked_mean(hi.float(), r.valid)
+    return weight, dropped, m
+
+
+# ---- sequence rules: each returns None when its config fields are unset --------------------------------------
+
+
+def seq_mis(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Seq-MIS: weight a sequence by prod_t xi_t, reject it when that is outside [low, high]."""
+    if cfg.seq_mis_low is None and cfg.seq_mis_high is None:
+        return None
+    lo, hi = _outside(r.seq_log_xi, cfg.seq_mis_low, cfg.seq_mis_high)
+    rejected = (lo | hi) & r.has_tokens
+    metrics = {"seq_mis_rejected_fraction": masked_mean(rejected.float(), r.has_tokens)}
+    return Verdict(rejected, metrics, seq_weight=r.seq_log_xi.clamp(-r.clamp, r.clamp).exp())
+
+
+def geo_rs(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Geo-RS: reject a sequence whose geometric-mean xi is outside [low, high]."""
+    if cfg.geo_rs_low is None and cfg.geo_rs_high is None:
+        return None
+    lo, hi = _outside(r.seq_log_xi / r.n_tok.clamp_min(1), cfg.geo_rs_low, cfg.geo_rs_high)
+    rejected = (lo | hi) & r.has_tokens
+    return Verdict(rejected, {"geo_rs_rejected_fraction": masked_mean(rejected.float(), r.has_tokens)})
+
+
+def k3_rs(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """K3-RS: reject a sequence whose mean per-token k3 (xi - 1 - log xi) is above the threshold."""
+    if cfg.k3_rs_threshold is None:
+        return None
+    k3_seq = masked_mean(r.xi - 1.0 - r.log_xi, r.valid, dim=1)
+    rejected = (k3_seq > cfg.k3_rs_threshold) & r.has_tokens
+    return Verdict(rejected, {"k3_rs_rejected_fraction": masked_mean(rejected.float(), r.has_tokens)})
+
+
+def veto(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Veto: reject a sequence if any token's raw (unclamped) xi is below the threshold."""
+    if cfg.veto_threshold is None:
+        return None
+    catastrophic = r.valid & (r.raw < _log(cfg.veto_threshold))
+    vetoed = catastrophic.any(dim=1)
+    metrics = {
+        "veto_fraction": masked_mean(vetoed.float(), r.has_tokens),
+        "catastrophic_token_fraction": masked_mean(catastrophic.float(), r.valid),
+    }
+    return Verdict(vetoed, metrics)
+
+
+# ---- token rejection rules -----------------------------------------------------------------------------------
+
+
+def token_rs(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Token rejection: drop a token whose xi is outside [low, high] (its weight still counts in the
+    batch-normalisation mean)."""
+    if cfg.token_rs_low is None and cfg.token_rs_high is None:
+        return None
+    lo, hi = _outside(r.log_xi, cfg.token_rs_low, cfg.token_rs_high)
+    metrics = {
+        "token_rs_masked_fraction_low": masked_mean(lo.float(), r.valid),
+        "token_rs_masked_fraction_high": masked_mean(hi.float(), r.valid),
+    }
+    return Verdict(lo | hi, metrics)
+
+
+def prob_diff(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Sign-aware probability-difference mask: drop a token of positive advantage whose pi_old - pi_sparse is
+    above the threshold, or of negative advantage whose difference is below minus it."""
+    if cfg.prob_diff_threshold is None:
+        return None
+    if r.advantages is None:
+        raise ValueError("algo.prob_diff_threshold is set: correction_weights needs `advantages`")
+    adv = upcast(r.advantages.detach())
+    adv = adv[:, None].expand_as(r.xi) if adv.dim() == 1 else adv
+    if adv.shape != r.xi.shape:
+        raise ValueError(
+            f"advantages have shape {tuple(r.advantages.shape)}, expected [B] or {tuple(r.xi.shape)}"
+        )
+    diff = r.old.exp() - r.samp.exp()
+    t = cfg.prob_diff_threshold
+    flagged = r.valid & (((adv > 0) & (diff > t)) | ((adv < 0) & (diff < -t)))
+    return Verdict(flagged, {"prob_diff_masked_fraction": masked_mean(flagged.float(), r.valid)})
+
+
+# A new rule: one function above, its config field(s) in AlgoConfig (and CORRECTION_KNOBS), one entry here.
+SEQUENCE_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (seq_mis, geo_rs, k3_rs, veto)
+TOKEN_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (token_rs, prob_diff)
+
+
+def apply_rules(r: Ratios, cfg: AlgoConfig, m: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Weights (normalised, zero off the keep mask), keep mask and batch-normalisation factor under every rule
+    `cfg` sets; each rule's metrics go into `m`."""
+    weight, dropped, tm = token_is_weights(r, cfg)
+    keep = r.valid & ~dropped
+    m.update(tm)
+    seq_keep = torch.ones_like(r.has_tokens)
+    for rule in SEQUENCE_RULES:
+        if (v := rule(r, cfg)) is not None:
+            seq_keep &= ~v.drop
+            weight = weight if v.seq_weight is None else weight * v.seq_weight[:, None]
+            m.update(v.metrics)
+    for rule in TOKEN_RULES:
+        if (v := rule(r, cfg)) is not None:
+            keep &= ~v.drop
+            m.update(v.metrics)
+    keep &= seq_keep[:, None]
+    factor = torch.ones((), dtype=weight.dtype, device=weight.device)
+    if cfg.tis_batch_norm:
+        mean_w = masked_mean(weight, r.valid)
+        if bool(mean_w > cfg.batch_norm_min):
+            factor = mean_w
+    return masked_fill_safe(weight / factor, keep), keep, factor
+
+
 def correction_weights(
     logp_old: Tensor,
     logp_sampler: Tensor,
@@ -91,113 +281,17 @@ def correction_weights(
             the loss mask of `policy_loss` (response mask times keep mask).
         metrics: floats keyed 'rollout_corr/<name>', names as in docs/metrics.md.
     """
-    check_2d("logp_old", logp_old)
-    if logp_sampler.shape != logp_old.shape:
-        raise ValueError(
-            f"logp_sampler has shape {tuple(logp_sampler.shape)}, expected logp_old's {tuple(logp_old.shape)}"
-        )
-    valid = as_mask(mask, logp_old)
-    old = masked_fill_safe(upcast(logp_old.detach()), valid)
-    samp = masked_fill_safe(upcast(logp_sampler.detach()), valid)
-    bad = valid & ~(torch.isfinite(samp) & ~torch.isnan(old) & (old < float("inf")))
-    if bool(bad.any()):
-        where = torch.nonzero(bad)[0].tolist()
-        raise ValueError(
-            f"log-probs are not usable at response token [seq {where[0]}, pos {where[1]}]: "
-            f"logp_sampler={float(samp[where[0], where[1]])}, logp_old={float(old[where[0], where[1]])} "
-            "(the sampler's log-prob of a sampled token must be finite; logp_old must not be NaN)"
-        )
-
-    # Unclamped log xi; -inf where pi_old gives the sampled token no mass (never NaN: samp is finite).
-    raw = masked_fill_safe(old - samp, valid)
-    c = cfg.log_ratio_clamp
-    log_xi = raw.clamp(-c, c)
-    xi = log_xi.exp()
-    n_tok = valid.sum(dim=1)  # [B]
-    has_tokens = n_tok > 0
-
-    m: dict[str, Tensor | float] = {}
-    _mismatch_metrics(m, old, samp, raw, log_xi, xi, valid, has_tokens, c)
-
-    on = cfg.correction_mode != "none"
-    keep = valid.clone()
-    seq_keep = torch.ones_like(has_tokens)
-
-    # ---- token weights before rejection (they define the batch-normalisation factor) -----------------------
-    weight = torch.ones_like(xi)
-    if on and (cfg.tis_cap is not None or cfg.icepop_low is not None or cfg.icepop_high is not None):
-        weight = xi
-    if on and cfg.tis_cap is not None:
-        weight = weight.clamp(max=cfg.tis_cap)
-        m["tis_truncated_fraction"] = masked_mean((log_xi > _log(cfg.tis_cap)).float(), valid)
-    if on and (cfg.icepop_low is not None or cfg.icepop_high is not None):
-        lo, hi = _outside(log_xi, cfg.icepop_low, cfg.icepop_high)
-        weight = torch.where(lo | hi, torch.zeros_like(weight), weight)
-        keep &= ~(lo | hi)
-        m["icepop_masked_fraction_low"] = masked_mean(lo.float(), valid)
-        m["icepop_masked_fraction_high"] = masked_mean(hi.float(), valid)
-
-    # ---- sequence-level IS and rejection --------------------------------------------------------------------
-    sum_log = masked_sum(raw, valid, dim=1)
-    if on and (cfg.seq_mis_low is not None or cfg.seq_mis_high is not None):
-        lo, hi = _outside(sum_log, cfg.seq_mis_low, cfg.seq_mis_high)
-        weight = weight * sum_log.clamp(-c, c).exp()[:, None]
-        rejected = (lo | hi) & has_tokens
-        seq_keep &= ~rejected
-        m["seq_mis_rejected_fraction"] = masked_mean(rejected.float(), has_tokens)
-    if on and (cfg.geo_rs_low is not None or cfg.geo_rs_high is not None):
-        mean_log = sum_log / n_tok.clamp_min(1)
-        lo, hi = _outside(mean_log, cfg.geo_rs_low, cfg.geo_rs_high)
-        rejected = (lo | hi) & has_tokens
-        seq_keep &= ~rejected
-        m["geo_rs_rejected_fraction"] = masked_mean(rejected.float(), has_tokens)
-    if on and cfg.k3_rs_threshold is not None:
-        k3_seq = masked_mean(xi - 1.0 - log_xi, valid, dim=1)
-        rejected = (k3_seq > cfg.k3_rs_threshold) & has_tokens
-        seq_keep &= ~rejected
-        m["k3_rs_rejected_fraction"] = masked_mean(rejected.float(), has_tokens)
-    if on and cfg.veto_threshold is not None:
-        catastrophic = valid & (raw < _log(cfg.veto_threshold))  # on the raw ratio, before any clamp
-        vetoed = catastrophic.any(dim=1)
-        seq_keep &= ~vetoed
-        m["veto_fraction"] = masked_mean(vetoed.float(), has_tokens)
-        m["catastrophic_token_fraction"] = masked_mean(catastrophic.float(), valid)
-
-    # ---- token-level rejection ------------------------------------------------------------------------------
-    if on and (cfg.token_rs_low is not None or cfg.token_rs_high is not None):
-        lo, hi = _outside(log_xi, cfg.token_rs_low, cfg.token_rs_high)
-        keep &= ~(lo | hi)
-        m["token_rs_masked_fraction_low"] = masked_mean(lo.float(), valid)
-        m["token_rs_masked_fraction_high"] = masked_mean(hi.float(), valid)
-    if on and cfg.prob_diff_threshold is not None:
-        if advantages is None:
-            raise ValueError("algo.prob_diff_threshold is set: correction_weights needs `advantages`")
-        adv = upcast(advantages.detach())
-        adv = adv[:, None].expand_as(xi) if adv.dim() == 1 else adv
-        if adv.shape != xi.shape:
-            raise ValueError(
-                f"advantages have shape {tuple(advantages.shape)}, expected [B] or {tuple(xi.shape)}"
-            )
-        diff = old.exp() - samp.exp()
-        t = cfg.prob_diff_threshold
-        flagged = valid & (((adv > 0) & (diff > t)) | ((adv < 0) & (diff < -t)))
-        keep &= ~flagged
-        m["prob_diff_masked_fraction"] = masked_mean(flagged.float(), valid)
-
-    keep &= seq_keep[:, None]
-
-    # ---- batch normalisation --------------------------------------------------------------------------------
-    factor = torch.ones((), dtype=weight.dtype, device=weight.device)
-    if on and cfg.tis_batch_norm:
-        mean_w = masked_mean(weight, valid)
-        if bool(mean_w > cfg.batch_norm_min):
-            factor = mean_w
-    weight = masked_fill_safe(weight / factor, keep) if on else valid.to(xi.dtype)
-
+    r = log_ratios(logp_old, logp_sampler, mask, cfg.log_ratio_clamp, advantages)
+    m = mismatch_metrics(r)
+    if cfg.correction_mode == "none":
+        weight, keep = r.valid.to(r.xi.dtype), r.valid.clone()
+        factor = torch.ones((), dtype=r.xi.dtype, device=r.xi.device)
+    else:
+        weight, keep, factor = apply_rules(r, cfg, m)
     kept_seqs = keep.any(dim=1)
     m["batch_norm_factor"] = factor
-    m["seq_rejection_rate"] = masked_mean((~kept_seqs).float(), has_tokens)
-    m["token_keep_fraction"] = masked_mean(keep.float(), valid, empty=0.0)
+    m["seq_rejection_rate"] = masked_mean((~kept_seqs).float(), r.has_tokens)
+    m["token_keep_fraction"] = masked_mean(keep.float(), r.valid, empty=0.0)
     m["weight_mean"] = masked_mean(weight, keep, empty=0.0)
     m["weight_max"] = masked_max(weight, keep, empty=0.0)
     m["weight_ess"] = _ess(weight, keep)
@@ -212,21 +306,15 @@ def _ess(w: Tensor, mask: Tensor) -> Tensor:
     return 1.0 / masked_mean((w / mean) ** 2, mask)
 
 
-def _mismatch_metrics(
-    m: dict[str, Tensor | float],
-    old: Tensor,
-    samp: Tensor,
-    raw: Tensor,
-    log_xi: Tensor,
-    xi: Tensor,
-    valid: Tensor,
-    has_tokens: Tensor,
-    c: float,
-) -> None:
+def mismatch_metrics(r: Ratios) -> dict[str, Tensor]:
     """The field's mismatch diagnostics, all on raw (pre-truncation, pre-rejection) ratios.
 
     A sampled token that pi_old gives no mass makes kl and log_xi_min infinite: honest, not hidden.
     """
+    old, samp, raw, log_xi, xi, valid, has_tokens, c = (
+        r.old, r.samp, r.raw, r.log_xi, r.xi, r.valid, r.has_tokens, r.clamp
+    )  # fmt: skip
+    m: dict[str, Tensor] = {}
     m["kl"] = masked_mean(-raw, valid)  # mean(log pi_sparse - log pi_old)
     m["k3_kl"] = masked_mean(xi - 1.0 - log_xi, valid)
     seq_lp_old = masked_mean(old, valid, dim=1)
@@ -249,3 +337,4 @@ def _mismatch_metrics(
     m["log_xi_min"] = masked_min(raw, valid, empty=0.0)
     m["log_xi_max"] = masked_max(raw, valid, empty=0.0)
     m["response_tokens"] = valid.sum().float()
+    return m

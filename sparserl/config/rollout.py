@@ -46,9 +46,11 @@ class PartialConfig:
     mode: str = field(
         default="train_all",
         metadata={
-            "help": "What the loss does with tokens drawn by an older policy: 'train_all' trains them (their "
-            "recorded sampler log-probs let the corrections weigh staleness and sparsity together), "
-            "'mask_old' leaves them out of the loss (they still condition the newer tokens)."
+            "help": "What the loss does with tokens drawn by an older policy: 'train_all' trains them (with "
+            "algo.correction_mode decoupled or bypass their recorded sampler log-probs let the corrections weigh "
+            "staleness and sparsity together; with correction_mode none they are trained as if the current "
+            "policy had drawn them, uncorrected, and a warning says so), 'mask_old' leaves them out of the "
+            "loss (they still condition the newer tokens)."
         },
     )
     max_staleness: int = field(
@@ -81,9 +83,18 @@ class RolloutConfig:
     )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
     top_p: float = field(
-        default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set with mass >= top_p."}
+        default=1.0,
+        metadata={
+            "help": "Nucleus sampling: keep the smallest set with mass >= top_p. Training refuses < 1: the "
+            "sampler's log-probs would be of the truncated distribution, pi_old's of the full softmax."
+        },
     )
-    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens; 0 disables."})
+    top_k: int = field(
+        default=0,
+        metadata={
+            "help": "Keep the k most likely tokens; 0 disables. Training refuses > 0, as rollout.top_p < 1."
+        },
+    )
     stop: list[str] = field(
         default_factory=list,
         metadata={"help": "Extra stop strings (the tokenizer's EOS always stops a completion)."},

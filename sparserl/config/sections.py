@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -433,11 +434,31 @@ class TrainConfig:
                 "resumed sample's earlier distributions are gone: turn one of them off"
             )
         self._validate_distill()
+        self._validate_sampling()
         if self.algo.sparse_rollout and not self.kv.sparse:
             raise ConfigError(
                 f"algo.preset={self.algo.preset!r} samples sparse rollouts but kv.method={self.kv.method!r}; "
                 f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
                 f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
+            )
+
+    def _validate_sampling(self) -> None:
+        """Training samples from the tempered softmax only, and warns where stale tokens go uncorrected."""
+        r = self.rollout
+        if r.top_p < 1.0 or r.top_k > 0:
+            raise ConfigError(
+                f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: training needs top_p=1 and top_k=0, since "
+                "the sampler records log-probs of the truncated distribution while pi_old, the learner and the "
+                "reference use the full softmax, a mismatch the corrections would mistake for sparsity "
+                "(`sparserl eval` and `sparserl rollout` may truncate: --top-p)"
+            )
+        if r.partial.enable and r.partial.mode == "train_all" and self.algo.correction_mode == "none":
+            warnings.warn(
+                "rollout.partial.mode=train_all with algo.correction_mode=none trains the tokens an older policy "
+                "drew as if the current one had drawn them, with no staleness correction: set "
+                "algo.correction_mode=decoupled (or bypass) to weigh them, or rollout.partial.mode=mask_old",
+                UserWarning,
+                stacklevel=2,
             )
 
     def _validate_distill(self) -> None:

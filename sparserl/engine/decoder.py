@@ -99,8 +99,15 @@ class Decoder:
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE
             q, k = attn.q_norm(q).to(self.dtype), attn.k_norm(k).to(self.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = (r.unsqueeze(1).to(self.dtype) for r in rope)
-        return LayerQKV(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v)
+        # rotate in float32 over float32 weights (as the autocast scorer does), then round to the compute dtype
+        rotate = torch.promote_types(rope[0].dtype, self.dtype)
+        cos, sin = (r.unsqueeze(1).to(rotate) for r in rope)
+        q, k = q.to(rotate), k.to(rotate)
+        return LayerQKV(
+            (q * cos + rotate_half(q) * sin).to(self.dtype),
+            (k * cos + rotate_half(k) * sin).to(self.dtype),
+            v,
+        )
 
     def finish_layer(self, layer: int, hidden: Tensor, attn_out: Tensor) -> Tensor:
         """Output projection, residuals and MLP; `attn_out` is [B, Hq, T, D]."""

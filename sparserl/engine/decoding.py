@@ -332,7 +332,9 @@ class DecodeRun:
         if engine.eos_ids:
             done |= torch.isin(tok, torch.tensor(sorted(engine.eos_ids), device=tok.device))
         if stop:
-            tail = max(len(x) for x in stop) + 2
+            # tokens that may spell a stop string: one per UTF-8 byte at most (a character can be several
+            # tokens: a byte-level tokenizer spells a CJK character in three), plus two for the edges
+            tail = max(len(x.encode("utf-8")) for x in stop) + 2
             for r, sample in enumerate(ids.tolist()):
                 if not done[r]:
                     end = int(self.count[sample])

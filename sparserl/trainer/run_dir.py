@@ -20,7 +20,7 @@ LOCK_FILE = ".lock"
 # they do not change what was trained so far. `output_dir`/`run_name` only locate the run. Everything else is
 # fixed for a run.
 RESUMABLE_KEYS = (
-    "trainer.steps",
+    "trainer.steps",  # with optim.schedule=constant only (HORIZON_SCHEDULES)
     "trainer.save_every",
     "trainer.keep_last",
     "trainer.eval_every",
@@ -39,6 +39,8 @@ RESUMABLE_KEYS = (
     "distill.probe_",
 )
 LOCATION_KEYS = ("trainer.output_dir", "trainer.run_name")
+# lr schedules whose shape depends on the run length: trainer.steps is fixed for them
+HORIZON_SCHEDULES = ("linear", "cosine")
 
 
 class RunDirBusy(UserError):
@@ -118,7 +120,8 @@ def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> TrainCo
 
 
 def check_resume_changes(saved: TrainConfig, new: TrainConfig) -> None:
-    """Raise ConfigError if `new` differs from the run's `saved` config outside RESUMABLE_KEYS."""
+    """Raise ConfigError if `new` differs from the run's `saved` config outside RESUMABLE_KEYS, or changes
+    trainer.steps under an lr schedule whose horizon it sets (linear, cosine)."""
     old, cur = flatten(saved.to_dict()), flatten(new.to_dict())
     fixed = [
         f"{k} (run: {old.get(k)!r}, now: {cur.get(k)!r})"
@@ -130,4 +133,11 @@ def check_resume_changes(saved: TrainConfig, new: TrainConfig) -> None:
             f"--resume cannot change settings that shaped the run so far: {'; '.join(fixed)}. A resume may "
             f"change only {', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in RESUMABLE_KEYS)}"
             "; start a new run for the others"
+        )
+    if saved.trainer.steps != new.trainer.steps and new.optim.schedule in HORIZON_SCHEDULES:
+        raise ConfigError(
+            f"--resume cannot change trainer.steps (run: {saved.trainer.steps}, now: {new.trainer.steps}) with "
+            f"optim.schedule={new.optim.schedule!r}: the lr schedule's horizon is trainer.steps, so the lr "
+            "from here on would jump and follow another curve; keep trainer.steps, or start a new run "
+            "(optim.schedule=constant runs may be extended)"
         )
