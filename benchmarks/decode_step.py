@@ -80,10 +80,9 @@ def profile_step(model, tokenizer, batch: int, prompt_len: int, steps: int, top:
     prompt = torch.randint(tokenizer.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0))
     prof = profile(activities=[ProfilerActivity.CPU])
     # decode steps only: from the end of the first step to the end of the last (no weight packing, no prefill)
-    engine.on_step = lambda step, *_: (
-        prof.start() if step == 0 else prof.stop() if step == steps - 2 else None
-    )
-    engine.generate([prompt.tolist()], n=batch, max_new_tokens=steps, seed=0)
+    window = lambda step, *_: prof.start() if step == 0 else prof.stop() if step == steps - 2 else None  # noqa: E731
+    with engine.step_hook(window):
+        engine.generate([prompt.tolist()], n=batch, max_new_tokens=steps, seed=0)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:top]]

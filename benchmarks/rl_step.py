@@ -147,7 +147,7 @@ def sparserl_overrides(args: argparse.Namespace, output_dir: str = "", run_name:
     prompt, AdamW betas/weight decay/clipping). TRL's settings are derived from the same resolved config."""
     out = [
         f"model.spec={args.model}", "model.lora=false", f"model.dtype={args.dtype}",
-        "rollout.prompts_per_step=1", f"rollout.n={args.n}", f"algo.group_size={args.n}",
+        "rollout.prompts_per_step=1", f"rollout.n={args.n}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         "rollout.top_k=0", "kv.method=dense", "algo.preset=dense", f"algo.kl_coef={args.kl_coef}",
         "algo.kl_estimator=k3", "algo.adv_eps=1e-4",  # TRL divides by std + 1e-4
@@ -357,7 +357,7 @@ def prompt_indices(args: argparse.Namespace) -> tuple[list[int], Any]:
     tasks keep every row), and the resolved sparserl config."""
     from sparserl.config import load_config
     from sparserl.tasks import make_task
-    from sparserl.trainer.data import PromptSampler
+    from sparserl.seeds import PromptSampler
 
     cfg = load_config(None, sparserl_overrides(args))
     sampler = PromptSampler(len(make_task(cfg.task, "train")), cfg.trainer.seed)

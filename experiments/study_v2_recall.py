@@ -100,11 +100,11 @@ class StepPrompts(Task):
 def step_prompts_reward(model_spec: str, task: Task, kv: Any, seeds: list[int], steps: int, per_step: int,
                         samples: int, rollout: Any) -> dict:  # fmt: skip
     """The starting model's reward under `kv` on each training step's prompts, per seed: the trainer draws
-    them in a seeded order (sparserl.trainer.data.PromptSampler), the same for every arm of a seed, so a fall
+    them in a seeded order (sparserl.seeds.PromptSampler), the same for every arm of a seed, so a fall
     in an arm's reward that this curve shares comes from its prompts, not from its training."""
     from sparserl.eval.evaluate import evaluate
     from sparserl.models import load_model
-    from sparserl.trainer.data import PromptSampler
+    from sparserl.seeds import PromptSampler
 
     model, tok = load_model(model_spec)
     out: dict[str, Any] = {"model": model_spec, "samples": samples}

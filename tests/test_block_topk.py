@@ -218,7 +218,7 @@ def test_positions_read_statistics():
     kv = KVConfig(method="block_topk", budget=16, page_size=4, dense_layers=[0])
     e = engine(kv)
     reads = []
-    e.on_step = lambda step, cache, samples: reads.append(e.sparse.plan.read.tolist())
+    e.step_hooks.append(lambda step, cache, samples: reads.append(e.sparse.plan.read.tolist()))
     out = e.generate(random_prompts([10], 0), n=2, max_new_tokens=30)
     held = [10 + s + 1 for s in range(29)]
     expected = [t if -(-t // 4) <= 4 else t - (-(-t // 4) - 4) * 4 for t in held]

@@ -176,7 +176,7 @@ def test_held_positions_follow_the_engine(kv):
     engine = RolloutEngine(model, tok, kv=kv)
     engine.eos_ids = set()
     seen: list[list[int]] = []
-    engine.on_step = lambda step, cache, alive: seen.append(cache.length.tolist())
+    engine.step_hooks.append(lambda step, cache, alive: seen.append(cache.length.tolist()))
     prompt, output, n = 14, 30, 2
     engine.generate([list(range(5, 5 + prompt))], n=n, max_new_tokens=output)
     method = METHODS[kv.method](load_shape("tiny-llama"), Rollout(prompt, output, n), kv)

@@ -272,7 +272,8 @@ def test_eviction_replay_from_the_held_positions_reproduces_the_sampler(kv: KVCo
     model, tok = tiny("llama")
     engine = RolloutEngine(model, tok, kv=kv)
     engine.eos_ids = set()
-    engine.on_step = recorder = HeldRecorder()
+    recorder = HeldRecorder()
+    engine.step_hooks.append(recorder)
     g = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(10, 250, (k,), generator=g).tolist() for k in (30, 45, 17)

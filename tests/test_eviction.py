@@ -1,7 +1,7 @@
 """KV eviction on tiny models: the bound at every step, the schedule, true positions, dense equivalence, each
 method's rule on hand-made caches, per-sequence budgets in ragged batches, bad input.
 
-Every decode step is observed through `RolloutEngine.on_step`. The expected number of held positions of a
+Every decode step is observed through a `RolloutEngine` step hook. The expected number of held positions of a
 sequence is simulated from the documented schedule: a prompt longer than `budget` is cut to `budget` after
 prefill; after every `interval`-th decode step a sequence that held `budget` or more before the step holds
 exactly `budget`; otherwise it grows by one.
@@ -60,7 +60,7 @@ def layer0_keys(e: RolloutEngine, ids: list[int]) -> torch.Tensor:
 
 
 class StepChecker:
-    """An `on_step` hook asserting, after every decode step, the bound, the schedule and the held positions."""
+    """A step hook asserting, after every decode step, the bound, the schedule and the held positions."""
 
     def __init__(self, kv: KVConfig, prompt_lens: list[int], n: int, max_new: int):
         self.kv = kv
@@ -124,7 +124,7 @@ def test_bound_schedule_and_positions_hold_at_every_step(
     )
     e = engine(kv)
     check = StepChecker(kv, prompt_lens, n, max_new)
-    e.on_step = check
+    e.step_hooks.append(check)
     prompts = random_prompts(prompt_lens, seed)
     out = e.generate(prompts, n=n, max_new_tokens=max_new, seed=seed)
     assert check.steps == max_new - 1  # the last sampled token is never fed
@@ -153,7 +153,7 @@ def test_long_prompt_is_cut_to_budget_right_after_prefill():
     kv = KVConfig(method="snapkv", budget=16, window=4, interval=8)
     e = engine(kv)
     seen = []
-    e.on_step = lambda step, cache, samples: seen.append(cache.length.tolist())
+    e.step_hooks.append(lambda step, cache, samples: seen.append(cache.length.tolist()))
     out = e.generate(random_prompts([40, 10], 0), n=1, max_new_tokens=5)
     assert seen[0] == [17, 11]  # budget + the first generated token; the short prompt is untouched
     assert [s.stats["compression_events"] for s in out] == [1, 0]
@@ -273,8 +273,10 @@ def test_h2o_accumulates_all_attention_a_key_received():
     e = RolloutEngine(model, tok, kv=kv)
     e.eos_ids = set()
     snap = {}
-    e.on_step = lambda step, cache, samples: snap.update(
-        step=step, scores=[t.clone() for t in cache.extras["attention"]]
+    e.step_hooks.append(
+        lambda step, cache, samples: snap.update(
+            step=step, scores=[t.clone() for t in cache.extras["attention"]]
+        )
     )
     prompts = random_prompts([17, 4], 3)
     out = e.generate(prompts, n=2, max_new_tokens=10)
@@ -400,9 +402,10 @@ def test_ragged_batch_compresses_each_sequence_as_if_alone(method, granularity):
     e = RolloutEngine(model, tok, kv=kv)
     lens = [3, 40, 17, 9, 25]
     prompts = random_prompts(lens, 1)
-    e.on_step = check = StepChecker(kv, lens, n=1, max_new=48)
+    check = StepChecker(kv, lens, n=1, max_new=48)
+    e.step_hooks.append(check)
     batch = e.generate(prompts, n=1, max_new_tokens=48, temperature=0)
-    e.on_step = None
+    e.step_hooks.clear()
     lengths = [len(s.completion_ids) for s in batch]
     assert len(set(lengths)) >= 3 and "stop" in {s.finish_reason for s in batch}  # they end apart
     assert max(s.stats["compression_events"] for s in batch) >= 3

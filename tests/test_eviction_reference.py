@@ -119,8 +119,10 @@ def test_scores_follow_the_spec_order_on_a_gqa_model(method):
     kv = KVConfig(method=method, budget=12, window=4)
     e = engine(KVConfig(method=method, budget=200, window=4))  # nothing is cut while the cache is recorded
     last = {}
-    e.on_step = lambda step, cache, samples: last.update(
-        snaps=[snapshot(cache, layer, slice(None)) for layer in range(cache.num_layers)]
+    e.step_hooks.append(
+        lambda step, cache, samples: last.update(
+            snaps=[snapshot(cache, layer, slice(None)) for layer in range(cache.num_layers)]
+        )
     )
     e.generate(random_prompts([40, 23], 2), n=1, max_new_tokens=7, seed=3)
     scorer = make_evictor(kv, e.decoder.scale).method

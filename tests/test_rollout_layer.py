@@ -14,7 +14,16 @@ from sparserl.config.rollout import PartialConfig, RolloutConfig, parse_bytes
 from sparserl.engine import KVConfig, RolloutEngine
 from sparserl.engine.decoding import Request, Sampling
 from sparserl.models import tiny_model
-from sparserl.rollout import RESUMED, SAMPLED, PromptSource, RolloutLayer, SampleRecord, Scheduler
+from sparserl.rollout import (
+    GroupPlan,
+    GroupSource,
+    LeftoverBuffer,
+    LocalBackend,
+    RolloutLayer,
+    SampleRecord,
+    Scheduler,
+    SourceContext,
+)
 
 LOGP_TOL = (
     1e-5  # fp32 on CPU: a row's log-probs alone vs in another batch differ by ~1e-6 (batch non-invariance)
@@ -53,13 +62,11 @@ def finished_tokens(run) -> list[tuple[list[int], torch.Tensor]]:
 # --- records --------------------------------------------------------------------------------------------------
 
 
-def test_record_segments_versions_origins_and_masks():
+def test_record_segments_versions_and_masks():
     s = SampleRecord(prompt_id=3, group_id=0, sample_index=1, seed=1, key=13)
     s.extend([5, 6], [-0.1, -0.2], version=0)
     s.extend([7], [-0.3], version=2)
-    s.check()
-    assert s.origins == [RESUMED, RESUMED, SAMPLED] and s.versions == [0, 0, 2]
-    assert (s.start_version, s.end_version) == (0, 2)
+    assert s.versions == [0, 0, 2] and s.start_version == 0
     s.mask_stale(2)
     assert s.loss_mask == [0, 0, 1] and len(s.loss_mask) == len(s.tokens)
     with pytest.raises(ValueError, match="version 1 after 2"):
@@ -83,7 +90,7 @@ def test_continuous_batching_gives_the_static_batch_samples(kv):
     bpp = static.bytes_per_position
     cap = 3 * 128 * bpp if kv is None else 3 * (12 + 4 - 1) * bpp
     seen = []
-    e.on_step = lambda step, cache, samples: seen.append((cache.nbytes(), cache.rows))
+    e.step_hooks.append(lambda step, cache, samples: seen.append((cache.nbytes(), cache.rows)))
     run, unfinished, stats = Scheduler(e, cap).run(requests(lengths), Sampling())
     assert not unfinished and stats.admissions >= len(lengths)
     assert max(b for b, _ in seen) <= cap, "the cap is never exceeded"
@@ -100,7 +107,9 @@ def test_dense_cache_grows_with_its_longest_row_and_preempts_at_the_cap():
     bpp = probe.bytes_per_position
     cap = 300 * bpp  # two rows of 128 slots fit, two of 256 do not, nor does one of 384
     seen = []
-    e.on_step = lambda step, cache, samples: seen.append((cache.capacity, cache.rows, cache.nbytes()))
+    e.step_hooks.append(
+        lambda step, cache, samples: seen.append((cache.capacity, cache.rows, cache.nbytes()))
+    )
     run, _, stats = Scheduler(e, cap).run(requests([300, 200, 150, 10], n=4), Sampling())
     assert {c for c, _, _ in seen} >= {128, 256}  # grew in blocks
     assert max(b for _, _, b in seen) <= cap
@@ -119,7 +128,7 @@ def test_static_batching_waits_for_the_whole_batch():
     reqs = requests([30, 5, 30, 5], n=4)
     cap = e.start_run(reqs, Sampling()).bytes_after_admit([0, 1], whole=True)  # two whole sequences
     rows = []
-    e.on_step = lambda step, cache, samples: rows.append(cache.rows)
+    e.step_hooks.append(lambda step, cache, samples: rows.append(cache.rows))
     run, _, stats = Scheduler(e, cap, "static").run(reqs, Sampling())
     assert max(rows) == 2 and stats.preemptions == 0
     assert rows.count(1) >= 24  # the short row finished; the batch waited for the long one before admitting
@@ -150,22 +159,60 @@ def test_resumed_sample_equals_the_uninterrupted_one_when_weights_do_not_change(
 # --- the layer: groups, partial rollouts ------------------------------------------------------------------------
 
 
-def source(lengths, taken: list[int]) -> PromptSource:
-    ps = prompts(64, seed=1)
+class ScriptedView:
+    """A task view over random prompts: reward = completion length, texts of 'x's."""
 
-    def take(k: int) -> list[int]:
-        rows = list(range(len(taken), len(taken) + k))
-        taken.extend(rows)
+    def __init__(self) -> None:
+        self.ps = prompts(64, seed=1)
+
+    def prompt_ids(self, row: int) -> list[int]:
+        return self.ps[row % len(self.ps)]
+
+    def example(self, row: int) -> int:
+        return row
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return ["x" * len(t) for t in ids]
+
+    def scores(self, texts: list[str], examples: list) -> list[float]:
+        return [float(len(t)) for t in texts]
+
+
+class ScriptedSource(GroupSource):
+    """Rows 0, 1, 2... in order; sample j of row r is capped at lengths[(r * 7 + j) % len(lengths)]."""
+
+    def __init__(self, lengths: list[int], n: int) -> None:
+        super().__init__(SourceContext(rows=[], n=n, seed=0))
+        self.lengths, self.taken = lengths, []
+
+    def choose(self, k: int, version: int) -> list[int]:
+        rows = list(range(len(self.taken), len(self.taken) + k))
+        self.taken.extend(rows)
         return rows
 
-    return PromptSource(
-        take=take,
-        prompt_ids=lambda row: ps[row % len(ps)],
-        example=lambda row: row,
-        score=lambda texts, examples: [float(len(t)) for t in texts],
-        decode=lambda ids: ["x" * len(t) for t in ids],
-        max_new_tokens=lambda row, j: lengths[(row * 7 + j) % len(lengths)],
-    )
+    def cap(self, row: int, j: int) -> int:
+        return self.lengths[(row * 7 + j) % len(self.lengths)]
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        plans = super().plan(k, version)
+        for p in plans:
+            p.max_new_tokens = [self.cap(p.row, j) for j in range(p.n)]
+        return plans
+
+
+class Harness:
+    """A layer over the local backend with a scripted source behind the leftover buffer; `step` runs one."""
+
+    def __init__(self, cfg: RolloutConfig, lengths: list[int], e: RolloutEngine | None = None) -> None:
+        self.inner = ScriptedSource(lengths, cfg.n)
+        self.source = LeftoverBuffer(self.inner, cfg.partial)
+        self.layer = RolloutLayer(LocalBackend(e or engine(), cfg), ScriptedView(), cfg)
+
+    def step(self, version: int, seed: int):
+        self.layer.backend.push_weights(version)
+        got = self.layer.collect(version, seed, self.source.plan(self.layer.cfg.prompts_per_step, version))
+        self.source.observe(got.groups, got.leftover)
+        return got.groups, {**got.metrics, **self.source.metrics()}
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -182,69 +229,88 @@ def test_no_sample_is_lost_or_duplicated_across_steps(lengths, over, mode, cappe
         prompts_per_step=2, n=2, max_new_tokens=30, kv_memory_cap=str(3 * 128 * bpp) if capped else None,
         partial=PartialConfig(enable=over > 1, over_provision=over, mode=mode, max_staleness=100),
     )  # fmt: skip
-    layer = RolloutLayer(e, cfg)
-    taken: list[int] = []
-    src = source(lengths, taken)
+    h = Harness(cfg, lengths, e)
     returned: list[int] = []
     for version in range(4):
-        groups, metrics, _ = layer.collect(version, 100 + version, src)
+        groups, metrics = h.step(version, 100 + version)
         assert len(groups) == 2 and all(g.complete for g in groups)
         for g in groups:
             returned.append(g.prompt_id)
             for s in g.samples:
-                s.check()
-                assert s.reward == float(len(s.tokens)) and len(s.tokens) == src.max_new_tokens(
+                assert len(s.sampler_logps) == len(s.versions) == len(s.loss_mask) == len(s.tokens)
+                assert s.versions == sorted(s.versions)
+                assert s.reward == float(len(s.tokens)) and len(s.tokens) == h.inner.cap(
                     g.prompt_id, s.sample_index
                 )
                 if mode == "mask_old":
                     assert all(m == (v == version) for m, v in zip(s.loss_mask, s.versions, strict=True))
         assert 0 <= metrics["off_policy_token_frac"] <= 1
-    leftover = [d["prompt_id"] for d in layer.state.leftover]
+    leftover = [d["prompt_id"] for d in h.source.leftover]
     assert len(set(returned)) == len(returned), "a group returned twice"
-    assert sorted(returned + leftover) == taken, "every prompt taken is returned or kept, none lost"
-    layer.close()
+    assert sorted(returned + leftover) == h.inner.taken, "every prompt taken is returned or kept, none lost"
+    h.layer.close()
 
 
 def test_partial_rollouts_stop_early_keep_the_rest_and_report_staleness():
-    e = engine()
     cfg = RolloutConfig(
         prompts_per_step=2, n=2, partial=PartialConfig(enable=True, over_provision=2.0, max_staleness=5)
     )
-    layer = RolloutLayer(e, cfg)
-    lengths = [3, 3, 40, 40]  # rows 0 and 2 short... rows (row*7 + j) % 4
-    src = source(lengths, [])
-    _, first, _ = layer.collect(0, 1, src)
+    h = Harness(cfg, [3, 3, 40, 40])  # rows (row*7 + j) % 4
+    _, first = h.step(0, 1)
     assert first["partial_buffer_groups"] >= 1 and first["off_policy_token_frac"] == 0
-    _, later, _ = layer.collect(1, 2, src)
-    _, last, _ = layer.collect(2, 3, src)
+    _, later = h.step(1, 2)
+    _, last = h.step(2, 3)
     assert max(later["staleness_max"], last["staleness_max"]) >= 1
     assert max(later["recycled_frac"], last["recycled_frac"]) > 0
-    layer.close()
+    h.layer.close()
 
 
 def test_stale_leftovers_are_dropped_and_counted():
-    e = engine()
     cfg = RolloutConfig(
         prompts_per_step=1, n=2, partial=PartialConfig(enable=True, over_provision=3.0, max_staleness=0)
     )
-    layer = RolloutLayer(e, cfg)
-    src = source([2, 30], [])
-    layer.collect(0, 1, src)
-    kept = len(layer.state.leftover)
-    _, metrics, _ = layer.collect(1, 2, src)
+    h = Harness(cfg, [2, 30])
+    h.step(0, 1)
+    kept = len(h.source.leftover)
+    _, metrics = h.step(1, 2)
     assert kept >= 1 and metrics["partial_dropped_groups"] >= 1
-    layer.close()
+    h.layer.close()
 
 
 def test_async_rewards_equal_sync_ones():
     out = []
     for asynchronous in (True, False):
-        cfg = RolloutConfig(prompts_per_step=3, n=2, async_rewards=asynchronous)
-        layer = RolloutLayer(engine(), cfg)
-        groups, _, _ = layer.collect(0, 5, source([4, 9, 13], []))
+        h = Harness(RolloutConfig(prompts_per_step=3, n=2, async_rewards=asynchronous), [4, 9, 13])
+        groups, _ = h.step(0, 5)
         out.append([(s.tokens, s.reward) for g in groups for s in g.samples])
-        layer.close()
+        h.layer.close()
     assert out[0] == out[1]
+
+
+def test_backend_refuses_a_version_it_does_not_hold():
+    from sparserl.rollout import StaleWeights
+
+    h = Harness(RolloutConfig(prompts_per_step=1, n=2), [4])
+    with pytest.raises(
+        StaleWeights, match="holds the weights of policy version 0 but was asked .* version 3"
+    ):
+        h.layer.collect(3, 0, h.source.plan(1, 3))
+    h.layer.backend.push_weights(3)
+    groups = h.layer.collect(3, 0, h.source.plan(1, 3)).groups
+    assert all(v == 3 for s in groups[0].samples for v in s.versions)
+    h.layer.close()
+
+
+def test_recording_held_positions_under_a_kv_cap_is_refused_where_it_is_set_up():
+    from sparserl.rollout import Recording
+
+    cfg = RolloutConfig(prompts_per_step=1, n=2, kv_memory_cap="1MiB")
+    with pytest.raises(ValueError, match="held positions.*kv_memory_cap"):
+        RolloutLayer(
+            LocalBackend(engine(KVConfig(method="rkv", budget=16)), cfg, Recording(held=True)),
+            ScriptedView(),
+            cfg,
+        )
 
 
 # --- config ---------------------------------------------------------------------------------------------------
@@ -281,16 +347,17 @@ def test_partial_rollouts_train_and_resume_exactly_with_their_leftovers(tmp_path
     first = make_trainer(tiny_cfg(tmp_path, *extra, name="killed"))
     first.train(until_step=2)
     first.close()
-    saved = first.state.rollout["leftover"]
+    saved = first.source.leftover
     assert saved, "an over-provisioned step leaves groups for the next"
     resumed = make_trainer(
         tiny_cfg(tmp_path, *extra, name="killed"), run_dir=tmp_path / "killed", resume=True
     )
-    assert resumed.rollouts.state.leftover == saved
+    assert resumed.source.leftover == saved
     resumed.train()
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert straight.rollouts.state == resumed.rollouts.state
+    assert straight.source.state_dict() == resumed.source.state_dict()
     ra = {r["step"]: r for r in rows(tmp_path / "straight") if "reward/mean" in r}
     rb = {r["step"]: r for r in rows(tmp_path / "killed") if "reward/mean" in r}
     for key in ("reward/mean", "actor/loss", "rollout/off_policy_token_frac", "rollout/occupancy"):

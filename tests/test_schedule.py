@@ -96,7 +96,7 @@ def test_block_topk_rereads_each_rows_budget_from_its_length():
         assert e.sparse.plan.read.tolist() == read.tolist()
         seen.append(budgets)
 
-    e.on_step = on_step
+    e.step_hooks.append(on_step)
     e.generate(random_prompts([20, 70], 0), n=1, max_new_tokens=40)
     assert seen[0] == [48, 80]  # 21 and 71 positions
     assert seen[-1] == [48, 112]  # 59 and 109 positions
@@ -132,7 +132,7 @@ def test_eviction_with_a_growing_schedule_keeps_more_at_the_next_cut(method):
     kv = KVConfig(method=method, schedule=table, window=4, interval=8, n_sink=2)
     e = engine(kv)
     check = EvictionSimulator(kv, table, [10, 50], n=2)
-    e.on_step = check
+    e.step_hooks.append(check)
     out = e.generate(random_prompts([10, 50], 3), n=2, max_new_tokens=90)
     assert [cuts[0] < cuts[-1] for cuts in check.cuts] == [True] * 4  # later cuts keep more
     assert check.cuts[0][0] == 15 and check.cuts[0][-1] == 39

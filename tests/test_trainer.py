@@ -12,7 +12,7 @@ from sparserl.config import load_config
 from sparserl.tasks import Example, Task
 from sparserl.trainer import Trainer, latest_checkpoint, list_checkpoints, save_checkpoint
 from sparserl.trainer.checkpoint import TrainerState, load_checkpoint
-from sparserl.trainer.data import PromptSampler
+from sparserl.seeds import PromptSampler
 
 
 class ParityTask(Task):
@@ -292,7 +292,7 @@ def test_pi_old_from_the_learner_pass_equals_a_separate_scoring_pass(tmp_path: P
     ]
     reused = make_trainer(tiny_cfg(tmp_path, *base, name="reuse"))
     scored = make_trainer(tiny_cfg(tmp_path, *base, "trainer.reuse_learner_logprobs=false", name="score"))
-    assert reused.reuse_learner_logprobs and not scored.reuse_learner_logprobs
+    assert reused.reuses_learner_logprobs(8) and not scored.reuses_learner_logprobs(8)
     reused.train()
     scored.train()
     a, b = weights(reused), weights(scored)
@@ -310,8 +310,8 @@ def test_pi_old_from_the_learner_pass_equals_a_separate_scoring_pass(tmp_path: P
 def test_several_updates_per_rollout_score_pi_old_separately(tmp_path: Path) -> None:
     assert not make_trainer(
         tiny_cfg(tmp_path, "optim.ppo_epochs=2", "optim.mini_batch_size=0")
-    ).reuse_learner_logprobs
-    assert not make_trainer(tiny_cfg(tmp_path, name="r2")).reuse_learner_logprobs  # two mini-batches
+    ).reuses_learner_logprobs(8)
+    assert not make_trainer(tiny_cfg(tmp_path, name="r2")).reuses_learner_logprobs(8)  # two mini-batches
 
 
 @pytest.mark.slow
@@ -340,7 +340,7 @@ def test_a_prompts_samples_do_not_depend_on_the_other_prompts_of_its_batch(tmp_p
     got = {}
     for name, rows in (("ab", [3, 7]), ("ba", [7, 3]), ("ac", [3, 11])):
         trainer = make_trainer(tiny_cfg(tmp_path, "rollout.max_new_tokens=8", name=name))
-        trainer.sampler.take = lambda k, rows=rows: rows
+        trainer.source.inner.choose = lambda k, version, rows=rows: rows
         trainer.train_rows = list(range(50))
         batch, _ = trainer.rollout(1)
         got[name] = {(row, j): batch.completions[p * 4 + j] for p, row in enumerate(rows) for j in range(4)}

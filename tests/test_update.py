@@ -102,7 +102,7 @@ def test_nan_in_the_learner_pass_skips_the_update_under_the_default_rules(
 
     monkeypatch.setattr("sparserl.engine.completion_logprobs", flaky)
     trainer = make_trainer(tiny_cfg(tmp_path, "optim.mini_batch_size=0", "trainer.steps=2"))
-    assert trainer.reuse_learner_logprobs
+    assert trainer.reuses_learner_logprobs(8)
     trainer.train()
     logged = [r for r in rows(tmp_path / "run") if "reward/mean" in r]
     assert [r["train/nonfinite_skipped_updates"] for r in logged] == [1.0, 0.0]

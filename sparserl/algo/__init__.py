@@ -2,7 +2,7 @@
 
 Typical use per batch of rollouts (mask = response mask, [B, T]):
 
-    adv = grpo_advantages(rewards, cfg.group_size, cfg.adv_estimator)       # before any rejection
+    adv = advantages(rewards, group_index, cfg.adv_estimator)               # before any rejection
     ref = correction_reference(logp_old, logp, cfg)                           # pi_old; the learner's in bypass
     w, keep, m1 = correction_weights(ref, logp_sampler, mask, cfg, adv)
     loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, keep, w, cfg, logp_ref)
@@ -15,20 +15,32 @@ from sparserl.algo.acceptance import (
     acceptance_metrics,
     acceptance_topk,
 )
-from sparserl.algo.advantages import advantages_from_config, grpo_advantages
+from sparserl.algo.advantages import (
+    ADV_ESTIMATORS,
+    ADV_TRANSFORMS,
+    AdvantageTransform,
+    advantages,
+    advantages_from_config,
+    grpo_advantages,
+    register_adv_transform,
+)
 from sparserl.algo.config import AlgoConfig
 from sparserl.algo.corrections import correction_reference, correction_weights, ppo_anchor
 from sparserl.algo.loss import aggregate, kl_penalty, loss_denominator, policy_loss
 from sparserl.algo.presets import PRESETS, algo_config
 
 __all__ = [
+    "ADV_ESTIMATORS",
+    "ADV_TRANSFORMS",
     "PRESETS",
+    "AdvantageTransform",
     "AcceptanceBin",
     "AlgoConfig",
     "acceptance_by_bin",
     "acceptance_exact",
     "acceptance_metrics",
     "acceptance_topk",
+    "advantages",
     "advantages_from_config",
     "aggregate",
     "algo_config",
@@ -39,4 +51,5 @@ __all__ = [
     "loss_denominator",
     "policy_loss",
     "ppo_anchor",
+    "register_adv_transform",
 ]

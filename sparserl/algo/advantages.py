@@ -1,73 +1,143 @@
-"""Group-relative advantages (GRPO, Dr. GRPO, RLOO) from one scalar reward per completion."""
+"""Group-relative advantages over group ids (groups of any size), then an ordered chain of transforms.
+
+Two registries, one small function or class per method:
+- estimators (`ADV_ESTIMATORS`): one group's rewards -> its advantages (grpo, drgrpo, rloo);
+- transforms (`ADV_TRANSFORMS`): the whole batch's advantages, with its rewards, group ids and texts -> new
+  advantages, [B] or token-level [B, T] (uniqueness weights, tree advantages); `algo.adv_transforms` lists
+  them in order, none by default.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
-from sparserl.algo.config import ADV_ESTIMATORS, AlgoConfig
+if TYPE_CHECKING:  # the config validates names against the registries below
+    from sparserl.algo.config import AlgoConfig
+
+# (group rewards [1, n] float64, eps, std_unbiased) -> advantages [1, n]
+Estimator = Callable[[Tensor, float, bool], Tensor]
 
 
-def grpo_advantages(
+def _grpo(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
+    """(R_i - mean_G R) / (std_G R + eps), std unbiased (n-1) by default."""
+    return (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True, unbiased=std_unbiased) + eps)
+
+
+def _drgrpo(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
+    """R_i - mean_G R (Dr. GRPO: no std normalisation)."""
+    return g - g.mean(dim=1, keepdim=True)
+
+
+def _rloo(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
+    """R_i - mean_{j != i} R_j (leave-one-out baseline), written through the group mean."""
+    n = g.shape[1]
+    if n < 2:
+        raise ValueError("the 'rloo' estimator needs groups of >= 2 samples")
+    return (g - g.mean(dim=1, keepdim=True)) * n / (n - 1)
+
+
+ADV_ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "drgrpo": _drgrpo, "rloo": _rloo}
+
+
+def advantages(
     rewards: Tensor,
-    group_size: int,
+    group_index: Tensor | Sequence[int],
     estimator: str = "grpo",
     eps: float = 1e-6,
     std_unbiased: bool = True,
 ) -> Tensor:
-    """Per-sequence advantages; the `group_size` completions of one prompt are contiguous in `rewards`.
-
-    - grpo:   (R_i - mean_G R) / (std_G R + eps), std unbiased (n-1) by default.
-    - drgrpo: R_i - mean_G R (no std normalisation, Dr. GRPO).
-    - rloo:   R_i - mean_{j != i} R_j (leave-one-out baseline).
-
-    Computed over every sequence of the group, before any rejection (rejected samples stay in their group's
-    statistics). A group of equal rewards gets zero advantage, never NaN. Returns shape [num_seqs], float32
-    (float64 for float64 rewards).
-    """
+    """Per-sequence advantages; `group_index[i]` names the group of sequence i (groups of any size, in any
+    order). Computed over every sequence of the group, before any rejection. A group of equal rewards, or of
+    one sample, gets zero advantage, never NaN (except rloo, which refuses a single sample). Returns shape
+    [num_seqs], float32 (float64 for float64 rewards)."""
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(
             f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADV_ESTIMATORS)}"
         )
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_seqs], got shape {tuple(rewards.shape)}")
-    if group_size < 1 or rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"group_size={group_size} must be >= 1 and divide the number of rewards ({rewards.numel()}); "
-            "the completions of one prompt must be contiguous"
-        )
+    index = torch.as_tensor(group_index, dtype=torch.long)
+    if index.shape != rewards.shape:
+        raise ValueError(f"group_index has shape {tuple(index.shape)}, rewards {tuple(rewards.shape)}")
     out_dtype = torch.promote_types(rewards.dtype, torch.float32)
     r = rewards.detach().double()  # a handful of numbers: exact group statistics are free
     if not bool(torch.isfinite(r).all()):
         bad = torch.nonzero(~torch.isfinite(r)).flatten().tolist()
         raise ValueError(f"rewards are not finite at sequence index(es) {bad[:10]}")
-    if r.numel() == 0:
-        return r.to(out_dtype)
-    g = r.view(-1, group_size)
-    if group_size == 1:
-        if estimator == "rloo":
-            raise ValueError("the 'rloo' estimator needs group_size >= 2")
-        return torch.zeros_like(r, dtype=out_dtype)
-    mean = g.mean(dim=1, keepdim=True)
-    if estimator == "grpo":
-        std = g.std(dim=1, keepdim=True, unbiased=std_unbiased)
-        adv = (g - mean) / (std + eps)
-    elif estimator == "drgrpo":
-        adv = g - mean
-    else:  # rloo: baseline is the mean of the other G-1 rewards
-        adv = (g - mean) * group_size / (group_size - 1)
-    # A group of equal rewards carries no signal: exactly zero (no 0/0 with eps=0, no float residue).
-    flat = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)
-    adv = torch.where(flat, torch.zeros_like(adv), adv)
-    return adv.reshape(-1).to(out_dtype)
+    adv = torch.zeros_like(r)
+    for gid in torch.unique(index).tolist():
+        rows = torch.nonzero(index == gid).flatten()
+        g = r[rows].view(1, -1)
+        if g.shape[1] == 1 and estimator != "rloo":
+            continue  # no baseline within a group of one: zero
+        a = ADV_ESTIMATORS[estimator](g, eps, std_unbiased)
+        # A group of equal rewards carries no signal: exactly zero (no 0/0 with eps=0, no float residue).
+        adv[rows] = torch.where(g.amax() == g.amin(), torch.zeros_like(a), a).view(-1)
+    return adv.to(out_dtype)
 
 
-def advantages_from_config(rewards: Tensor, cfg: AlgoConfig) -> Tensor:
-    """`grpo_advantages` with the estimator, group size, eps and std choice of `cfg`."""
-    return grpo_advantages(
-        rewards,
-        cfg.group_size,
-        estimator=cfg.adv_estimator,
-        eps=cfg.adv_eps,
-        std_unbiased=cfg.adv_std_unbiased,
-    )
+def grpo_advantages(
+    rewards: Tensor, group_size: int, estimator: str = "grpo", eps: float = 1e-6, std_unbiased: bool = True
+) -> Tensor:
+    """`advantages` for contiguous groups of `group_size` completions each."""
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} must be >= 1 and divide the number of rewards ({rewards.numel()}); "
+            "the completions of one prompt must be contiguous"
+        )
+    index = torch.arange(rewards.numel()) // group_size
+    return advantages(rewards, index, estimator, eps, std_unbiased)
+
+
+class AdvantageTransform:
+    """One link of `algo.adv_transforms`: `__call__(adv, rewards, group_index, texts)` -> new advantages ([B]
+    or [B, T]). Register a subclass with `@register_adv_transform("name")`; it is built with the AlgoConfig."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, cfg: AlgoConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str]) -> Tensor:
+        raise NotImplementedError
+
+
+ADV_TRANSFORMS: dict[str, type[AdvantageTransform]] = {}
+
+
+def register_adv_transform(name: str) -> Callable[[type[AdvantageTransform]], type[AdvantageTransform]]:
+    """Class decorator: make an AdvantageTransform available as `algo.adv_transforms=[name]`."""
+
+    def add(cls: type[AdvantageTransform]) -> type[AdvantageTransform]:
+        ADV_TRANSFORMS[name] = cls
+        cls.name = name
+        return cls
+
+    return add
+
+
+@register_adv_transform("batch_whiten")
+class BatchWhiten(AdvantageTransform):
+    """Whiten over the whole batch, (A - mean_B A) / (std_B A + eps): REINFORCE++-baseline's global
+    normalisation after a group-mean baseline (algo.adv_estimator=drgrpo)."""
+
+    def __call__(self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str]) -> Tensor:
+        a = adv.double()
+        std = a.std() if a.numel() > 1 else torch.zeros((), dtype=a.dtype)
+        return ((a - a.mean()) / (std + self.cfg.adv_eps)).to(adv.dtype)
+
+
+def advantages_from_config(
+    rewards: Tensor, group_index: Tensor | Sequence[int], cfg: AlgoConfig, texts: list[str] | None = None
+) -> Tensor:
+    """`advantages` with the estimator, eps and std choice of `cfg`, then each of `cfg.adv_transforms` in
+    order (they see the rewards, group ids and the completions' texts)."""
+    index = torch.as_tensor(group_index, dtype=torch.long)
+    adv = advantages(rewards, index, cfg.adv_estimator, cfg.adv_eps, cfg.adv_std_unbiased)
+    for name in cfg.adv_transforms:
+        adv = ADV_TRANSFORMS[name](cfg)(adv, rewards, index, texts or [])
+    return adv

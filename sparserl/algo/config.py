@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+from sparserl.algo.advantages import ADV_ESTIMATORS, ADV_TRANSFORMS
+
 CORRECTION_MODES = ("none", "decoupled", "bypass")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -50,8 +51,13 @@ class AlgoConfig:
             "'drgrpo' (group mean, no std normalisation), 'rloo' (leave-one-out mean)."
         },
     )
-    group_size: int = field(
-        default=8, metadata={"help": "Completions sampled per prompt (G); a group is G contiguous sequences."}
+    adv_transforms: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Advantage transforms applied in order after the estimator (algo/advantages.py "
+            "ADV_TRANSFORMS; register your own with register_adv_transform): e.g. [batch_whiten] "
+            "(REINFORCE++-baseline's batch normalisation). Empty by default."
+        },
     )
     adv_eps: float = field(default=1e-6, metadata={"help": "GRPO: added to the group std before dividing."})
     adv_std_unbiased: bool = field(
@@ -191,10 +197,8 @@ class AlgoConfig:
                 )
         if self.loss_token_norm is not None and self.loss_token_norm < 1:
             raise ValueError(f"algo.loss_token_norm={self.loss_token_norm} must be >= 1")
-        if self.group_size < 1:
-            raise ValueError(f"algo.group_size={self.group_size} must be >= 1")
-        if self.adv_estimator == "rloo" and self.group_size < 2:
-            raise ValueError("algo.adv_estimator='rloo' needs algo.group_size >= 2")
+        for name in self.adv_transforms:
+            _choice("adv_transforms", name, tuple(ADV_TRANSFORMS))
         for lo, hi in (
             ("token_rs_low", "token_rs_high"),
             ("icepop_low", "icepop_high"),
@@ -233,11 +237,6 @@ class AlgoConfig:
     def needs_recompute(self) -> bool:
         """True when the trainer must recompute dense pi_old with a teacher-forced pass (not in bypass)."""
         return self.correction_mode != "bypass"
-
-    @property
-    def needs_ref(self) -> bool:
-        """True when the loss needs reference-model log-probs (beta > 0)."""
-        return self.kl_coef > 0
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -48,6 +48,16 @@ def _is_optional(tp: Any) -> tuple[bool, Any]:
     return False, tp
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _in_int64(number: int, value: Any, key: str) -> int:
+    """`number` if a 64-bit integer holds it (torch and numpy take no more); else a ConfigError naming `key`."""
+    if not -INT64_MAX - 1 <= number <= INT64_MAX:
+        raise ConfigError(f"{key}={value!r} is out of range: integers here are at most {INT64_MAX:,}")
+    return number
+
+
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
@@ -70,19 +80,21 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool):
             raise bad
         if isinstance(value, int):
-            return value
+            return _in_int64(value, value, key)
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            return _in_int64(int(value), value, key)
         if isinstance(value, str):
             try:
-                return int(value.strip().replace("_", ""))
+                number = int(value.strip().replace("_", ""))
             except ValueError:
                 try:
                     f = float(value)
                 except ValueError:
                     raise bad from None
-                if f.is_integer():
-                    return int(f)
+                if not f.is_integer():
+                    raise bad from None
+                number = int(f)
+            return _in_int64(number, value, key)
         raise bad
     if tp is float:
         if isinstance(value, bool):
@@ -203,8 +215,16 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
                 section = {**defaults, **section}
             else:
                 section = dict(section)
-            if cls is TrainConfig and key == "algo" and "group_size" not in section:
-                section["group_size"] = kwargs["rollout"].n  # the group is rollout.n; set it once
+            # algo.group_size was always rollout.n (configs saved before group ids carry it): read and dropped
+            if (
+                cls is TrainConfig
+                and key == "algo"
+                and section.pop("group_size", kwargs["rollout"].n) != kwargs["rollout"].n
+            ):
+                raise ConfigError(
+                    f"{where('algo.group_size')}algo.group_size is gone: advantages are taken over each "
+                    "sample's group id, so groups may have any size; set rollout.n (samples per prompt)"
+                )
             kwargs[key] = _build(tp, section, path, where)
     if cls is AlgoSection:
         preset = kwargs.pop("preset", DEFAULT_PRESET)
@@ -266,6 +286,61 @@ def _resolve_data_paths(data: dict[str, Any], config_file: Path) -> None:
         value = (data.get(section) or {}).get(key) if isinstance(data.get(section), dict) else None
         if isinstance(value, str) and value and _is_local_file(value) and not os.path.isabs(value):
             data[section][key] = os.path.normpath(config_file.resolve().parent / os.path.expanduser(value))
+
+
+def _absolute(value: str) -> str:
+    """`value` (a path) made absolute against the working directory."""
+    return os.path.normpath(os.path.abspath(os.path.expanduser(value)))
+
+
+def _resolve_reward_paths(value: Any) -> Any:
+    """task.reward with every 'path/to/file.py:function' entry's file made absolute (module names, 'builtin'
+    and anything malformed are left for the field's own check)."""
+    if isinstance(value, str):
+        try:
+            value = coerce(value, list[str], "task.reward")
+        except ConfigError:
+            return value
+    if not isinstance(value, list):
+        return value
+    out = []
+    for spec in value:
+        if isinstance(spec, str) and ":" in spec:
+            location, function = spec.rsplit(":", 1)
+            is_file = location.endswith(".py") or "/" in location or os.sep in location
+            if location and is_file and not os.path.isabs(location):
+                spec = f"{_absolute(location)}:{function}"
+        out.append(spec)
+    return out
+
+
+def _resolve_working_dir_paths(data: dict[str, Any]) -> None:
+    """Make the relative local paths still left (from the command line, or task.name / task.reward files of a
+    YAML file) absolute against the working directory, where they are read now: RUN_DIR/config.yaml then
+    names the same files from any directory, so a run resumes (and `sparserl eval RUN_DIR` reads its data)
+    wherever it is started. Hugging Face names, built-in tasks, module names and inline tables are left alone."""
+    from sparserl.tasks.config import BUILTIN_TASKS
+    from sparserl.tasks.dataset import is_local_source
+
+    for section, key in PATH_KEYS:
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str) and value.strip() and _is_local_file(value) and not os.path.isabs(value):
+            node[key] = _absolute(value)  # type: ignore[index]
+    task = data.get("task")
+    if not isinstance(task, dict):
+        return
+    name = task.get("name")
+    if (
+        isinstance(name, str)
+        and name.strip()
+        and name not in BUILTIN_TASKS
+        and is_local_source(name)
+        and not os.path.isabs(name)
+    ):
+        task["name"] = _absolute(name)
+    if task.get("reward") is not None:
+        task["reward"] = _resolve_reward_paths(task["reward"])
 
 
 def resolve_config_path(name: str | Path) -> Path:
@@ -333,6 +408,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             node = child
         node[parts[-1]] = value
         where.places[".".join(parts)] = f"command line '{text}'"
+    _resolve_working_dir_paths(data)
     return config_from_dict(data, where)
 
 

@@ -124,6 +124,21 @@ class RolloutConfig:
     partial: PartialConfig = field(
         default_factory=PartialConfig, metadata={"help": "APRIL active partial rollouts."}
     )
+    source: str = field(
+        default="fresh",
+        metadata={
+            "help": "Group source: which groups each step runs (sparserl/rollout/sources.py GROUP_SOURCES; "
+            "register your own with register_group_source). 'fresh': prompts in a seeded permutation per epoch."
+        },
+    )
+    backend: str = field(
+        default="local",
+        metadata={
+            "help": "Rollout backend: what decodes the samples and returns plain segments "
+            "(sparserl/rollout/backend.py BACKENDS; register your own with register_backend). 'local': this "
+            "process's engine under the scheduler."
+        },
+    )
 
     def __post_init__(self) -> None:
         for key in ("prompts_per_step", "n", "max_new_tokens"):

@@ -290,7 +290,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.steps < 0:
             raise ConfigError(f"trainer.steps={self.steps} must be >= 0")
-        for key in ("save_every", "eval_every", "eval_prompts", "threads"):
+        for key in ("seed", "save_every", "eval_every", "eval_prompts", "threads"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"trainer.{key}={getattr(self, key)} must be >= 0")
         for key in ("acceptance_top_k", "acceptance_bin"):
@@ -402,11 +402,8 @@ class TrainConfig:
     def validate(self) -> None:
         """Cross-section checks (each section checks its own fields)."""
         batch = self.rollout.prompts_per_step * self.rollout.n
-        if self.algo.group_size != self.rollout.n:
-            raise ConfigError(
-                f"algo.group_size={self.algo.group_size} differs from rollout.n={self.rollout.n}; "
-                "the group is the n completions of one prompt: set rollout.n and leave algo.group_size unset"
-            )
+        if self.algo.adv_estimator == "rloo" and self.rollout.n < 2:
+            raise ConfigError("algo.adv_estimator=rloo needs rollout.n >= 2 (a leave-one-out baseline)")
         mini = self.optim.mini_batch_size or batch
         if batch % mini:
             raise ConfigError(

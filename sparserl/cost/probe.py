@@ -7,6 +7,7 @@ FLOPs + I x bytes is a step's time in units of one matmul FLOP.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -53,9 +54,9 @@ def resolve_intensity(text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise CostInputError(
-            f"--intensity {text!r} must be a positive number (FLOPs per byte) or one of "
+            f"--intensity {text!r} must be a finite positive number (FLOPs per byte) or one of "
             f"{', '.join(INTENSITY_PRESETS)}"
         )
     return value
@@ -136,7 +137,7 @@ def time_decode_steps(
     repeats: int, compile: bool = False,
 ) -> dict[tuple[str, int], StepTimes]:  # fmt: skip
     """Per (kv.method, prompt length), the engine's decode step time on `model` (`batch` samples of one random
-    prompt, `steps` new tokens, EOS ignored), clocked between the `on_step` calls that end the decode steps, so
+    prompt, `steps` new tokens, EOS ignored), clocked between the step-hook calls that end the decode steps, so
     the prefill is left out: the steps timed are those at contexts length + 2 ... length + steps - 1. Lengths
     and methods alternate so that a drifting machine hits all alike. With `compile`, the engines run
     `engine.compile=true` (each cache size compiles once, before the first step clocked)."""
@@ -147,7 +148,7 @@ def time_decode_steps(
     engines = [RolloutEngine(model, tokenizer, kv=kv, compile=compile) for kv in kvs]
     for engine in engines:
         engine.eos_ids = set()
-        engine.on_step = lambda *_: clocks.append((time.perf_counter(), time.process_time()))
+        engine.step_hooks.append(lambda *_: clocks.append((time.perf_counter(), time.process_time())))
     vocab = model.get_input_embeddings().weight.shape[0]
     times = {(kv.method, length): StepTimes([], []) for kv in kvs for length in prompt_lens}
     previous = torch.get_num_threads()

@@ -307,8 +307,8 @@ class DecodeRun:
             self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
             self.peak_transient_bytes = max(self.peak_transient_bytes, self.peak_bytes)
             self.decode_steps += 1
-            if engine.on_step is not None:
-                engine.on_step(self.decode_steps - 1, self.cache, self.sample_of_row)
+            for hook in engine.step_hooks:
+                hook(self.decode_steps - 1, self.cache, self.sample_of_row)
         self.timing["decode_s"] += time.perf_counter() - t0
         return finished
 

@@ -36,7 +36,7 @@ class HeldRecord:
 
 
 class HeldRecorder:
-    """A `RolloutEngine.on_step` hook recording `HeldRecord`s by sample index: a snapshot of the held positions
+    """A `RolloutEngine` step hook recording `HeldRecord`s by sample index: a snapshot of the held positions
     whenever a row's length did not grow by exactly the fed token since its last step."""
 
     def __init__(self) -> None:

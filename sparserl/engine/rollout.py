@@ -88,8 +88,10 @@ class RolloutEngine:
     layer and KV head, only the budget's worth of pages. With `kv.schedule`, each sequence's budget is re-read at
     every decode step from its current length (`step_budget` holds the last step's, per cache row).
 
-    `on_step`, when set, is called after every decode step as `on_step(step, cache, samples)` (`samples[r]` is
-    the sample index of cache row r; -1 for a finished row that a compiled step keeps): a read-only window on the cache for tests and instrumentation.
+    Each of `step_hooks` (added for a while with `with engine.step_hook(fn):`, chained, never replaced) is
+    called after every decode step as `fn(step, cache, samples)` (`samples[r]` is the sample index of cache row
+    r; -1 for a finished row that a compiled step keeps): a read-only window on the cache for recording and
+    instrumentation.
 
     A sparse engine over a model with a registered sparse path (`register_sparse_path`) samples inside it.
     """
@@ -122,7 +124,18 @@ class RolloutEngine:
         self.schedule = self.kv.budget_schedule
         self.step_budget: Tensor | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.on_step: Callable[[int, KVCache, Tensor], None] | None = None
+        self.step_hooks: list[Callable[[int, KVCache, Tensor], None]] = []
+
+    @contextmanager
+    def step_hook(self, fn: Callable[[int, KVCache, Tensor], None] | None) -> Iterator[None]:
+        """Call `fn` after every decode step while the block runs, after the hooks already there (None: no-op)."""
+        if fn is not None:
+            self.step_hooks.append(fn)
+        try:
+            yield
+        finally:
+            if fn is not None:
+                self.step_hooks.remove(fn)
 
     def _check(
         self,

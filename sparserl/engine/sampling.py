@@ -176,15 +176,18 @@ class DistributionRecorder:
             for row, step, row_logp in zip(rows.tolist(), steps.tolist(), logp.float().cpu(), strict=True):
                 self.full[row][step] = row_logp
 
+    def take(self, i: int, length: int) -> TokenDistributions:
+        """Row i's distributions for its first `length` tokens; its full buffer is released as it is handed
+        over (without a copy when the row ran to the last step)."""
+        full = None
+        if self.full_logprobs:
+            full = self.full[i] if length == self.steps else self.full[i][:length].clone()
+            self.full[i] = None
+        return TokenDistributions(
+            self.top_ids[i, :length].cpu(), self.top_logprobs[i, :length].float().cpu(), full
+        )
+
     def attach(self, samples: Sequence) -> None:
-        """Set `distributions` on each sample (row i of the recorder is `samples[i]`), trimmed to its length;
-        each row's full buffer is released as it is handed over."""
+        """Set `distributions` on each sample (row i of the recorder is `samples[i]`), trimmed to its length."""
         for i, s in enumerate(samples):
-            t = len(s.completion_ids)
-            full = None
-            if self.full_logprobs:
-                full = self.full[i] if t == self.steps else self.full[i][:t].clone()
-                self.full[i] = None
-            s.distributions = TokenDistributions(
-                self.top_ids[i, :t].cpu(), self.top_logprobs[i, :t].float().cpu(), full
-            )
+            s.distributions = self.take(i, len(s.completion_ids))

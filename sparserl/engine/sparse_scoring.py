@@ -112,7 +112,7 @@ def make_replay(kv: KVConfig, num_layers: int, held: Sequence[HeldRecord] | None
     if held is None:
         raise UserError(
             f"replaying kv.method={kv.method!r} needs what the sampler held: sample with an "
-            "`engine.held.HeldRecorder` as the engine's on_step and pass its records (one per completion)"
+            "`engine.held.HeldRecorder` as an engine step hook and pass its records (one per completion)"
         )
     return HeldReplay(held)
 

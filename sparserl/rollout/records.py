@@ -1,16 +1,13 @@
 """What a rollout hands the trainer: one record per sample, with per-token provenance, grouped by prompt.
 
-A token carries the policy version that sampled it and its origin, so that corrections can tell a stale token
-(resumed from an earlier step, APRIL) from a sparse one, and a loss mask can leave stale tokens out.
+A token carries the policy version that sampled it, so that a token drawn in an earlier step (APRIL's resumed
+samples) can be told from one drawn now, and a loss mask can leave stale tokens out.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
-
-SAMPLED = "sampled"  # drawn in the step that trains on it
-RESUMED = "resumed"  # drawn in an earlier step, kept while the sample was unfinished and continued now
 
 
 @dataclass
@@ -18,9 +15,9 @@ class SampleRecord:
     """One completion of a prompt, built up over one or more rollout segments.
 
     Per token: `tokens`, `sampler_logps` (log p of the distribution it was drawn from, sparse KV included),
-    `versions` (the policy version that drew it), `origins` and `loss_mask` (1 = trained). Per sample: its
-    prompt (`prompt_id`, the task row), `group_id`, `sample_index` within the group, the (`seed`, `key`) of its
-    random stream, `reward` and `finish_reason` (None while unfinished).
+    `versions` (the policy version that drew it) and `loss_mask` (1 = trained). Per sample: its prompt
+    (`prompt_id`, the task row), `group_id`, `sample_index` within the group, the (`seed`, `key`) of its random
+    stream, `finish_reason` (None while unfinished), and once scored its decoded `text` and `reward`.
     """
 
     prompt_id: int
@@ -31,9 +28,10 @@ class SampleRecord:
     tokens: list[int] = field(default_factory=list)
     sampler_logps: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    origins: list[str] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    max_new_tokens: int | None = None  # this sample's cap when its plan gave one, else rollout.max_new_tokens
+    text: str | None = None
     reward: float | None = None
 
     @property
@@ -44,35 +42,20 @@ class SampleRecord:
     def start_version(self) -> int | None:
         return self.versions[0] if self.versions else None
 
-    @property
-    def end_version(self) -> int | None:
-        return self.versions[-1] if self.versions else None
-
     def extend(self, tokens: list[int], logps: list[float], version: int) -> None:
-        """Append a segment drawn by policy `version`; tokens from earlier segments become `resumed`."""
+        """Append a segment drawn by policy `version`."""
         if len(tokens) != len(logps):
             raise ValueError(f"sample {self.key}: {len(tokens)} tokens but {len(logps)} log-probs")
         if self.versions and version < self.versions[-1]:
             raise ValueError(f"sample {self.key}: version {version} after {self.versions[-1]}")
-        self.origins = [RESUMED] * len(self.tokens)
         self.tokens += tokens
         self.sampler_logps += [float(x) for x in logps]
         self.versions += [version] * len(tokens)
-        self.origins += [SAMPLED] * len(tokens)
         self.loss_mask += [1] * len(tokens)
 
     def mask_stale(self, version: int) -> None:
         """Leave out of the loss every token drawn by a policy older than `version`."""
         self.loss_mask = [int(m and v >= version) for m, v in zip(self.loss_mask, self.versions, strict=True)]
-
-    def check(self) -> None:
-        """The record's invariants: one entry per token in every per-token list, versions never decrease."""
-        n = len(self.tokens)
-        lengths = [len(x) for x in (self.sampler_logps, self.versions, self.origins, self.loss_mask)]
-        if any(m != n for m in lengths):
-            raise AssertionError(f"sample {self.key}: per-token lists of lengths {[n, *lengths]}")
-        if any(b < a for a, b in zip(self.versions, self.versions[1:], strict=False)):
-            raise AssertionError(f"sample {self.key}: versions decrease {self.versions}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,4 +86,6 @@ class GroupRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GroupRecord:
-        return cls(d["group_id"], d["prompt_id"], [SampleRecord(**s) for s in d["samples"]])
+        known = {f.name for f in fields(SampleRecord)}  # older checkpoints also stored per-token origins
+        samples = [SampleRecord(**{k: v for k, v in s.items() if k in known}) for s in d["samples"]]
+        return cls(d["group_id"], d["prompt_id"], samples)

@@ -27,15 +27,13 @@ STATE_FILE = "trainer_state.json"
 
 @dataclass
 class TrainerState:
-    """What the loop needs besides tensors to continue: step, data position, counters, the initial eval."""
+    """What the loop needs besides tensors and parts to continue: step, counters, the initial eval."""
 
     step: int = 0
-    data_position: int = 0
     engine_seed: int = 0
     counters: dict[str, float] = field(default_factory=dict)
     history: dict[str, Any] = field(default_factory=dict)
-    rollout: dict[str, Any] = field(default_factory=dict)  # the rollout layer's leftover groups and counters
-    distill: dict[str, Any] = field(default_factory=dict)  # DistillSparse's fixed probe batch
+    rollout: dict[str, Any] = field(default_factory=dict)  # the rollout layer's counters (RolloutState)
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -173,12 +171,7 @@ def save_checkpoint(
             _save(obj, tmp / f"{name}.pt")
         _save(rng_state(), tmp / "rng.pt")
         for name, part in (parts or {}).items():
-            (tmp / name).mkdir()
-            save_file(
-                {k: v.detach().contiguous().clone() for k, v in part.weights.items()},
-                tmp / name / PART_WEIGHTS,
-            )
-            _save(part.optimizer, tmp / name / "optimizer.pt")
+            _save_part(part, tmp / name)
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1, sort_keys=True))
         _fsync_tree(tmp)
     prune_checkpoints(run_dir, keep_last)
@@ -195,14 +188,55 @@ def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
 
 
 PART_WEIGHTS = "adapter.safetensors"
+PART_OPTIMIZER = "optimizer.pt"
+PART_STATE = "state.json"
 
 
 @dataclass
 class Part:
-    """A trained component besides the policy: its weights and its optimizer's state."""
+    """A named component's share of a checkpoint (its own sub-folder): the weights and optimizer of a
+    component trained beside the policy (DistillSparse's adapter), and the JSON state of a stateful part of the
+    loop (the group source's data position and leftover groups)."""
 
-    weights: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer: dict[str, Any] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+def _save_part(part: Part, folder: Path) -> None:
+    folder.mkdir()
+    if part.weights:
+        save_file(
+            {k: v.detach().contiguous().clone() for k, v in part.weights.items()}, folder / PART_WEIGHTS
+        )
+    if part.optimizer:
+        _save(part.optimizer, folder / PART_OPTIMIZER)
+    (folder / PART_STATE).write_text(json.dumps(part.state, sort_keys=True))
+
+
+def _load_part(folder: Path) -> Part:
+    weights, optimizer = folder / PART_WEIGHTS, folder / PART_OPTIMIZER
+    return Part(
+        load_file(weights) if weights.is_file() else {},
+        torch.load(optimizer, map_location="cpu", weights_only=True) if optimizer.is_file() else {},
+        json.loads((folder / PART_STATE).read_text()) if (folder / PART_STATE).is_file() else {},
+    )
+
+
+def _upgrade(saved: dict[str, Any], parts: dict[str, Part]) -> TrainerState:
+    """A TrainerState from its JSON; checkpoints written before the group source and the add-ons saved parts
+    of their own kept the data position, leftover groups and DistillSparse's probe in it: moved to their parts."""
+    position, probe = saved.pop("data_position", None), saved.pop("distill", {}).get("probe")
+    rollout = saved.get("rollout", {})
+    if position is not None and SOURCE_PART not in parts:
+        buffer = {"leftover": rollout.pop("leftover", []), "dropped_groups": rollout.pop("dropped_groups", 0)}
+        parts[SOURCE_PART] = Part(state={**buffer, "inner": {"position": position}})
+    if probe is not None and "distill" in parts and not parts["distill"].state:
+        parts["distill"].state = {"probe": probe}
+    return TrainerState(**saved)
+
+
+SOURCE_PART = "source"  # the group source's state
 
 
 @dataclass
@@ -231,19 +265,17 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     if len(weight_files) != 1:
         raise FileNotFoundError(f"{path}: expected one .safetensors weights file, found {len(weight_files)}")
     try:
-        state = TrainerState(**json.loads((path / STATE_FILE).read_text()))
+        saved = json.loads((path / STATE_FILE).read_text())
         weights = load_file(weight_files[0])
         optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         scheduler = torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True)
         rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
         parts = {
-            sub.name: Part(
-                load_file(sub / PART_WEIGHTS),
-                torch.load(sub / "optimizer.pt", map_location="cpu", weights_only=True),
-            )
+            sub.name: _load_part(sub)
             for sub in sorted(path.iterdir())
-            if (sub / PART_WEIGHTS).is_file()
+            if any((sub / f).is_file() for f in (PART_WEIGHTS, PART_OPTIMIZER, PART_STATE))
         }
+        state = _upgrade(saved, parts)
     except Exception as e:  # noqa: BLE001 - re-raised with the culprit named
         raise RuntimeError(f"checkpoint {path} is damaged: {type(e).__name__}: {e}") from e
     return Checkpoint(path, state, weights, optimizer, scheduler, rng, parts)

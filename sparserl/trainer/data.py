@@ -1,50 +1,12 @@
-"""Prompt order: a fresh seeded permutation of the task per epoch, addressed by a single position counter,
-so the data position is one integer in the checkpoint and resuming replays the same prompts; and which rows
-fit the model at all."""
+"""Which task rows fit the model at all, checked once when the data is loaded."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from sparserl.engine.context_length import split_by_fit, too_long_message
 from sparserl.errors import DataError
-
-
-class PromptSampler:
-    """Yields task indices: epoch e is permutation(seed, e) of range(n); `position` counts indices drawn."""
-
-    def __init__(self, num_examples: int, seed: int, position: int = 0) -> None:
-        if num_examples < 1:
-            raise ValueError("the task has no examples to sample prompts from")
-        self.n = num_examples
-        self.seed = seed
-        self.position = position
-        self._epoch = -1
-        self._perm: np.ndarray | None = None
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-            self._epoch = epoch
-        assert self._perm is not None
-        return self._perm
-
-    def take(self, count: int) -> list[int]:
-        """The next `count` indices (crossing into the next epoch's permutation when one runs out)."""
-        out = []
-        for _ in range(count):
-            epoch, offset = divmod(self.position, self.n)
-            out.append(int(self._permutation(epoch)[offset]))
-            self.position += 1
-        return out
-
-
-def derive_seed(*parts: int) -> int:
-    """A 31-bit seed from integers (run seed, step, purpose...), stable across runs and platforms."""
-    return int(np.random.SeedSequence([abs(int(p)) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
 def usable_rows(

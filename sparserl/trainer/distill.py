@@ -3,29 +3,31 @@ and the distill adapter on: PPO on the sparse-forward log-probs of the step's sa
 sampler's recorded log-probs (the samples are the sparse path's own), with the rollout's advantages, plus
 distill.kl_coef x k3-KL(sparse path || dense policy) on the sampled tokens. The loss is `algo.policy_loss` with
 those settings; the sparse forward is `engine.sparse_scoring`. Alpha's tail (P5 per bin of absolute position)
-is measured on a fixed probe batch before and after the update, teacher-forced, with the exact alpha."""
+is measured on a fixed probe batch before and after the update, teacher-forced, with the exact alpha.
+`DistillSparse` is the add-on learner the training loop calls through the `AddOn` seam (trainer/addons.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from sparserl.algo import loss_denominator, policy_loss
 from sparserl.algo.acceptance import acceptance_by_bin, acceptance_exact
-from sparserl.config import TrainConfig
+from sparserl.config import ConfigError, TrainConfig
 from sparserl.engine import score_distributions
 from sparserl.engine.held import HeldRecord
 from sparserl.engine.sampling import processed_logprobs
 from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
-from sparserl.trainer.checkpoint import Part
+from sparserl.trainer.addons import AddOn, register_addon
+from sparserl.trainer.checkpoint import Checkpoint, Part
 from sparserl.trainer.policy import Policy, grad_flags_kept
-from sparserl.trainer.update import SUMMED, Batch, clipped_step
-
-DISTILL_PART = "distill"  # the checkpoint sub-folder holding the adapter and its optimizer
+from sparserl.trainer.update import Batch, clipped_step, minibatch_updates
 
 
 class DistillLearner:
@@ -76,45 +78,29 @@ class DistillLearner:
             group["lr"] = policy_lr * cfg.distill.lr_scale
         n = len(batch.prompts)
         mini = cfg.optim.mini_batch_size or n
-        sums: dict[str, float] = {}
-        steps = skipped = 0
+
+        def micro_step(micro: Tensor, finite: bool) -> tuple[Tensor, dict[str, float], float]:
+            idx = micro.tolist()
+            held = [batch.held[i] for i in idx] if batch.held is not None else None
+            with self.autocast():
+                logp, _ = sparse_completion_logprobs(
+                    self.policy.module, cfg.kv, [batch.prompts[i] for i in idx],
+                    [batch.completions[i] for i in idx], cfg.rollout.temperature, held,
+                )  # fmt: skip
+            logp = logp.cpu()  # the loss math runs on the batch's CPU tensors, as in the update
+            t = logp.shape[1]
+            mask = batch.mask[micro, :t]
+            loss, m = policy_loss(
+                logp, batch.logp_sampler[micro, :t], batch.advantages_of(micro, t), mask, None, self.algo,
+                logp_ref=batch.logp_old[micro, :t], response_mask=mask, denominator=1.0,
+            )  # fmt: skip
+            return loss, m, loss_denominator(mask, self.algo, mask)
+
         with self._adapter_only():
-            for start in range(0, n, mini):
-                self.optimizer.zero_grad(set_to_none=True)
-                denominator, parts = 0.0, {}
-                for micro in torch.tensor_split(
-                    torch.arange(start, min(start + mini, n)), cfg.optim.grad_accum
-                ):
-                    idx = micro.tolist()
-                    if not idx:
-                        continue
-                    held = [batch.held[i] for i in idx] if batch.held is not None else None
-                    with self.autocast():
-                        logp, _ = sparse_completion_logprobs(
-                            self.policy.module, cfg.kv, [batch.prompts[i] for i in idx],
-                            [batch.completions[i] for i in idx], cfg.rollout.temperature, held,
-                        )  # fmt: skip
-                    logp = logp.cpu()  # the loss math runs on the batch's CPU tensors, as in the update
-                    t = logp.shape[1]
-                    mask = batch.mask[micro, :t]
-                    denominator += loss_denominator(mask, self.algo, mask)
-                    loss, m = policy_loss(
-                        logp, batch.logp_sampler[micro, :t], batch.advantages[micro], mask, None, self.algo,
-                        logp_ref=batch.logp_old[micro, :t], response_mask=mask, denominator=1.0,
-                    )  # fmt: skip
-                    loss.backward()
-                    for k, v in m.items():
-                        parts[k] = parts.get(k, 0.0) + (
-                            v if k in SUMMED else v * len(idx) / min(mini, n - start)
-                        )
-                denominator = max(denominator, 1.0)
-                if self._step(denominator, sums):
-                    steps += 1
-                    for k, v in parts.items():
-                        sums[k] = sums.get(k, 0.0) + (v / denominator if k in SUMMED else v)
-                else:
-                    skipped += 1
-        self.optimizer.zero_grad(set_to_none=True)
+            minibatches = (torch.arange(start, min(start + mini, n)) for start in range(0, n, mini))
+            sums, steps, skipped = minibatch_updates(
+                minibatches, cfg.optim.grad_accum, self.optimizer, micro_step, self._step
+            )
         out = {_name(k): v / max(steps, 1) for k, v in sums.items()}
         out["distill/lr"] = self.optimizer.param_groups[0]["lr"]
         out["distill/skipped_updates"] = float(skipped)
@@ -158,6 +144,60 @@ class DistillLearner:
                 out[f"distill/alpha_p5_{when}/bin{b.index}"] = b.p5
                 out[f"distill/alpha_mean_{when}/bin{b.index}"] = b.mean
         return out
+
+
+DISTILL_PART = "distill"  # the add-on's name: the checkpoint sub-folder holding the adapter and its optimizer
+
+
+@register_addon(DISTILL_PART)
+class DistillSparse(AddOn):
+    """DistillSparse in the loop: the adapter's update after the policy's, with alpha's tail on a fixed probe
+    (drawn from the first step's batch) before and after every `distill.probe_every` steps."""
+
+    needs_dense_logprobs = True  # the KL term is to the dense policy, scored before the update
+    records_held = True  # an evicting sampler's replay
+
+    def __init__(self, cfg: TrainConfig, policy: Policy) -> None:
+        super().__init__(cfg, policy)
+        self.learner = DistillLearner(cfg, policy, policy.autocast)
+        self.probe: dict[str, Any] | None = None
+
+    @classmethod
+    def enabled(cls, cfg: TrainConfig) -> bool:
+        return cfg.distill.enable
+
+    def update(self, step: int, batch: Batch, policy_lr: float) -> dict[str, float]:
+        d, t0 = self.cfg.distill, time.perf_counter()
+        if d.probe_samples and self.probe is None:
+            self.probe = probe_batch(batch, d.probe_samples)
+        probe = self.probe if step % d.probe_every == 0 else None
+        out = self.learner.probe_alpha(probe, "before") if probe else {}
+        out.update(self.learner.update(batch, policy_lr))
+        if probe:
+            out.update(self.learner.probe_alpha(probe, "after"))
+        out["time/distill"] = time.perf_counter() - t0
+        return out
+
+    def part(self) -> Part:
+        part = self.learner.part()
+        part.state = {"probe": self.probe} if self.probe is not None else {}
+        return part
+
+    def resume(self, ckpt: Checkpoint) -> None:
+        """The adapter, its optimizer and probe from the checkpoint; one saved without them is refused unless
+        distill.fresh_on_resume asks for a new adapter."""
+        part = ckpt.parts.get(self.name)
+        if part is not None:
+            self.learner.load(part)
+            self.probe = part.state.get("probe")
+        elif self.cfg.distill.fresh_on_resume:
+            self.notes.append(f"{ckpt.path.name} has no DistillSparse adapter: a fresh one starts now")
+        else:
+            raise ConfigError(
+                f"--resume: {ckpt.path} was saved without the DistillSparse adapter (distill was off), so "
+                "distill.enable=true has nothing to continue; add distill.fresh_on_resume=true to start a fresh "
+                "adapter from here"
+            )
 
 
 def probe_batch(batch: Batch, size: int) -> dict[str, Any]:

@@ -1,6 +1,8 @@
-"""The training loop: sample prompts, roll out (sparse or dense), reward, advantages, dense old/reference
-log-probs, corrections, K passes of AdamW over mini-batches, metrics, checkpoint. The next rollout sees the new
-weights because the engine reads the trained model's weights afresh at every `generate` call."""
+"""The training loop: a group source plans the step's groups, the rollout layer runs them on a backend (sparse or
+dense) and scores them, the groups go back to the source, advantages over group ids, dense old/reference
+log-probs, corrections, K passes of AdamW over mini-batches, the add-on learners, metrics, checkpoint. The
+local backend sees the new weights because the engine reads the trained model's weights afresh at every run.
+docs/algorithm.md walks through one step."""
 
 from __future__ import annotations
 
@@ -15,19 +17,32 @@ import torch
 from torch import Tensor
 
 from sparserl.algo import advantages_from_config
-from sparserl.config import ConfigError, TrainConfig, load_config, save_config
-from sparserl.rollout import PromptSource, RolloutLayer, RolloutState
-from sparserl.rollout.rewards import task_rewards
+from sparserl.config import TrainConfig, load_config, save_config
+from sparserl.rollout import (
+    Recording,
+    RolloutLayer,
+    RolloutState,
+    SourceContext,
+    TaskView,
+    make_backend,
+    make_group_source,
+    step_seed,
+)
+from sparserl.rollout.records import SampleRecord
+from sparserl.seeds import EVAL, derive_seed
+from sparserl.trainer import distill as _distill  # noqa: F401 - registers the DistillSparse add-on
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
+from sparserl.trainer.addons import dense_logprobs_needed, make_addons, records_held
 from sparserl.trainer.checkpoint import (
+    SOURCE_PART,
     Checkpoint,
+    Part,
     TrainerState,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from sparserl.trainer.data import PromptSampler, derive_seed, usable_rows
-from sparserl.trainer.distill import DISTILL_PART, DistillLearner, probe_batch
+from sparserl.trainer.data import usable_rows
 from sparserl.trainer.logging import (
     MetricSinks,
     ProgressDisplay,
@@ -42,9 +57,6 @@ from sparserl.trainer.update import Batch, Learner, pad
 
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "final"
-# Seed "purposes", so that the prompt order, sampling, shuffling (update.SHUFFLE = 2) and evaluation draw
-# independent streams.
-_ROLLOUT, _EVAL = 1, 3
 
 
 class Trainer:
@@ -136,55 +148,39 @@ class Trainer:
         self.learner = Learner(
             cfg, self.policy.module, self.policy.trainable_parameters(), autocast=self.policy.autocast
         )
-        self.distill = DistillLearner(cfg, self.policy, self.policy.autocast) if cfg.distill.enable else None
-        # DistillSparse needs the dense log-probs of every sample for its KL term: scored before the update
-        self.reuse_learner_logprobs = (
-            cfg.trainer.reuse_learner_logprobs and self.learner.single_update() and self.distill is None
-        )
+        self.addons = make_addons(cfg, self.policy)
         self.state = TrainerState()
-        self._prompt_cache: dict[tuple[int, int], list[int]] = {}
-        self.train_rows = self._usable_rows(self.task, 0)
-        self.eval_rows = (
-            self._usable_rows(self.eval_task, 1, cfg.trainer.eval_prompts)
-            if self.eval_task is not None
-            else []
+        self.train_view = TaskView(self.task, self.tokenizer)
+        self.eval_view = TaskView(self.eval_task, self.tokenizer) if self.eval_task is not None else None
+        self.train_rows = self._usable_rows(self.train_view)
+        self.eval_rows = self._usable_rows(self.eval_view, cfg.trainer.eval_prompts) if self.eval_view else []
+        self.source = make_group_source(
+            cfg.rollout.source, SourceContext(self.train_rows, cfg.rollout.n, seed, cfg), cfg.rollout.partial
         )
-        self.sampler = PromptSampler(len(self.train_rows), seed)
+        recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
         self.rollouts = RolloutLayer(
-            self.engine,
+            make_backend(cfg.rollout.backend, self.engine, cfg.rollout, recording),
+            self.train_view,
             cfg.rollout,
-            acceptance_request(cfg),
-            record_held=cfg.distill.enable and cfg.kv.evicting,
         )
-
         if ckpt is not None:
-            self.policy.load_weights(ckpt.weights)
-            self.learner.optimizer.load_state_dict(ckpt.optimizer)
-            self.learner.scheduler.load_state_dict(ckpt.scheduler)
-            self.state = ckpt.state
-            self.sampler.position = self.state.data_position
-            self.rollouts.state = RolloutState(**self.state.rollout)
-            self._resume_distill(ckpt)
-            ckpt.restore_rng()
+            self._resume(ckpt)
         self.resumed_from: Path | None = ckpt.path if ckpt is not None else None
         save_config(cfg, self.run_dir / CONFIG_FILE)  # a resume writes the settings it was allowed to change
 
-    def _resume_distill(self, ckpt: Checkpoint) -> None:
-        """The adapter and its optimizer from the checkpoint; one saved without them is refused unless
-        distill.fresh_on_resume asks for a new adapter."""
-        if self.distill is None:
-            return
-        part = ckpt.parts.get(DISTILL_PART)
-        if part is not None:
-            self.distill.load(part)
-        elif self.cfg.distill.fresh_on_resume:
-            self.notes.append(f"{ckpt.path.name} has no DistillSparse adapter: a fresh one starts now")
-        else:
-            raise ConfigError(
-                f"--resume: {ckpt.path} was saved without the DistillSparse adapter (distill was off), so "
-                "distill.enable=true has nothing to continue; add distill.fresh_on_resume=true to start a fresh "
-                "adapter from here"
-            )
+    def _resume(self, ckpt: Checkpoint) -> None:
+        """Weights, optimizer, schedule, loop state, the source's and the add-ons' parts, then the RNGs."""
+        self.policy.load_weights(ckpt.weights)
+        self.learner.optimizer.load_state_dict(ckpt.optimizer)
+        self.learner.scheduler.load_state_dict(ckpt.scheduler)
+        self.state = ckpt.state
+        self.source.load_state_dict(ckpt.parts[SOURCE_PART].state)
+        self.rollouts.state = RolloutState(**self.state.rollout)
+        self.rollouts.backend.push_weights(self.state.step)
+        for addon in self.addons:
+            addon.resume(ckpt)
+            self.notes += addon.notes
+        ckpt.restore_rng()
 
     def _load_latest_intact(self) -> Checkpoint:
         """The newest checkpoint that reads back whole; damaged newer ones are skipped and said so."""
@@ -224,22 +220,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- pieces
 
-    def _prompt_ids(self, task: Any, index: int, split: int) -> list[int]:
-        from sparserl.models import encode_prompt
-
-        key = (split, index)
-        if key not in self._prompt_cache:
-            self._prompt_cache[key] = encode_prompt(self.tokenizer, task[index].messages)
-        return self._prompt_cache[key]
-
-    def _rewards(self, task: Any, texts: list[str], examples: list[Any]) -> Tensor:
-        return task_rewards(task, texts, examples, self.state.counters)
-
-    def _usable_rows(self, task: Any, split: int, want: int | None = None) -> list[int]:
+    def _usable_rows(self, view: TaskView, want: int | None = None) -> list[int]:
         """`data.usable_rows` for this model and rollout length; its note is said when the run starts."""
         rows, note = usable_rows(
-            task,
-            lambda i: len(self._prompt_ids(task, i, split)),
+            view.task,
+            lambda i: len(view.prompt_ids(i)),
             self.engine.decoder.max_positions,
             self.cfg.rollout.max_new_tokens,
             self.cfg.task.on_long_prompt,
@@ -261,84 +246,71 @@ class Trainer:
     # ------------------------------------------------------------------------------------------- one step
 
     def rollout(self, step: int) -> tuple[Batch, dict[str, float]]:
-        """Steps 1-6: complete, scored groups from the rollout layer, advantages, dense old/reference
-        log-probs."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        self.state.engine_seed = derive_seed(cfg.trainer.seed, step, _ROLLOUT)
-        # the weights have had step - 1 updates: that is the version of every token sampled now
-        source = PromptSource(  # built per step: the layer keeps no reference back to the trainer
-            take=lambda k: [self.train_rows[i] for i in self.sampler.take(k)],
-            prompt_ids=lambda row: self._prompt_ids(self.task, row, 0),
-            example=lambda row: self.task[row],
-            score=lambda texts, examples: self._rewards(self.task, texts, examples).tolist(),
-            decode=lambda ids: self.tokenizer.batch_decode(ids, skip_special_tokens=True),
-        )
-        groups, stats, recorded = self.rollouts.collect(step - 1, self.state.engine_seed, source)
-        samples = [s for g in groups for s in g.samples]
+        """Steps 1-6: the source's plans, complete scored groups from the rollout layer (and back to the
+        source), advantages over group ids, dense old/reference log-probs."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        version = step - 1  # the weights have had step - 1 updates: the version of every token sampled now
+        self.state.engine_seed = step_seed(cfg.trainer.seed, version)
+        plans = self.source.plan(cfg.rollout.prompts_per_step, version)
+        got = self.rollouts.collect(version, self.state.engine_seed, plans)
+        self.source.observe(got.groups, got.leftover)
+        samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
-        completions = [list(s.tokens) for s in samples]
-        prompts = [self._prompt_ids(self.task, s.prompt_id, 0) for s in samples]
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        advantages = advantages_from_config(rewards, cfg.algo)
-        logp_sampler, mask = pad([s.sampler_logps for s in samples])
-        loss_mask = pad([s.loss_mask for s in samples])[0].bool()  # 0: a stale token (partial.mode=mask_old)
-        mask &= loss_mask
-        length = mask.shape[1]
-        metrics: dict[str, float] = {}
+        batch = self._batch(samples)
+        batch.held = [seg.held for seg in got.recorded] if self.rollouts.backend.recording.held else None
+        t2 = time.perf_counter()
+        with self.policy.autocast():
+            metrics = acceptance_step_metrics(cfg, self.policy.module, batch.prompts, got.recorded)
+        stats = {**got.metrics, **self.source.metrics()}
+        metrics.update(_sample_metrics(samples, batch.advantages))
+        metrics.update({"time/rollout": t1 - t0, "time/score": t2 - t1})
+        metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
+        metrics.update(
+            kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
+        )
+        return batch, metrics
 
+    def _batch(self, samples: list[SampleRecord]) -> Batch:
+        """The learner's batch: padded tokens and masks, advantages over group ids, and the dense pi_old and
+        reference log-probs where they are needed (pi_old taken from the learner's own pass when it can)."""
+        cfg = self.cfg
+        completions = [list(s.tokens) for s in samples]
+        prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        group_index = [s.group_id for s in samples]
+        advantages = advantages_from_config(rewards, group_index, cfg.algo, [s.text or "" for s in samples])
+        logp_sampler, mask = pad([s.sampler_logps for s in samples])
+        mask &= pad([s.loss_mask for s in samples])[0].bool()  # 0: a stale token (partial.mode=mask_old)
+        length = mask.shape[1]
         logp_old = logp_ref = None
         with torch.no_grad():
-            if (cfg.algo.needs_recompute or self.distill is not None) and not self.reuse_learner_logprobs:
+            if (
+                cfg.algo.needs_recompute or dense_logprobs_needed(self.addons)
+            ) and not self.reuses_learner_logprobs(len(samples)):
                 logp_old = self._score(self.policy.module, prompts, completions, length)
             if cfg.algo.kl_coef > 0:
                 with self.policy.reference() as ref:
                     logp_ref = self._score(ref, prompts, completions, length)
-        t2 = time.perf_counter()
-        with self.policy.autocast():
-            metrics.update(acceptance_step_metrics(cfg, self.policy.module, prompts, recorded))
+        return Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages)
 
-        lengths = torch.tensor([len(c) for c in completions], dtype=torch.float32)
-        truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
-        metrics.update(
-            {
-                "reward/mean": rewards.mean().item(),
-                "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-                "reward/max": rewards.max().item(),
-                "length/mean": lengths.mean().item(),
-                "length/max": lengths.max().item(),
-                "length/truncated_frac": truncated.mean().item(),
-                "adv/abs_mean": advantages.abs().mean().item(),
-                "time/rollout": t1 - t0,
-                "time/score": t2 - t1,
-            }
+    def reuses_learner_logprobs(self, batch_size: int) -> bool:
+        """pi_old taken from the learner's own first pass (trainer.reuse_learner_logprobs) where that is exact:
+        one update on this batch, and no add-on that needs the dense log-probs before the update."""
+        return (
+            self.cfg.trainer.reuse_learner_logprobs
+            and self.learner.single_update(batch_size)
+            and not dense_logprobs_needed(self.addons)
         )
-        metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
-        metrics.update(kv_saving_metrics(stats, prompts, completions, cfg.rollout.max_new_tokens, cfg.sparse))
-        held = [r.held for r in recorded] if self.rollouts.record_held else None
-        batch = Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages, held)
-        return batch, metrics
 
     def learn(self, step: int, batch: Batch) -> dict[str, float]:
-        """Steps 6-7: corrections and K passes of AdamW (trainer/update.py); skipped updates are counted."""
+        """Steps 6-7: corrections and K passes of AdamW (trainer/update.py), then each add-on learner; the
+        backend is handed the new weights. Skipped updates are counted."""
         out = self.learner.update(step, batch)
-        if self.distill is not None:
-            out.update(self._distill_step(step, batch))
+        for addon in self.addons:
+            out.update(addon.update(step, batch, self.scheduler.get_last_lr()[0]))
+        self.rollouts.backend.push_weights(step)
         skips = self.state.counters.get("train/nonfinite_skips", 0) + out["train/nonfinite_skipped_updates"]
         self.state.counters["train/nonfinite_skips"] = skips
-        return out
-
-    def _distill_step(self, step: int, batch: Batch) -> dict[str, float]:
-        """The adapter's update (trainer/distill.py), with alpha's tail on the fixed probe before and after."""
-        d, t0 = self.cfg.distill, time.perf_counter()
-        if d.probe_samples and "probe" not in self.state.distill:
-            self.state.distill["probe"] = probe_batch(batch, d.probe_samples)
-        probe = self.state.distill.get("probe") if step % d.probe_every == 0 else None
-        out = self.distill.probe_alpha(probe, "before") if probe else {}
-        out.update(self.distill.update(batch, self.scheduler.get_last_lr()[0]))
-        if probe:
-            out.update(self.distill.probe_alpha(probe, "after"))
-        out["time/distill"] = time.perf_counter() - t0
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -347,7 +319,7 @@ class Trainer:
         trainer.eval_sparse is on (metrics eval/dense/*, eval/sparse/*)."""
         if self.eval_task is None or self.cfg.trainer.eval_prompts == 0:
             return {}
-        prompt_ids = [self._prompt_ids(self.eval_task, i, 1) for i in self.eval_rows]
+        prompt_ids = [self.eval_view.prompt_ids(i) for i in self.eval_rows]
         modes = {"dense": self.dense_engine}
         if self.cfg.trainer.eval_sparse and self.cfg.sparse:
             modes["sparse"] = self.engine
@@ -358,7 +330,7 @@ class Trainer:
             r = self.cfg.rollout
             rollouts = engine.generate(
                 prompt_ids, n=1, max_new_tokens=r.max_new_tokens, temperature=self.cfg.trainer.eval_temperature,
-                top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None, seed=derive_seed(self.cfg.trainer.seed, _EVAL),
+                top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None, seed=derive_seed(self.cfg.trainer.seed, EVAL),
                 sample_keys=list(self.eval_rows),
             )  # fmt: skip
             samples = list(rollouts.samples)
@@ -366,7 +338,7 @@ class Trainer:
                 [list(s.completion_ids) for s in samples], skip_special_tokens=True
             )
             examples = [self.eval_task[self.eval_rows[s.prompt_index]] for s in samples]
-            rewards = self._rewards(self.eval_task, texts, examples)
+            rewards = self.eval_view.rewards(texts, examples)
             if mode == "dense":
                 self._eval_samples = list(zip(texts, examples, rewards.tolist(), strict=True))
             out[f"eval/{mode}/reward"] = rewards.mean().item()
@@ -387,12 +359,16 @@ class Trainer:
                     c[k] = c.get(k, 0.0) + float(v)
                 if hasattr(stats, "reset"):
                     stats.reset()
+        for view in (self.train_view, self.eval_view):
+            for k, v in (view.drain_counters() if view is not None else {}).items():
+                c[k] = c.get(k, 0.0) + float(v)
         return dict(c)
 
     def save(self) -> Path:
         """Write a checkpoint of the current step."""
-        self.state.data_position = self.sampler.position
         self.state.rollout = dataclasses.asdict(self.rollouts.state)
+        parts = {SOURCE_PART: Part(state=self.source.state_dict())}
+        parts.update({addon.name: addon.part() for addon in self.addons})
         return save_checkpoint(
             self.run_dir,
             self.state,
@@ -401,7 +377,7 @@ class Trainer:
             self.scheduler,
             keep_last=self.cfg.trainer.keep_last,
             weights_name=self.policy.weights_name,
-            parts={DISTILL_PART: self.distill.part()} if self.distill is not None else None,
+            parts=parts,
         )
 
     def train(self, until_step: int | None = None) -> dict[str, Any]:
@@ -469,3 +445,19 @@ class Trainer:
                 highlight=False,
                 markup=True,
             )
+
+
+def _sample_metrics(samples: list[SampleRecord], advantages: Tensor) -> dict[str, float]:
+    """Reward, length and advantage statistics of the step's samples."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.float32)
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "reward/max": rewards.max().item(),
+        "length/mean": lengths.mean().item(),
+        "length/max": lengths.max().item(),
+        "length/truncated_frac": truncated.mean().item(),
+        "adv/abs_mean": advantages.abs().mean().item(),
+    }

@@ -1,11 +1,12 @@
 """The learner's half of a step: corrections, then K passes of AdamW over shuffled mini-batches with gradient
 accumulation, clipping and the lr schedule. A mini-batch with a NaN/inf anywhere is skipped and counted;
-weights that turn non-finite stop the run before anything is saved."""
+weights that turn non-finite stop the run before anything is saved. `minibatch_updates` is the one
+mini-batch loop that the policy's learner and the add-on learners (DistillSparse) share."""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +23,8 @@ from sparserl.algo import (
 )
 from sparserl.config import TrainConfig
 from sparserl.errors import UserError
-from sparserl.trainer.data import derive_seed
+from sparserl.seeds import SHUFFLE, derive_seed
 
-SHUFFLE = 2  # seed purpose of the mini-batch order (see loop.py for the others)
 # Loss metrics that add up over micro-batches (then divide by the mini-batch's denominator); the others are
 # per-micro-batch statistics, averaged weighted by size.
 SUMMED = ("actor/loss", "actor/pg_loss", "actor/kl_ref", "actor/entropy")
@@ -45,8 +45,13 @@ class Batch:
     logp_sampler: Tensor  # [B, T]
     logp_old: Tensor | None  # [B, T] dense old policy (None: bypass mode, or taken from the learner's pass)
     logp_ref: Tensor | None  # [B, T] reference policy (None when kl_coef == 0)
-    advantages: Tensor  # [B]
+    advantages: Tensor  # [B] per sequence, or [B, T] per token
     held: list | None = None  # per sample, what an evicting sampler held (engine.held), for its replay
+
+    def advantages_of(self, rows: Tensor, length: int) -> Tensor:
+        """The advantages of `rows`, cut to `length` tokens when they are per token."""
+        adv = self.advantages[rows]
+        return adv[:, :length] if adv.dim() == 2 else adv
 
 
 def pad(rows: Sequence[Tensor | Sequence[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
@@ -82,8 +87,63 @@ def clipped_step(
     return float(norm)
 
 
+# (micro-batch rows, still finite) -> (summed loss, its metrics, its loss denominator), or None: not finite
+MicroStep = Callable[[Tensor, bool], "tuple[Tensor, dict[str, float], float] | None"]
+
+
+def minibatch_updates(
+    minibatches: Iterable[Tensor],
+    grad_accum: int,
+    optimizer: torch.optim.Optimizer,
+    micro_step: MicroStep,
+    step: Callable[[float, dict[str, float]], bool],
+    after_each: Callable[[], None] | None = None,
+) -> tuple[dict[str, float], int, int]:
+    """One optimizer step per mini-batch: gradients accumulated over its `grad_accum` micro-batches (each loss
+    a sum), then `step(denominator, sums)` divides them by the mini-batch's denominator, clips and steps
+    (False: skipped). A micro-batch that is not finite skips the whole mini-batch; `micro_step` is still
+    called for the rest (told so), as they may have work to do. Metrics in SUMMED add up and are divided by
+    the denominator; the others are averaged weighted by micro-batch size. Returns the metric sums over the
+    updates taken, and the counts of updates taken and skipped."""
+    sums: dict[str, float] = {}
+    taken = skipped = 0
+    for mb in minibatches:
+        optimizer.zero_grad(set_to_none=True)
+        finite, denominator, parts = True, 0.0, {}
+        for micro in torch.tensor_split(mb, grad_accum):
+            if len(micro) == 0:
+                continue
+            out = micro_step(micro, finite)
+            if out is None:
+                finite = False
+                continue
+            loss, metrics, micro_denominator = out
+            denominator += micro_denominator
+            loss.backward()
+            for k, v in metrics.items():
+                parts[k] = parts.get(k, 0.0) + (v if k in SUMMED else v * len(micro) / len(mb))
+        denominator = max(denominator, 1.0)
+        if finite and step(denominator, sums):
+            taken += 1
+            for k, v in parts.items():
+                sums[k] = sums.get(k, 0.0) + (v / denominator if k in SUMMED else v)
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        if after_each is not None:
+            after_each()
+    return sums, taken, skipped
+
+
+def optimizer_steps(batch_size: int, mini_batch_size: int, epochs: int) -> int:
+    """Optimizer steps one training step takes: K epochs x the batch's mini-batches (the last may be short)."""
+    mini = mini_batch_size or batch_size
+    return epochs * -(-batch_size // mini)
+
+
 class Learner:
-    """Owns the optimizer and the lr schedule of the policy's trainable parameters."""
+    """Owns the optimizer and the lr schedule of the policy's trainable parameters. Mini-batches and the lr
+    horizon come from the batch it receives (groups of any size, any number of them)."""
 
     def __init__(
         self,
@@ -109,24 +169,40 @@ class Learner:
         fused = all(p.device.type in ("cpu", "cuda") for p in params)
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=fused)
         name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.schedule]
-        total = max(1, cfg.trainer.steps * self.steps_per_rollout)
+        # transformers' shapes; the horizon is set per batch (`_schedule_at`), so 1 here is a placeholder
         self.scheduler = get_scheduler(
-            name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total
+            name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=1
         )
 
-    @property
-    def steps_per_rollout(self) -> int:
-        """Optimizer steps taken per training step: K epochs x mini-batches per rollout batch."""
-        mini = self.cfg.optim.mini_batch_size or self.cfg.rollout_batch
-        return self.cfg.optim.ppo_epochs * (self.cfg.rollout_batch // mini)
+    def optimizer_steps(self, batch_size: int) -> int:
+        """Optimizer steps taken on a batch of `batch_size` samples: K epochs x its mini-batches."""
+        return optimizer_steps(batch_size, self.cfg.optim.mini_batch_size, self.cfg.optim.ppo_epochs)
 
-    def single_update(self) -> bool:
+    def single_update(self, batch_size: int) -> bool:
         """True when pi_old can come from the learner's pass: one update per rollout batch, decoupled (or
         none) mode, and no dropout (train mode == eval mode), so the weights have not moved yet."""
         module = self.module
         dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in module.modules())
         dropout = dropout or bool(getattr(getattr(module, "config", None), "attention_dropout", 0.0))
-        return self.steps_per_rollout == 1 and self.cfg.algo.needs_recompute and not dropout
+        return self.optimizer_steps(batch_size) == 1 and self.cfg.algo.needs_recompute and not dropout
+
+    def _schedule_at(self, step: int, per_step: int) -> None:
+        """Put the lr schedule at training step `step`'s first update, its horizon trainer.steps x `per_step`
+        updates (this batch's count): a batch of another size moves along the same curve. transformers'
+        schedules fix the horizon when built, so it is set on their lr function here."""
+        shape = self.scheduler.lr_lambdas[0]  # functools.partial of transformers' schedule function
+        if "num_training_steps" in shape.keywords:
+            shape.keywords["num_training_steps"] = max(1, self.cfg.trainer.steps * per_step)
+        self.scheduler.last_epoch = (step - 1) * per_step - 1
+        self._advance_schedule()
+
+    def _advance_schedule(self) -> None:
+        with warnings.catch_warnings():  # the schedule advances even when an update was skipped
+            warnings.filterwarnings(
+                "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
+            )
+            warnings.filterwarnings("ignore", message="Seems like `optimizer.step", category=UserWarning)
+            self.scheduler.step()
 
     def update(self, step: int, batch: Batch) -> dict[str, float]:
         """K passes over shuffled mini-batches; returns the step's loss, optimizer and correction metrics.
@@ -138,12 +214,9 @@ class Learner:
         loss is a sum (denominator 1); the gradients are divided by the mini-batch's denominator before
         clipping, so rejection decided inside the pass still sets the denominator exactly.
         """
-        from sparserl.engine import completion_logprobs
-
         cfg, algo = self.cfg, self.cfg.algo
         self.module.train()
         B = len(batch.prompts)
-        mini = cfg.optim.mini_batch_size or B
         from_learner = batch.logp_old is None and algo.needs_recompute
         anchor = (
             batch.logp_sampler.clone()
@@ -153,77 +226,63 @@ class Learner:
         # what the step's correction metrics compare with the sampler: pi_old, or the learner at its first pass
         reference = anchor.clone()
         seen = torch.zeros(B, dtype=torch.bool)
-        sums: dict[str, float] = {}
-        skipped = 0
-        for epoch in range(cfg.optim.ppo_epochs):
-            gen = torch.Generator().manual_seed(derive_seed(cfg.trainer.seed, step, epoch, SHUFFLE))
-            order = torch.randperm(B, generator=gen)
-            for start in range(0, B, mini):
-                mb = order[start : start + mini]
-                self.optimizer.zero_grad(set_to_none=True)
-                finite, denominator, parts = True, 0.0, {}
-                for micro in torch.tensor_split(mb, cfg.optim.grad_accum):
-                    if len(micro) == 0:
-                        continue
-                    idx = micro.tolist()
-                    with self.autocast():
-                        out = completion_logprobs(
-                            self.module,
-                            [batch.prompts[i] for i in idx],
-                            [batch.completions[i] for i in idx],
-                            temperature=cfg.rollout.temperature,
-                            with_entropy=algo.entropy_coef > 0,
-                        )
-                    # the loss math runs on the batch's CPU tensors; autograd takes the gradient back to the
-                    # model's device
-                    logp, entropy = out[0].cpu(), (out[2].cpu() if len(out) > 2 else None)
-                    T = logp.shape[1]
-                    mask = batch.mask[micro, :T]
-                    if from_learner:
-                        anchor[micro, :T] = logp.detach()
-                    old = anchor[micro, :T]
-                    ref = correction_reference(old, logp, algo)
-                    first = ~seen[micro]
-                    reference[micro[first], :T] = ref[first]
-                    seen[micro] = True
-                    if not finite or _unusable(mask, logp.detach(), old, ref):
-                        finite = False  # keep going without backward: pi_old of later micro-batches is needed
-                        continue
-                    weights, keep, _ = correction_weights(
-                        ref, batch.logp_sampler[micro, :T], mask, algo, batch.advantages[micro]
-                    )
-                    denominator += loss_denominator(mask & keep, algo, mask)
-                    loss, m = policy_loss(
-                        logp,
-                        old,
-                        batch.advantages[micro],
-                        mask & keep,
-                        weights,
-                        algo,
-                        logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
-                        entropy=entropy,
-                        response_mask=mask,
-                        denominator=1.0,
-                    )
-                    if not torch.isfinite(loss):
-                        finite = False
-                        continue
-                    loss.backward()
-                    for k, v in m.items():
-                        parts[k] = parts.get(k, 0.0) + (v if k in SUMMED else v * len(idx) / len(mb))
-                if finite and self._step(max(denominator, 1.0), sums):
-                    for k, v in parts.items():
-                        sums[k] = sums.get(k, 0.0) + (v / max(denominator, 1.0) if k in SUMMED else v)
-                else:
-                    skipped += 1
-                self.optimizer.zero_grad(set_to_none=True)
-                with warnings.catch_warnings():  # the schedule advances even when an update was skipped
-                    warnings.filterwarnings(
-                        "ignore", message="Detected call of `lr_scheduler.step", category=UserWarning
-                    )
-                    self.scheduler.step()
+
+        def micro_step(micro: Tensor, finite: bool) -> tuple[Tensor, dict[str, float], float] | None:
+            logp, entropy = self._forward(batch, micro)
+            T = logp.shape[1]
+            mask = batch.mask[micro, :T]
+            if from_learner:
+                anchor[micro, :T] = logp.detach()
+            old = anchor[micro, :T]
+            ref = correction_reference(old, logp, algo)
+            first = ~seen[micro]
+            reference[micro[first], :T] = ref[first]
+            seen[micro] = True
+            if not finite or _unusable(mask, logp.detach(), old, ref):
+                return None  # no backward; pi_old of later micro-batches is still needed
+            adv = batch.advantages_of(micro, T)
+            weights, keep, _ = correction_weights(ref, batch.logp_sampler[micro, :T], mask, algo, adv)
+            denominator = loss_denominator(mask & keep, algo, mask)
+            loss, m = policy_loss(
+                logp, old, adv, mask & keep, weights, algo,
+                logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
+                entropy=entropy, response_mask=mask, denominator=1.0,
+            )  # fmt: skip
+            return (loss, m, denominator) if torch.isfinite(loss) else None
+
+        per_step = self.optimizer_steps(B)
+        self._schedule_at(step, per_step)
+        sums, taken, skipped = minibatch_updates(
+            self._minibatches(step, B), cfg.optim.grad_accum, self.optimizer, micro_step, self._step,
+            self._advance_schedule,
+        )  # fmt: skip
         self.module.eval()
-        return self._metrics(sums, skipped, reference, batch)
+        return self._metrics(sums, taken, skipped, reference, batch)
+
+    def _minibatches(self, step: int, size: int) -> Iterable[Tensor]:
+        """Each epoch, a seeded shuffle of the batch cut into optim.mini_batch_size rows (all when 0)."""
+        mini = self.cfg.optim.mini_batch_size or size
+        for epoch in range(self.cfg.optim.ppo_epochs):
+            gen = torch.Generator().manual_seed(derive_seed(self.cfg.trainer.seed, step, epoch, SHUFFLE))
+            order = torch.randperm(size, generator=gen)
+            for start in range(0, size, mini):
+                yield order[start : start + mini]
+
+    def _forward(self, batch: Batch, micro: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The learner's log-probs (and entropy when the loss has a bonus) of the micro-batch's rows, on CPU:
+        the loss math runs on the batch's CPU tensors; autograd takes the gradient back to the model's device."""
+        from sparserl.engine import completion_logprobs
+
+        idx = micro.tolist()
+        with self.autocast():
+            out = completion_logprobs(
+                self.module,
+                [batch.prompts[i] for i in idx],
+                [batch.completions[i] for i in idx],
+                temperature=self.cfg.rollout.temperature,
+                with_entropy=self.cfg.algo.entropy_coef > 0,
+            )
+        return out[0].cpu(), (out[2].cpu() if len(out) > 2 else None)
 
     def _step(self, denominator: float, sums: dict[str, float]) -> bool:
         """`clipped_step`, then: raises WeightsDiverged if the step made any weight non-finite."""
@@ -243,11 +302,10 @@ class Learner:
         return True
 
     def _metrics(
-        self, sums: dict[str, float], skipped: int, reference: Tensor, batch: Batch
+        self, sums: dict[str, float], taken: int, skipped: int, reference: Tensor, batch: Batch
     ) -> dict[str, Any]:
         """Averages over the updates taken, skip count, lr, and the whole batch's correction metrics (rows
         whose log-probs are NaN/inf are left out of the latter)."""
-        taken = self.steps_per_rollout - skipped
         out = {k: v / max(taken, 1) for k, v in sums.items()}
         out["train/nonfinite_skipped_updates"] = float(skipped)
         out["actor/lr"] = self.scheduler.get_last_lr()[0]

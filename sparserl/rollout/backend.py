@@ -1,0 +1,166 @@
+"""Rollout backends: what runs a list of requests and returns plain values. One small class per backend.
+
+`run(requests, sampling, version, seed, on_segment, stop)` decodes the requests with the weights of policy
+`version` and calls `on_segment(Segment)` as each sample finishes (and, after `stop()` says so, once for each
+sample left unfinished): its new tokens, their sampler log-probs, its finish reason, the version that drew
+them and what was asked to be recorded. No engine object leaves the backend, so a remote worker can stand
+behind the same interface. `push_weights(version, state)` hands the backend the weights of a new version; a
+backend asked to run at a version it does not hold refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from sparserl.config.errors import ConfigError
+from sparserl.config.rollout import RolloutConfig
+from sparserl.engine.decoding import DecodeRun, Request, Sampling
+from sparserl.engine.held import HeldRecord, HeldRecorder
+from sparserl.engine.rollout import run_stats
+from sparserl.engine.sampling import DistributionRecorder
+from sparserl.rollout.scheduler import Scheduler
+
+
+@dataclass
+class Segment:
+    """One sample's share of a backend run: `tokens` drawn in it (a resumed sample's prefix excluded), their
+    sampler `logps`, `finish` ('stop', 'eos', 'length'; None when stopped unfinished), the policy `version`
+    that drew them, and, when asked for, the `distributions` they were drawn from (alpha) and the positions an
+    evicting cache `held` (DistillSparse's replay)."""
+
+    index: int  # position of the sample's request in the run's list
+    tokens: list[int]
+    logps: list[float]
+    finish: str | None
+    version: int
+    distributions: Any = None
+    held: HeldRecord | None = None
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """The tokens under the name alpha's measurement reads (engine.acceptance.rollout_acceptance)."""
+        return self.tokens
+
+
+@dataclass
+class Recording:
+    """What the samples' segments carry besides tokens: the sampler's top-k / full log-probs per token (alpha)
+    and the positions an evicting cache held (a teacher-forced replay)."""
+
+    top_logprobs: int = 0
+    full_logprobs: bool = False
+    held: bool = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.top_logprobs or self.full_logprobs or self.held)
+
+
+class StaleWeights(RuntimeError):
+    """A backend was asked to sample with a policy version it does not hold."""
+
+
+class RolloutBackend:
+    """Base class of the registry. Subclasses implement `run`; `push_weights` records the version held."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self.version = 0
+
+    def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
+        """Hold the weights of policy `version` (`state`: the tensors that changed; None when shared)."""
+        self.version = version
+
+    def check_version(self, version: int) -> None:
+        if version != self.version:
+            raise StaleWeights(
+                f"rollout backend {self.name!r} holds the weights of policy version {self.version} but was asked "
+                f"to sample at version {version}: push_weights({version}, ...) first"
+            )
+
+    def run(
+        self,
+        requests: list[Request],
+        sampling: Sampling,
+        version: int,
+        seed: int,
+        on_segment: Callable[[Segment], None],
+        stop: Callable[[], bool] | None = None,
+    ) -> dict[str, float]:
+        """Decode `requests`; returns the run's metrics (throughput, KV memory, scheduling)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release workers or threads."""
+
+
+BACKENDS: dict[str, type[RolloutBackend]] = {}
+
+
+def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[RolloutBackend]]:
+    """Class decorator: make a RolloutBackend available as `rollout.backend=name`."""
+
+    def add(cls: type[RolloutBackend]) -> type[RolloutBackend]:
+        BACKENDS[name] = cls
+        cls.name = name
+        return cls
+
+    return add
+
+
+@register_backend("local")
+class LocalBackend(RolloutBackend):
+    """This process's engine under the scheduler (continuous batching under `rollout.kv_memory_cap`). It samples
+    from the live modules, so `push_weights` has nothing to copy: the trained weights are read afresh at
+    every run."""
+
+    def __init__(self, engine, cfg: RolloutConfig, recording: Recording | None = None) -> None:
+        super().__init__()
+        self.engine, self.recording = engine, recording or Recording()
+        self.scheduler = Scheduler(engine, cfg.kv_memory_cap_bytes, cfg.batching)
+
+    def run(
+        self,
+        requests: list[Request],
+        sampling: Sampling,
+        version: int,
+        seed: int,
+        on_segment: Callable[[Segment], None],
+        stop: Callable[[], bool] | None = None,
+    ) -> dict[str, float]:
+        self.check_version(version)
+        if not requests:
+            return {}
+        rec = self.recording
+        recorder = DistributionRecorder.maybe(
+            len(requests), max(r.max_new_tokens for r in requests), rec.top_logprobs, rec.full_logprobs,
+            self.engine.decoder.device,
+        )  # fmt: skip
+        held = HeldRecorder() if rec.held else None
+
+        def segment(run: DecodeRun, i: int) -> Segment:
+            tokens, logps = run.completion(i)
+            seg = Segment(i, tokens, logps.tolist(), run.finish[i], version)
+            if recorder is not None:
+                seg.distributions = recorder.take(i, len(tokens))
+            if held is not None:
+                seg.held = held.records.get(i)
+            return seg
+
+        with self.engine.step_hook(held):
+            run, unfinished, sched = self.scheduler.run(
+                requests, sampling, lambda run, i: on_segment(segment(run, i)), stop, recorder, seed
+            )
+        for i in unfinished:  # stopped early (APRIL): what they drew so far, unfinished
+            on_segment(segment(run, i))
+        return {**run_stats(run), **sched.as_metrics()}
+
+
+def make_backend(name: str, engine, cfg: RolloutConfig, recording: Recording | None = None) -> RolloutBackend:
+    """The registered backend `name` over `engine`."""
+    if name not in BACKENDS:
+        raise ConfigError(f"rollout.backend={name!r} is unknown; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[name](engine, cfg, recording)

@@ -1,0 +1,187 @@
+"""Group sources: which groups a step runs. One small class per method behind one short interface.
+
+`plan(k, version)` -> `GroupPlan`s (a task row, one stream key per sample, optionally given prefixes);
+`observe(groups, leftover)` gets the step's groups back (the trained ones finished and scored, the rest
+unfinished or unused), so a source can learn from rewards; `state_dict()` / `load_state_dict()` make it part
+of the checkpoint. Built-in: `fresh` (rows from a seeded permutation per epoch); every source sits behind the
+leftover buffer, which runs the groups a step did not train on first at the next (APRIL's partial rollouts). Register your own with
+`@register_group_source("name")` and select it with `rollout.source=name`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from sparserl.config.errors import ConfigError
+from sparserl.config.rollout import PartialConfig
+from sparserl.rollout.records import GroupRecord
+from sparserl.seeds import ROLLOUT, PromptSampler, derive_seed
+
+# A row drawn twice in one step: occurrence o > 0 of the row shifts its keys by o << OCCURRENCE_SHIFT, so every
+# planned group of a step has its own streams while occurrence 0 keeps the key `row * n + j`.
+OCCURRENCE_SHIFT = 40
+
+
+@dataclass
+class GroupPlan:
+    """One group to run: task row `row`, samples drawing from (`seed`, `keys[j]`); `prefixes[j]`, when given,
+    are completion tokens sample j starts from; `max_new_tokens[j]` caps sample j (for good) instead of
+    `rollout.max_new_tokens`; `resume` continues a group already partly drawn (APRIL's leftovers)."""
+
+    row: int
+    seed: int
+    keys: list[int]
+    prefixes: list[list[int]] | None = None
+    max_new_tokens: list[int] | None = None
+    resume: GroupRecord | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.keys)
+
+
+@dataclass
+class SourceContext:
+    """What a source may read: the usable task rows, samples per prompt, the run's seed and config."""
+
+    rows: list[int]
+    n: int
+    seed: int
+    cfg: Any = None  # the TrainConfig (None in unit tests of the layer)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class GroupSource:
+    """Base class: `choose(k, version)` picks k task rows; `plan` turns them into groups of `ctx.n` samples
+    with unique streams. Override `plan` for variable group sizes or prefixes, `observe` to learn from
+    rewards, `state_dict`/`load_state_dict` for state that must survive a resume."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, ctx: SourceContext) -> None:
+        self.ctx = ctx
+
+    def choose(self, k: int, version: int) -> list[int]:
+        raise NotImplementedError(f"group source {type(self).__name__} defines neither choose nor plan")
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        """k groups of `ctx.n` samples at this step's seed; every group its own streams (see OCCURRENCE_SHIFT):
+        a sample's tokens depend on (seed, row, occurrence, j) and the weights, not on its batch mates."""
+        seed, n, seen = step_seed(self.ctx.seed, version), self.ctx.n, Counter()
+        plans = []
+        for row in self.choose(k, version):
+            occurrence, seen[row] = seen[row], seen[row] + 1
+            plans.append(
+                GroupPlan(row, seed, [(occurrence << OCCURRENCE_SHIFT) + row * n + j for j in range(n)])
+            )
+        return plans
+
+    def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
+        """The step's trained groups (finished and scored) and the ones it did not train on."""
+
+    def metrics(self) -> dict[str, float]:
+        """Logged under rollout/ each step."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of `state_dict`."""
+
+
+def step_seed(run_seed: int, version: int) -> int:
+    """The seed new groups draw at when the policy has had `version` updates (training step version + 1)."""
+    return derive_seed(run_seed, version + 1, ROLLOUT)
+
+
+GROUP_SOURCES: dict[str, type[GroupSource]] = {}
+
+
+def register_group_source(name: str) -> Callable[[type[GroupSource]], type[GroupSource]]:
+    """Class decorator: make a GroupSource available as `rollout.source=name`."""
+
+    def add(cls: type[GroupSource]) -> type[GroupSource]:
+        GROUP_SOURCES[name] = cls
+        cls.name = name
+        return cls
+
+    return add
+
+
+@register_group_source("fresh")
+class FreshPrompts(GroupSource):
+    """Rows in the order of a fresh seeded permutation per epoch (`PromptSampler`): the data position is one
+    integer and a resume replays the same prompts."""
+
+    def __init__(self, ctx: SourceContext) -> None:
+        super().__init__(ctx)
+        self.sampler = PromptSampler(len(ctx.rows), ctx.seed)
+
+    def choose(self, k: int, version: int) -> list[int]:
+        return [self.ctx.rows[i] for i in self.sampler.take(k)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.sampler.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.position = int(state["position"])
+
+
+class LeftoverBuffer(GroupSource):
+    """Around every source: groups a step started but did not train on (unfinished when APRIL stopped the step,
+    or complete beyond its target) come back through `observe` and run first at the next step, oldest first;
+    those older than `partial.max_staleness` are dropped. With partial rollouts on it over-provisions the step
+    (`partial.over_provision` x k groups, APRIL); the rest come from `inner`."""
+
+    def __init__(self, inner: GroupSource, partial: PartialConfig) -> None:
+        super().__init__(inner.ctx)
+        self.inner, self.partial = inner, partial
+        self.leftover: list[dict[str, Any]] = []  # GroupRecord.to_dict(), JSON for the checkpoint
+        self.dropped_groups = 0
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        want = math.ceil(k * self.partial.over_provision) if self.partial.enable else k
+        plans = []
+        for g in (GroupRecord.from_dict(d) for d in self.leftover):
+            oldest = min((s.start_version for s in g.samples if s.tokens), default=version)
+            if version - oldest > self.partial.max_staleness:
+                self.dropped_groups += 1
+            else:
+                s0 = g.samples[0]
+                plans.append(GroupPlan(g.prompt_id, s0.seed, [s.key for s in g.samples], resume=g))
+        self.leftover = []
+        return plans + self.inner.plan(max(0, want - len(plans)), version)
+
+    def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
+        self.leftover = [g.to_dict() for g in leftover]
+        self.inner.observe(groups, leftover)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "partial_buffer_groups": float(len(self.leftover)),
+            "partial_dropped_groups": float(self.dropped_groups),
+            **self.inner.metrics(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "leftover": self.leftover,
+            "dropped_groups": self.dropped_groups,
+            "inner": self.inner.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.leftover, self.dropped_groups = list(state["leftover"]), int(state["dropped_groups"])
+        self.inner.load_state_dict(state["inner"])
+
+
+def make_group_source(name: str, ctx: SourceContext, partial: PartialConfig) -> LeftoverBuffer:
+    """The registered source `name` behind the leftover buffer (APRIL's, when partial rollouts are on)."""
+    if name not in GROUP_SOURCES:
+        raise ConfigError(f"rollout.source={name!r} is unknown; choose one of {', '.join(GROUP_SOURCES)}")
+    return LeftoverBuffer(GROUP_SOURCES[name](ctx), partial)

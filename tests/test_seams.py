@@ -1,0 +1,116 @@
+"""The seams the next systems plug into: group sources (unique streams, state in the checkpoint, user
+registration), advantages over group ids, transforms, backends; the README's examples run here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparserl.algo import advantages, grpo_advantages
+from sparserl.rollout import FreshPrompts, SourceContext
+from tests.test_trainer import make_trainer, rows, tiny_cfg, weights
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_rows=st.integers(1, 5), k=st.integers(1, 12), n=st.integers(1, 6), version=st.integers(0, 9))
+def test_no_two_samples_of_a_step_share_a_stream(num_rows, k, n, version):
+    """Fewer rows than groups per step: a row drawn twice gets its own streams each time."""
+    source = FreshPrompts(SourceContext(rows=list(range(num_rows)), n=n, seed=3))
+    for _ in range(2):
+        plans = source.plan(k, version)
+        streams = [(p.seed, key) for p in plans for key in p.keys]
+        assert len(streams) == len(set(streams)) == k * n
+        assert all(
+            p.keys == [p.row * n + j for j in range(n)]
+            for p in plans
+            if plans.index(p) == min(i for i, q in enumerate(plans) if q.row == p.row)
+        )  # a row's first group keeps the key row * n + j
+
+
+def test_a_row_drawn_twice_in_a_step_samples_different_tokens(tmp_path):
+    trainer = make_trainer(tiny_cfg(tmp_path, "rollout.max_new_tokens=8"))
+    trainer.source.inner.choose = lambda k, version: [5] * k
+    batch, _ = trainer.rollout(1)
+    assert batch.completions[:4] != batch.completions[4:8]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    groups=st.integers(1, 5),
+    size=st.integers(2, 6),
+    estimator=st.sampled_from(["grpo", "drgrpo", "rloo"]),
+    data=st.data(),
+)
+def test_group_ids_give_the_fixed_reshape_where_sizes_are_equal(groups, size, estimator, data):
+    r = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=groups * size,
+                                        max_size=groups * size)))  # fmt: skip
+    fixed = grpo_advantages(r, size, estimator)
+    perm = torch.randperm(len(r), generator=torch.Generator().manual_seed(groups))
+    index = torch.arange(len(r)) // size
+    shuffled = advantages(r[perm], index[perm], estimator)
+    assert torch.equal(shuffled, fixed[perm])  # any order of the samples
+
+
+def test_groups_of_different_sizes():
+    r = torch.tensor([1.0, 0.0, 3.0, 1.0, 1.0, 2.0])
+    adv = advantages(r, [0, 0, 1, 1, 1, 2], "drgrpo")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 3 - 5 / 3, 1 - 5 / 3, 1 - 5 / 3, 0.0]))
+
+
+def test_the_lr_schedule_follows_the_batch_it_gets(tmp_path):
+    """A batch of another size moves along the same lr curve: the horizon is trainer.steps x its updates."""
+    trainer = make_trainer(tiny_cfg(tmp_path, "optim.schedule=linear", "trainer.steps=4"))
+    learner = trainer.learner
+    for size, step in ((8, 2), (16, 3)):
+        per_step = learner.optimizer_steps(size)
+        learner._schedule_at(step, per_step)
+        assert abs(learner.scheduler.get_last_lr()[0] - 1e-3 * (1 - (step - 1) / 4)) < 1e-12
+
+
+def _readme_block(marker: str) -> str:
+    """The README's python block that contains `marker`."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if marker in b]
+    return block
+
+
+def test_readme_group_source_runs_and_resumes_exactly(tmp_path):
+    scope: dict = {}
+    exec(_readme_block("register_group_source"), scope)  # registers "easy_first"
+    extra = ["rollout.source=easy_first", "trainer.save_every=1"]
+    straight = make_trainer(tiny_cfg(tmp_path, *extra, name="straight"))
+    straight.train()
+    killed = make_trainer(tiny_cfg(tmp_path, *extra, name="killed"))
+    killed.train(until_step=2)
+    killed.close()
+    resumed = make_trainer(
+        tiny_cfg(tmp_path, *extra, name="killed"), run_dir=tmp_path / "killed", resume=True
+    )
+    assert resumed.source.state_dict() == killed.source.state_dict()
+    resumed.train()
+    assert straight.source.state_dict() == resumed.source.state_dict()
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.source.inner.seen_rewards, "observe() received the scored groups"
+
+
+def test_readme_advantage_transform_runs(tmp_path):
+    scope: dict = {}
+    exec(_readme_block("register_adv_transform"), scope)  # registers "length_penalty"
+    trainer = make_trainer(tiny_cfg(tmp_path, "algo.adv_transforms=[length_penalty]", "trainer.steps=1"))
+    trainer.train()
+    assert [r for r in rows(tmp_path / "run") if "adv/abs_mean" in r]
+
+
+def test_readme_backend_runs(tmp_path):
+    scope: dict = {}
+    exec(_readme_block("register_backend"), scope)  # registers "counting"
+    trainer = make_trainer(tiny_cfg(tmp_path, "rollout.backend=counting", "trainer.steps=2"))
+    trainer.train()
+    assert trainer.rollouts.backend.runs == 2
