@@ -1,11 +1,14 @@
-"""`sparserl train`: the config, the run, one-line errors and an honest Ctrl-C message."""
+"""`sparserl train`: the config, the run, one-line errors, an honest Ctrl-C message, and a SIGTERM that finishes
+the step, saves a checkpoint and exits 143 (sparserl.signals)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from sparserl.cli.common import arg, command
+from sparserl.signals import StopOnSignal, Terminated, stop_between_steps
 
 # ---------------------------------------------------------------------------------------------- train
 
@@ -79,21 +82,51 @@ def train(args: argparse.Namespace) -> int:
     from sparserl.trainer.logging import render_summary
 
     console = Console(stderr=True)
-    trainer = Trainer(cfg, run_dir, resume=args.resume is not None, console=console)
-    console.print(
-        f"[bold]sparserl train[/bold] -> {trainer.run_dir}  (model {cfg.model.spec}, task {cfg.task.name}, "
-        f"algo {cfg.algo.preset}, rollouts {'sparse ' + cfg.kv.method if cfg.sparse else 'dense'}, "
-        f"{cfg.trainer.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n})",
-        highlight=False,
-        soft_wrap=True,
-    )
-    try:
-        summary = trainer.train()
-    except KeyboardInterrupt:
-        console.print(interrupted_hint(trainer.run_dir), highlight=False, soft_wrap=True)
-        raise
+    with StopOnSignal(notify=lambda m: console.print(m, highlight=False, soft_wrap=True)) as stop:
+        try:
+            trainer = Trainer(cfg, run_dir, resume=args.resume is not None, console=console)
+        except Terminated as e:
+            hint = interrupted_hint(run_dir) if run_dir else "run the same command to start again"
+            console.print(f"stopped by {e.name} before training started; {hint}", soft_wrap=True)
+            return e.exit_code
+        console.print(
+            f"[bold]sparserl train[/bold] -> {trainer.run_dir}  (model {cfg.model.spec}, task {cfg.task.name}, "
+            f"algo {cfg.algo.preset}, rollouts {'sparse ' + cfg.kv.method if cfg.sparse else 'dense'}, "
+            f"{cfg.trainer.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n})",
+            highlight=False,
+            soft_wrap=True,
+        )
+        stop_between_steps(trainer, stop)
+        try:
+            summary = trainer.train()
+        except Terminated as e:
+            console.print(terminated_hint(trainer, stop, e), highlight=False, soft_wrap=True)
+            return e.exit_code
+        except KeyboardInterrupt:
+            console.print(interrupted_hint(trainer.run_dir), highlight=False, soft_wrap=True)
+            raise
+    if stop.requested is not None:
+        console.print("SIGTERM came after the last step: the run is complete", highlight=False)
     render_summary(summary, console)
     return 0
+
+
+def terminated_hint(trainer: Any, stop: StopOnSignal, e: Terminated) -> str:
+    """After a SIGTERM: between steps, save the step just finished (unless its checkpoint exists) and say how
+    to resume; mid-step (a second signal), say which checkpoint the resume starts from."""
+    from sparserl.trainer import latest_checkpoint
+
+    step = trainer.state.step
+    if e.at_safe_point and step > 0:
+        latest = latest_checkpoint(trainer.run_dir)
+        if latest is None or int(latest.name.rpartition("-")[2]) < step:
+            stop.shielded = True  # a further SIGTERM must not cut the save short
+            trainer.save()
+        trainer.close()
+        return (
+            f"stopped by {e.name} after step {step}; " + interrupted_hint(trainer.run_dir).partition("; ")[2]
+        )
+    return f"stopped by {e.name} mid-step; " + interrupted_hint(trainer.run_dir)
 
 
 def interrupted_hint(run_dir: str | os.PathLike[str]) -> str:

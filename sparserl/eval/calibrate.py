@@ -27,6 +27,7 @@ from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
 from sparserl.eval.calibration_plot import plot_heatmap
 from sparserl.eval.evaluate import write_json
+from sparserl.signals import stoppable
 
 DEFAULT_BIN_WIDTH = (
     512  # SmolLM2 has 8192 positions and CPU runs reach a few thousand: Sparrow's 2000 is too wide
@@ -383,6 +384,7 @@ def _settings_from_flags(args: argparse.Namespace) -> tuple[CalibrationSettings,
         raise ConfigError(str(e)) from None
 
 
+@stoppable("sparserl calibrate", "its outputs were not written (or not all); run the same command again")
 def calibrate_command(args: argparse.Namespace) -> int:
     """`sparserl calibrate`: check the flags, load the model and prompts, calibrate (or, with --schedule,
     check a schedule on these prompts), write the outputs under --out and print the schedule and warnings."""
