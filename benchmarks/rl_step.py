@@ -356,8 +356,8 @@ def prompt_indices(args: argparse.Namespace) -> tuple[list[int], Any]:
     """The task rows sparserl's trainer draws at steps 1..N (its PromptSampler, 1 prompt per step; generated
     tasks keep every row), and the resolved sparserl config."""
     from sparserl.config import load_config
-    from sparserl.tasks import make_task
     from sparserl.seeds import PromptSampler
+    from sparserl.tasks import make_task
 
     cfg = load_config(None, sparserl_overrides(args))
     sampler = PromptSampler(len(make_task(cfg.task, "train")), cfg.trainer.seed)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from sparserl.config import load_config
+from sparserl.seeds import PromptSampler
 from sparserl.tasks import Example, Task
 from sparserl.trainer import Trainer, latest_checkpoint, list_checkpoints, save_checkpoint
 from sparserl.trainer.checkpoint import TrainerState, load_checkpoint
-from sparserl.seeds import PromptSampler
 
 
 class ParityTask(Task):
