@@ -14,7 +14,6 @@ import functools
 import signal
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
@@ -90,25 +89,12 @@ class StopOnSignal:
             raise Terminated(self.requested, at_safe_point=True)
 
 
-def stop_between_steps(trainer: Any, stop: StopOnSignal) -> bool:
-    """Make `trainer` honour `stop` between training steps: a SIGTERM during a step lets it finish, and the
-    next step's start raises `Terminated(at_safe_point=True)`. Uses the Trainer's `stop_check` hook when it
-    has one (a callable attribute the loop calls before each step), else wraps its `rollout(step)`, the first
-    thing of each step. False when neither exists (a SIGTERM then stops at once)."""
-    if hasattr(trainer, "stop_check"):
-        trainer.stop_check = stop.check
-    elif callable(getattr(type(trainer), "rollout", None)):
-        rollout, ref = type(trainer).rollout, weakref.ref(trainer)  # no cycle: the trainer is freed as before
-
-        def checked_rollout(*args: Any, **kwargs: Any) -> Any:
-            stop.check()
-            return rollout(ref(), *args, **kwargs)
-
-        trainer.rollout = checked_rollout
-    else:
-        return False
+def stop_between_steps(trainer: Any, stop: StopOnSignal) -> None:
+    """Make `trainer` honour `stop` between training steps through its `stop_check` hook (called before each
+    step): a SIGTERM during a step lets it finish, and the next step's start raises
+    `Terminated(at_safe_point=True)`."""
+    trainer.stop_check = stop.check
     stop.deferring = True
-    return True
 
 
 def stoppable(command: str, lost: str) -> Callable[[F], F]:

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ class Trainer:
         self.cfg = cfg
         self.console = console
         self.notes: list[str] = []  # said once the run starts (e.g. a damaged checkpoint skipped)
+        self.stop_check: Callable[[], None] | None = None  # called before each step (SIGTERM: stop there)
         self.run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
         created = not self.run_dir.exists() or (run_dir is None and not any(self.run_dir.iterdir()))
         if resume and not self.run_dir.is_dir():
@@ -402,6 +404,8 @@ class Trainer:
                 sinks.log(0, before)
                 self._print_samples(progress, "before training")
             while self.state.step < stop:
+                if self.stop_check is not None:
+                    self.stop_check()
                 step = self.state.step + 1
                 t0, cpu0 = time.perf_counter(), time.process_time()
                 batch, metrics = self.rollout(step)
