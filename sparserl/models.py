@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -131,7 +132,7 @@ def _from_pretrained(
     transformers only logs them and initialises the missing layers at random, which would then be trained."""
     from transformers.utils import logging as hf_logging
 
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = _tokenizer_from_pretrained(source, spec, **kwargs)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report of misfits would repeat the error raised below
     try:
@@ -151,6 +152,47 @@ def _from_pretrained(
             "incomplete or from another model"
         )
     return model, tokenizer
+
+
+# Files a fast tokenizer is built from (any one set): its own JSON, a SentencePiece model, BPE or WordPiece vocab.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
+def _tokenizer_from_pretrained(source: str | Path, spec: str, **kwargs: Any) -> PreTrainedTokenizerBase:
+    """AutoTokenizer of `source`; a local folder with no config.json or no tokenizer files, or an unreadable
+    tokenizer.json, is a ModelLoadError naming the folder and the file (transformers would talk about
+    converters of slow tokenizers instead)."""
+    folder = Path(source) if isinstance(source, Path) else None
+    if folder is not None and folder.is_dir() and not (folder / "config.json").is_file():
+        raise ModelLoadError(
+            f"model folder {spec} has no config.json"
+            + (" (it is empty)" if not any(folder.iterdir()) else "")
+            + ": give a folder written by save_pretrained (config, weights and tokenizer files)"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except Exception:
+        if folder is None or not folder.is_dir():
+            raise
+        broken = folder / "tokenizer.json"
+        if broken.is_file():
+            try:
+                json.loads(broken.read_bytes())
+            except ValueError as err:
+                raise ModelLoadError(f"{broken}: not a valid tokenizer file ({err})") from None
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelLoadError(
+                f"model folder {spec} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}): copy the "
+                "tokenizer of the model it was trained from into it (tokenizer.save_pretrained)"
+            ) from None
+        raise
 
 
 def _listed(names: list[str]) -> str:

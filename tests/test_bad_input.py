@@ -94,6 +94,16 @@ def edit(name: str, old: str, new: str) -> Setup:
     return setup
 
 
+def remove(folder: str, *names: str) -> Setup:
+    """A setup deleting `names` from the folder tmp/`folder`."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name in names:
+            (tmp / folder / name).unlink()
+
+    return setup
+
+
 def chain(*setups: Setup) -> Setup:
     """A setup running `setups` in order."""
 
@@ -229,6 +239,26 @@ CASES = [
     case("train-run-dir-in-use", TRAIN, EXIT_FAILURE, r"runs/r is in use by another sparserl run", locked("runs/r")),
     case("train-model-missing-a-layer", [*TRAIN, "model.spec={tmp}/m"], EXIT_FAILURE, r"missing .*layers\.1\.", model_missing_a_layer("m")),
     case("train-long-prompt-error", [*TRAIN, "task.name={tmp}/long.jsonl", "task.on_long_prompt=error"], EXIT_FAILURE, r"long\.jsonl:1.*task\.on_long_prompt", write_jsonl("long.jsonl", [{"question": "1 + " * 5000 + "1?", "answer": "5001"}])),
+    case("train-kv-memory-cap-below-one-sequence", [*TRAIN, "rollout.kv_memory_cap=1KB"], EXIT_USAGE, r"rollout\.kv_memory_cap=1KB .*below one sequence"),
+    case("train-kv-budget-beyond-int64", [*TRAIN, "kv.budget=1e30"], EXIT_USAGE, r"kv\.budget='1e30' is out of range"),
+    case("train-kv-schedule-budget-huge", [*TRAIN, "kv.schedule=[[0, 100000000000000000000000]]"], EXIT_USAGE, r"kv\.schedule.*bin 0.*at most"),
+    case("calibrate-schedule-budget-huge", ["calibrate", "--model", "tiny-llama", "--schedule", "[[0, 100000000000000000000000]]"], EXIT_USAGE, r"--schedule.*bin 0.*at most"),
+    case("cost-schedule-budget-huge", ["cost", "--model", "tiny-llama", "--output-len", "64", "--schedule", "[[0, 100000000000000000000000]]"], EXIT_FAILURE, r"kv\.schedule.*bin 0.*at most"),
+    case("eval-threads-negative", [*EVAL, "--data", "arithmetic", "--threads", "-1"], EXIT_USAGE, r"--threads: -1 must be >= 0"),
+    case("rollout-threads-negative", [*ROLLOUT, "--threads", "-1"], EXIT_USAGE, r"--threads: -1 must be >= 0"),
+    case("calibrate-threads-negative", ["calibrate", "--model", "tiny-llama", "--budgets", "64", "--threads", "-1"], EXIT_USAGE, r"--threads: -1 must be >= 0"),
+    case("cost-output-len-past-context", ["cost", "--model", "tiny-llama", "--output-len", "100000000"], EXIT_FAILURE, r"--output-len 100000000 .*beyond the model's context of 4,096"),
+    case("train-seed-negative", [*TRAIN, "trainer.seed=-1"], EXIT_USAGE, r"trainer\.seed=-1 must be >= 0"),
+    case("train-data-corrupt-parquet", [*TRAIN, "task.data={tmp}/bad.parquet"], EXIT_FAILURE, r"bad\.parquet: not a readable Parquet file", write("bad.parquet", b"PAR1 not really parquet")),
+    case("eval-model-folder-empty", [*EVAL, "--data", "arithmetic", "--model", "{tmp}/m"], EXIT_FAILURE, r"model folder .*/m has no config\.json", write("m/.keep", "")),
+    case("eval-model-no-tokenizer", [*EVAL, "--data", "arithmetic", "--model", "{tmp}/m"], EXIT_FAILURE, r"model folder .*/m has no tokenizer files", chain(model_missing_a_layer("m"), remove("m", "tokenizer.json", "tokenizer_config.json"))),
+    case("eval-model-corrupt-tokenizer-json", [*EVAL, "--data", "arithmetic", "--model", "{tmp}/m"], EXIT_FAILURE, r"m/tokenizer\.json: not a valid tokenizer file", chain(model_missing_a_layer("m"), write("m/tokenizer.json", "{bad"))),
+    case("eval-data-json-error-no-at-at", [*EVAL, "--data", "{tmp}/bad.jsonl"], EXIT_FAILURE, r"bad\.jsonl:1: not valid JSON \(Unterminated string starting at column \d+\)", write("bad.jsonl", '{"question": "1+1?\n')),
+    case("calibrate-budgets-empty", ["calibrate", "--model", "tiny-llama", "--budgets="], EXIT_USAGE, r"--budgets='' is empty; give --budgets"),
+    case("kv-schedule-not-utf8", [*TRAIN, "kv.schedule={tmp}/s.yaml"], EXIT_USAGE, r"kv\.schedule: .*s\.yaml is not UTF-8", write("s.yaml", b"[[0, 64]] # \xe9\n")),
+    case("kv-schedule-directory", [*TRAIN, "kv.schedule={tmp}/sched.json"], EXIT_USAGE, r"kv\.schedule: .*sched\.json is a directory", write("sched.json/x", "")),
+    case("cost-intensity-inf", ["cost", "--model", "tiny-llama", "--output-len", "64", "--intensity", "inf"], EXIT_FAILURE, r"--intensity 'inf' must be a finite positive number"),
+    case("train-max-new-tokens-past-context", [*TRAIN, "rollout.max_new_tokens=100000"], EXIT_USAGE, r"rollout\.max_new_tokens=100000 leaves no room for a prompt in the model's context of 4096"),
     # --- add new cases above this line ---
 ]  # fmt: skip
 

@@ -24,6 +24,22 @@ def arg(*flags: str, **kwargs: Any) -> Arg:
     return Arg(flags, kwargs)
 
 
+MAX_THREADS = 4096  # torch takes a C int; no machine has more cores
+
+
+def threads(text: str) -> int:
+    """argparse type of --threads: torch CPU threads, 0 for torch's default."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of threads") from None
+    if not 0 <= value <= MAX_THREADS:
+        raise argparse.ArgumentTypeError(
+            f"{value} must be >= 0 (0 leaves torch's default) and <= {MAX_THREADS}"
+        )
+    return value
+
+
 # Argument groups that several subcommands share (eval, calibrate): which rows, and how the model is loaded.
 ROW_FIELD_ARGS = (
     arg("--split", default="test", help="dataset split for Hugging Face datasets and procedural tasks"),
@@ -38,7 +54,7 @@ MODEL_LOAD_ARGS = (
     ),
     arg("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32, or the run's)"),
     arg("--device", default=None, help="torch device (default: cuda when available, else cpu)"),
-    arg("--threads", type=int, default=0, help="torch CPU threads; 0 leaves torch's default"),
+    arg("--threads", type=threads, default=0, help="torch CPU threads; 0 leaves torch's default"),
 )
 
 

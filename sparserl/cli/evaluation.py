@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparserl.cli.common import MODEL_LOAD_ARGS, ROW_FIELD_ARGS, arg, command
+from sparserl.cli.common import MODEL_LOAD_ARGS, ROW_FIELD_ARGS, arg, command, threads
 
 # ---------------------------------------------------------------------------------------------- eval
 
@@ -117,7 +117,7 @@ def eval_(args: argparse.Namespace) -> int:
     arg("--seed", type=int, default=0, help="sampling seed"),
     arg("--show", type=int, default=4, help="completions printed (default 4)"),
     arg("--device", default=None, help="torch device (default: cuda when available, else cpu)"),
-    arg("--threads", type=int, default=0, help="torch CPU threads; 0 leaves torch's default"),
+    arg("--threads", type=threads, default=0, help="torch CPU threads; 0 leaves torch's default"),
 )
 def rollout(args: argparse.Namespace) -> int:
     """`sparserl rollout`: see sparserl/eval/commands.py."""

@@ -75,6 +75,9 @@ def train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    from sparserl.config.model_fit import check_fits_model
+
+    check_fits_model(cfg)  # before the run directory exists
 
     from rich.console import Console
 

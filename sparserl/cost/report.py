@@ -11,7 +11,13 @@ from typing import Any
 
 from sparserl.cost.model import Cost, Estimate, Rollout, estimate
 from sparserl.cost.probe import check_timing_request, probe_intensity, resolve_intensity, time_decode_steps
-from sparserl.cost.shape import CostInputError, ModelShape, load_shape, torch_dtype
+from sparserl.cost.shape import (
+    CostInputError,
+    ModelShape,
+    load_model_config,
+    shape_from_config,
+    torch_dtype,
+)
 from sparserl.engine.kv_config import KVConfig
 from sparserl.sizes import size_in_bytes
 
@@ -82,11 +88,16 @@ def shape_summary(shape: ModelShape) -> dict[str, Any]:
     }
 
 
-def predict(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
-    """The report of `sparserl cost`: every method's cost for one rollout, relative to dense."""
+def predict(args: argparse.Namespace, shape: ModelShape, context: int | None = None) -> dict[str, Any]:
+    """The report of `sparserl cost`: every method's cost for one rollout, relative to dense (a rollout past
+    the model's `context` is refused)."""
     rollout = Rollout(args.prompt_len, args.output_len, args.n)
     intensity, mem_cap = resolve_intensity(args.intensity), parse_size(args.mem_cap)
-    estimates = [estimate(shape, rollout, kv) for kv in kv_configs(args)]
+    kvs = kv_configs(args)
+    for kv in kvs:  # each method's settings against the model first, on a one-token rollout (cheap)
+        estimate(shape, Rollout(args.prompt_len, 1, args.n), kv)
+    check_context(context, args.prompt_len, args.output_len)
+    estimates = [estimate(shape, rollout, kv) for kv in kvs]
     return {
         "model": shape_summary(shape),
         "rollout": asdict(rollout),
@@ -234,9 +245,28 @@ def render_decode_check(report: dict[str, Any]) -> str:
     return intro + format_table(header, rows)
 
 
+def model_spec(model: str) -> str:
+    """The model a `--model` names: a training run directory stands for the model it trains (same shape)."""
+    from sparserl.eval.loading import is_run_dir, run_config
+
+    return run_config(model).model.spec if is_run_dir(model) else model
+
+
+def check_context(context: int | None, prompt_len: int, output_len: int) -> None:
+    """The rollout fits the model's `context` (the model says nothing of longer ones, and their cost grows
+    without end); CostInputError naming the flags otherwise."""
+    if context and prompt_len + output_len > context:
+        raise CostInputError(
+            f"--prompt-len {prompt_len} + --output-len {output_len} = {prompt_len + output_len:,} tokens is "
+            f"beyond the model's context of {context:,} positions"
+        )
+
+
 def cost_command(args: argparse.Namespace) -> int:
     """`sparserl cost`: predict (default), `--probe` the intensity, or `--probe-decode` to check the model."""
-    shape = load_shape(args.model, args.dtype)
+    spec = model_spec(args.model)
+    config = load_model_config(spec)
+    shape = shape_from_config(config, spec, args.dtype)
     if args.probe:
         probe = probe_intensity(shape, batch=args.n, threads=args.threads, dtype=args.dtype)
         report: dict[str, Any] = asdict(probe)
@@ -249,7 +279,7 @@ def cost_command(args: argparse.Namespace) -> int:
         report = check_decode(args, shape)
         text = render_decode_check(report)
     else:
-        report = predict(args, shape)
+        report = predict(args, shape, getattr(config, "max_position_embeddings", None))
         text = render_prediction(report)
     print(json.dumps(report, indent=2) if args.json else text)
     return 0

@@ -118,10 +118,17 @@ def shape_from_config(config: Any, name: str, dtype: str = "float32") -> ModelSh
 def load_shape(spec: str, dtype: str = "float32") -> ModelShape:
     """The shape of a model folder, a `.gguf` file, `smollm2-135m` or a Hugging Face id already in the local
     cache: only the config is read, and nothing is downloaded. `tiny-llama` / `tiny-qwen3` are the test models."""
+    return shape_from_config(load_model_config(spec), spec, dtype)
+
+
+def load_model_config(spec: str) -> Any:
+    """The transformers config of a model spec (as `load_shape`: nothing downloaded, no weights read; the
+    global RNG is left as it was); ModelLoadError when there is none."""
     from transformers import AutoConfig
 
     if spec.startswith(TINY_PREFIX):
-        return shape_from_config(tiny_model(spec[len(TINY_PREFIX) :])[0].config, spec, dtype)
+        with torch.random.fork_rng(devices=[]):  # tiny_model seeds torch's generator
+            return tiny_model(spec[len(TINY_PREFIX) :])[0].config
     source = resolve_spec(spec)
     try:
         if isinstance(source, Path) and source.is_file():  # resolve_spec lets only .gguf files through
@@ -135,7 +142,7 @@ def load_shape(spec: str, dtype: str = "float32") -> ModelShape:
             f"file, '{EMBEDDED_DEFAULT}', or a Hugging Face id already downloaded (the cost model downloads "
             "nothing)"
         ) from err
-    return shape_from_config(config, spec, dtype)
+    return config
 
 
 def gguf_config(gguf: Path) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparserl.engine.schedule import BudgetSchedule, parse_schedule
+from sparserl.engine.schedule import MAX_LENGTH, BudgetSchedule, parse_schedule
 from sparserl.errors import UserError
 
 EVICTION_METHODS = ("rkv", "snapkv", "h2o", "streaming_llm", "random")
@@ -87,6 +87,11 @@ class KVConfig:
             raise UserError(f"kv.granularity={self.granularity!r} must be 'per_head' or 'shared'")
         if self.window < 1 or self.interval < 1:
             raise UserError(f"kv.window ({self.window}) and kv.interval ({self.interval}) must be >= 1")
+        for key in ("budget", "window", "interval", "page_size", "n_sink", "pool_kernel"):
+            if getattr(self, key) > MAX_LENGTH:
+                raise UserError(
+                    f"kv.{key}={getattr(self, key)} is beyond any context: at most {MAX_LENGTH:,}"
+                )
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise UserError(
                 f"kv.pool_kernel={self.pool_kernel} must be odd and >= 1 (it is centred on a slot)"

@@ -19,6 +19,8 @@ from torch import Tensor
 
 from sparserl.errors import UserError
 
+MAX_LENGTH = 2**31 - 1  # positions of a sequence: far beyond any model's context, within every index dtype
+
 
 @dataclass(frozen=True)
 class BudgetSchedule:
@@ -80,9 +82,18 @@ def _load_yaml(text: str, where: str) -> Any:
 
 def _load_file(path: Path, key: str) -> Any:
     """The parsed contents of a schedule file (.json as JSON, anything else as YAML)."""
+    if path.is_dir():
+        raise UserError(f"{key}: {path} is a directory; give a schedule file (JSON/YAML) or a table")
     if not path.is_file():
         raise UserError(f"{key}: the schedule file {str(path)!r} does not exist")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{key}: {path} is not UTF-8 text (byte {e.object[e.start : e.start + 1]!r} at offset {e.start})"
+        ) from None
+    except OSError as e:
+        raise UserError(f"{key}: cannot read {path}: {e.strerror or e}") from None
     if path.suffix == ".json":
         try:
             return json.loads(text)
@@ -105,6 +116,10 @@ def _check_table(table: Any, where: str) -> list[list[int]]:
                 f"{where}: bin {i} is {entry!r}; each bin is a pair [from_length, budget] of integers"
             )
         start, budget = int(pair[0]), int(pair[1])
+        if start > MAX_LENGTH or budget > MAX_LENGTH:
+            raise UserError(
+                f"{where}: bin {i} is {entry!r}; lengths and budgets are at most {MAX_LENGTH:,} positions"
+            )
         if budget < 1:
             raise UserError(f"{where}: bin {i} (from length {start}) has budget {budget}; budgets are >= 1")
         if i == 0 and start != 0:

@@ -359,9 +359,13 @@ def _settings_from_flags(args: argparse.Namespace) -> tuple[CalibrationSettings,
     from sparserl.eval.commands import _flag_names
 
     if bool(args.schedule) == bool(args.budgets):
+        empty = [f"{flag}={value!r} is empty; " for flag, value in (("--budgets", args.budgets),
+                 ("--schedule", args.schedule)) if value is not None and not value]  # fmt: skip
         raise ConfigError(
-            "give --budgets (candidate budgets to calibrate, e.g. 64,128,256,512) or --schedule (a schedule "
-            "to check on held-out prompts), not both"
+            "".join(empty)
+            + "give --budgets (candidate budgets to calibrate, e.g. 64,128,256,512) or --schedule "
+            "(a schedule to check on held-out prompts)"
+            + (", not both" if args.schedule and args.budgets else "")
         )
     kv_options = {"page_size": args.page_size, "dense_layers": _int_list(args.dense_layers, "--dense-layers")}
     kv_options |= {k: getattr(args, k) for k in ("window", "interval") if getattr(args, k) is not None}

@@ -51,7 +51,7 @@ def read_utf8(path: Path) -> str:
     """The text of `path`; DataError naming the file and line of the first byte that is not UTF-8."""
     data = path.read_bytes()
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark (Windows editors write one) is dropped
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise DataError(
@@ -66,9 +66,15 @@ def iter_rows(source: str, split: str = "train", data_config: str = "") -> Itera
         if not path.is_file():
             raise FileNotFoundError(f"dataset file {source} does not exist")
         if path.suffix.lower() == ".parquet":
+            import pyarrow as pa
             import pyarrow.parquet as pq
 
-            for n, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+            try:
+                table = pq.read_table(path)
+            except (pa.ArrowException, OSError) as e:
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise DataError(f"{path}: not a readable Parquet file ({reason})") from None
+            for n, row in enumerate(table.to_pylist(), start=1):
                 yield row, f"{path} row {n}"
             return
         text = read_utf8(path)
@@ -86,7 +92,8 @@ def iter_rows(source: str, split: str = "train", data_config: str = "") -> Itera
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                at = "" if e.msg.endswith(" at") else " at"  # 'Unterminated string starting at' names a place
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}{at} column {e.colno})") from None
             yield row, f"{path}:{lineno}"
         return
     import datasets
