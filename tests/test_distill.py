@@ -110,6 +110,11 @@ def distill_cfg(tmp_path: Path, *extra: str, name: str = "run", lora: bool = Tru
     )
 
 
+def addon(trainer: Trainer):
+    """The run's DistillSparse add-on learner."""
+    return next(a for a in trainer.addons if a.name == "distill")
+
+
 def make(cfg, **kw) -> Trainer:
     return Trainer(cfg, task=ParityTask(), eval_task=ParityTask(), **kw)
 
@@ -143,7 +148,7 @@ def test_adapter_is_on_only_on_the_sparse_path(tmp_path: Path, lora: bool) -> No
     assert max(float((a - b).abs().max()) for a, b in zip(dense, with_adapter, strict=True)) > 1e-3
     # the policy's optimizer never holds the adapter, the adapter's never the policy
     policy_ids = {id(p) for p in trainer.learner.params}
-    assert not policy_ids & {id(p) for p in trainer.distill.params}
+    assert not policy_ids & {id(p) for p in addon(trainer).learner.params}
     trainer.close()
 
 
@@ -153,14 +158,14 @@ def test_adapter_update_leaves_the_base_bit_identical(tmp_path: Path, lora: bool
     batch, _ = trainer.rollout(1)
     trainer.learner.update(1, batch)
     base = {k: v.detach().clone() for k, v in trainer.policy.module.state_dict().items()}
-    adapter = [p.detach().clone() for p in trainer.distill.params]
-    out = trainer._distill_step(1, batch)
+    adapter = [p.detach().clone() for p in addon(trainer).learner.params]
+    out = addon(trainer).update(1, batch, trainer.scheduler.get_last_lr()[0])
     after = trainer.policy.module.state_dict()
     name = trainer.policy.distill_adapter
     for k, v in base.items():
         if f".{name}." not in k:
             assert torch.equal(v, after[k]), f"{k} changed in the adapter update"
-    assert any(not torch.equal(a, p) for a, p in zip(adapter, trainer.distill.params, strict=True))
+    assert any(not torch.equal(a, p) for a, p in zip(adapter, addon(trainer).learner.params, strict=True))
     for key in ("distill/loss", "distill/kl", "distill/grad_norm", "distill/lr", "time/distill"):
         assert key in out, key
     assert any(k.startswith("distill/alpha_p5_before/bin") for k in out)
@@ -307,7 +312,7 @@ def test_distill_with_eviction_replays_what_each_rollout_held(tmp_path: Path) ->
     gap = ((logp - batch.logp_sampler).abs() * batch.mask).max()
     assert float(gap) < REPLAY_TOL
     trainer.learner.update(1, batch)
-    out = trainer._distill_step(1, batch)
+    out = addon(trainer).update(1, batch, trainer.scheduler.get_last_lr()[0])
     assert "distill/loss" in out and any(k.startswith("distill/alpha_p5_after/") for k in out)
     trainer.close()
 
@@ -333,6 +338,6 @@ def test_the_kl_term_alone_pulls_the_sparse_path_toward_the_dense_policy(tmp_pat
 
     before = kl()
     for _ in range(5):
-        trainer.distill.update(batch, 1e-3)
+        addon(trainer).learner.update(batch, 1e-3)
     assert kl() < 0.5 * before
     trainer.close()

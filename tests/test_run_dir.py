@@ -126,7 +126,7 @@ def test_a_prompt_that_does_not_fit_is_skipped_with_its_line(tmp_path: Path) -> 
 
 def test_evaluation_is_dense_by_default_and_sparse_on_request(tmp_path: Path) -> None:
     trainer = make_trainer(tiny_cfg(tmp_path, "trainer.eval_prompts=2"))
-    assert trainer.cfg.sparse and trainer.dense_engine.evictor is None
+    assert trainer.cfg.sparse and trainer.held_out.engines["dense"].evictor is None
     assert {k for k in trainer.evaluate(0) if k.startswith("eval/")} == {
         "eval/dense/reward",
         "eval/dense/length",

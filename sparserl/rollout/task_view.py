@@ -43,6 +43,13 @@ class TaskView:
         return self.rewards(texts, examples).tolist()
 
     def drain_counters(self) -> dict[str, float]:
-        """The counters gathered since the last call (then reset)."""
+        """The counters gathered since the last call, the task's own (`task.stats`: reward calls, errors,
+        timeouts) included; both are reset."""
         out, self.counters = self.counters, {}
+        stats = getattr(self.task, "stats", None)
+        if stats is not None and hasattr(stats, "as_metrics"):
+            for k, v in stats.as_metrics().items():
+                out[k] = out.get(k, 0.0) + float(v)
+            if hasattr(stats, "reset"):
+                stats.reset()
         return out

@@ -279,3 +279,19 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     except Exception as e:  # noqa: BLE001 - re-raised with the culprit named
         raise RuntimeError(f"checkpoint {path} is damaged: {type(e).__name__}: {e}") from e
     return Checkpoint(path, state, weights, optimizer, scheduler, rng, parts)
+
+
+def load_latest_intact(run_dir: Path, notes: list[str]) -> Checkpoint:
+    """The newest checkpoint of `run_dir` that reads back whole; damaged newer ones are skipped and said so
+    (appended to `notes`)."""
+    ckpts = list_checkpoints(run_dir)
+    if not ckpts:
+        raise FileNotFoundError(f"--resume: {run_dir} has no complete checkpoint to resume from")
+    for path in reversed(ckpts):
+        try:
+            return load_checkpoint(path)
+        except (RuntimeError, FileNotFoundError) as e:
+            notes.append(f"[yellow]skipping damaged checkpoint[/yellow] {path.name}: {e}")
+    raise FileNotFoundError(
+        f"--resume: every checkpoint in {run_dir} is damaged ({', '.join(p.name for p in ckpts)})"
+    )

@@ -22,6 +22,7 @@ from sparserl.algo.acceptance import acceptance_by_bin, acceptance_exact
 from sparserl.config import ConfigError, TrainConfig
 from sparserl.engine import score_distributions
 from sparserl.engine.held import HeldRecord
+from sparserl.engine.module_mode import module_mode
 from sparserl.engine.sampling import processed_logprobs
 from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
 from sparserl.trainer.addons import AddOn, register_addon
@@ -63,12 +64,8 @@ class DistillLearner:
         with grad_flags_kept(module):
             for p in module.parameters():
                 p.requires_grad_(id(p) in mine)
-            module.train()
-            try:
-                with self.policy.sparse_path():
-                    yield
-            finally:
-                module.eval()
+            with module_mode(module, training=True), self.policy.sparse_path():
+                yield
 
     def update(self, batch: Batch, policy_lr: float) -> dict[str, float]:
         """One pass of the adapter over the step's mini-batches (the policy's sizes), one AdamW step each, at

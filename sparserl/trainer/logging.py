@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -19,6 +20,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from torch import Tensor
 
 from sparserl.config import ConfigError, LoggingConfig, flatten
 from sparserl.engine.cache import dense_kv_bytes
@@ -251,3 +253,19 @@ def kv_saving_metrics(
         out["kv/dense_peak_positions"] = float(dense_peak)
         out["kv/positions_saved_fraction"] = max(0.0, 1.0 - float(peak) / dense_peak) if sparse else 0.0
     return out
+
+
+def sample_metrics(samples: list[Any], advantages: Tensor) -> dict[str, float]:
+    """Reward, length and advantage statistics of the step's samples (rollout.records.SampleRecord)."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.float32)
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
+    return {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        "reward/max": rewards.max().item(),
+        "length/mean": lengths.mean().item(),
+        "length/max": lengths.max().item(),
+        "length/truncated_frac": truncated.mean().item(),
+        "adv/abs_mean": advantages.abs().mean().item(),
+    }

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, load_config, save_config
+from sparserl.engine.padding import right_pad
 from sparserl.rollout import (
     Recording,
     RolloutLayer,
@@ -30,7 +31,6 @@ from sparserl.rollout import (
     step_seed,
 )
 from sparserl.rollout.records import SampleRecord
-from sparserl.seeds import EVAL, derive_seed
 from sparserl.trainer import distill as _distill  # noqa: F401 - registers the DistillSparse add-on
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
 from sparserl.trainer.addons import dense_logprobs_needed, make_addons, records_held
@@ -40,21 +40,23 @@ from sparserl.trainer.checkpoint import (
     Part,
     TrainerState,
     list_checkpoints,
-    load_checkpoint,
+    load_latest_intact,
     save_checkpoint,
 )
 from sparserl.trainer.data import usable_rows
+from sparserl.trainer.evaluation import HeldOutEval
 from sparserl.trainer.logging import (
     MetricSinks,
     ProgressDisplay,
     check_backends,
     is_number,
     kv_saving_metrics,
+    sample_metrics,
 )
 from sparserl.trainer.policy import ModelLoader, Policy
 from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, check_resume_changes, new_run_dir
 from sparserl.trainer.summary import accumulate, run_summary
-from sparserl.trainer.update import Batch, Learner, pad
+from sparserl.trainer.update import Batch, Learner
 
 SUMMARY_FILE = "summary.json"
 EXPORT_DIR = "final"
@@ -114,7 +116,7 @@ class Trainer:
                 f"{self.run_dir} already holds checkpoints: resume it with `sparserl train --resume {self.run_dir}` "
                 "or choose another trainer.run_name"
             )
-        ckpt = self._load_latest_intact() if resume else None
+        ckpt = load_latest_intact(self.run_dir, self.notes) if resume else None
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
 
@@ -144,9 +146,6 @@ class Trainer:
         self.engine = RolloutEngine(
             self.policy.module, self.tokenizer, cfg.kv if cfg.sparse else None, dtype, cfg.engine.compile
         )
-        self.dense_engine = (
-            self.engine if not cfg.sparse else RolloutEngine(self.policy.module, self.tokenizer, dtype=dtype)
-        )
         self.learner = Learner(
             cfg, self.policy.module, self.policy.trainable_parameters(), autocast=self.policy.autocast
         )
@@ -155,7 +154,17 @@ class Trainer:
         self.train_view = TaskView(self.task, self.tokenizer)
         self.eval_view = TaskView(self.eval_task, self.tokenizer) if self.eval_task is not None else None
         self.train_rows = self._usable_rows(self.train_view)
-        self.eval_rows = self._usable_rows(self.eval_view, cfg.trainer.eval_prompts) if self.eval_view else []
+        self.held_out = None
+        if self.eval_view is not None and cfg.trainer.eval_prompts > 0:
+            engines = {
+                "dense": RolloutEngine(self.policy.module, self.tokenizer, dtype=dtype)
+                if cfg.sparse
+                else self.engine
+            }
+            if cfg.trainer.eval_sparse and cfg.sparse:
+                engines["sparse"] = self.engine
+            rows = self._usable_rows(self.eval_view, cfg.trainer.eval_prompts)
+            self.held_out = HeldOutEval(cfg, self.eval_view, rows, engines, self.policy.module)
         self.source = make_group_source(
             cfg.rollout.source, SourceContext(self.train_rows, cfg.rollout.n, seed, cfg), cfg.rollout.partial
         )
@@ -183,20 +192,6 @@ class Trainer:
             addon.resume(ckpt)
             self.notes += addon.notes
         ckpt.restore_rng()
-
-    def _load_latest_intact(self) -> Checkpoint:
-        """The newest checkpoint that reads back whole; damaged newer ones are skipped and said so."""
-        ckpts = list_checkpoints(self.run_dir)
-        if not ckpts:
-            raise FileNotFoundError(f"--resume: {self.run_dir} has no complete checkpoint to resume from")
-        for path in reversed(ckpts):
-            try:
-                return load_checkpoint(path)
-            except (RuntimeError, FileNotFoundError) as e:
-                self.notes.append(f"[yellow]skipping damaged checkpoint[/yellow] {path.name}: {e}")
-        raise FileNotFoundError(
-            f"--resume: every checkpoint in {self.run_dir} is damaged ({', '.join(p.name for p in ckpts)})"
-        )
 
     def close(self) -> None:
         """Release the run directory (the lock); the Trainer should not be used afterwards."""
@@ -243,7 +238,7 @@ class Trainer:
 
         with self.policy.autocast():
             rows = score(model, prompts, completions, temperature=self.cfg.rollout.temperature)
-        return pad(rows, length)[0]
+        return right_pad(rows, torch.float32, width=length)[0]
 
     # ------------------------------------------------------------------------------------------- one step
 
@@ -264,7 +259,7 @@ class Trainer:
         with self.policy.autocast():
             metrics = acceptance_step_metrics(cfg, self.policy.module, batch.prompts, got.recorded)
         stats = {**got.metrics, **self.source.metrics()}
-        metrics.update(_sample_metrics(samples, batch.advantages))
+        metrics.update(sample_metrics(samples, batch.advantages))
         metrics.update({"time/rollout": t1 - t0, "time/score": t2 - t1})
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
         metrics.update(
@@ -281,8 +276,10 @@ class Trainer:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         group_index = [s.group_id for s in samples]
         advantages = advantages_from_config(rewards, group_index, cfg.algo, [s.text or "" for s in samples])
-        logp_sampler, mask = pad([s.sampler_logps for s in samples])
-        mask &= pad([s.loss_mask for s in samples])[0].bool()  # 0: a stale token (partial.mode=mask_old)
+        logp_sampler, mask = right_pad([s.sampler_logps for s in samples], torch.float32)
+        mask &= right_pad([s.loss_mask for s in samples])[
+            0
+        ].bool()  # 0: a stale token (partial.mode=mask_old)
         length = mask.shape[1]
         logp_old = logp_ref = None
         with torch.no_grad():
@@ -316,51 +313,15 @@ class Trainer:
         return out
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Mean reward and length of one sample on each held-out prompt, same seed every time (comparable
-        over the run and across arms): with a dense cache, and also with the training KV policy when
-        trainer.eval_sparse is on (metrics eval/dense/*, eval/sparse/*)."""
-        if self.eval_task is None or self.cfg.trainer.eval_prompts == 0:
-            return {}
-        prompt_ids = [self.eval_view.prompt_ids(i) for i in self.eval_rows]
-        modes = {"dense": self.dense_engine}
-        if self.cfg.trainer.eval_sparse and self.cfg.sparse:
-            modes["sparse"] = self.engine
-        self.policy.module.eval()
-        out: dict[str, float] = {}
-        for mode, engine in modes.items():
-            t0 = time.perf_counter()
-            r = self.cfg.rollout
-            rollouts = engine.generate(
-                prompt_ids, n=1, max_new_tokens=r.max_new_tokens, temperature=self.cfg.trainer.eval_temperature,
-                top_p=r.top_p, top_k=r.top_k, stop=list(r.stop) or None, seed=derive_seed(self.cfg.trainer.seed, EVAL),
-                sample_keys=list(self.eval_rows),
-            )  # fmt: skip
-            samples = list(rollouts.samples)
-            texts = self.tokenizer.batch_decode(
-                [list(s.completion_ids) for s in samples], skip_special_tokens=True
-            )
-            examples = [self.eval_task[self.eval_rows[s.prompt_index]] for s in samples]
-            rewards = self.eval_view.rewards(texts, examples)
-            if mode == "dense":
-                self._eval_samples = list(zip(texts, examples, rewards.tolist(), strict=True))
-            out[f"eval/{mode}/reward"] = rewards.mean().item()
-            out[f"eval/{mode}/length"] = sum(len(s.completion_ids) for s in samples) / max(1, len(samples))
-            out[f"time/eval_{mode}"] = time.perf_counter() - t0
-        return out
+        """The held-out evaluation (trainer/evaluation.py); {} without held-out prompts."""
+        return self.held_out() if self.held_out is not None else {}
 
     # ------------------------------------------------------------------------------------------- the run
 
     def _task_counters(self) -> dict[str, float]:
         """Cumulative counters of the run (reward calls/errors/timeouts, skipped updates), kept in the
-        checkpoint so they survive a resume. The tasks' own counters are drained into them each step."""
+        checkpoint so they survive a resume. The task views' counters are drained into them each step."""
         c = self.state.counters
-        for task in {id(t): t for t in (self.task, self.eval_task) if t is not None}.values():
-            stats = getattr(task, "stats", None)
-            if stats is not None and hasattr(stats, "as_metrics"):
-                for k, v in stats.as_metrics().items():
-                    c[k] = c.get(k, 0.0) + float(v)
-                if hasattr(stats, "reset"):
-                    stats.reset()
         for view in (self.train_view, self.eval_view):
             for k, v in (view.drain_counters() if view is not None else {}).items():
                 c[k] = c.get(k, 0.0) + float(v)
@@ -402,7 +363,7 @@ class Trainer:
                 hist["eval_before"] = before.get("eval/dense/reward")
                 hist["eval_sparse_before"] = before.get("eval/sparse/reward")
                 sinks.log(0, before)
-                self._print_samples(progress, "before training")
+                self.held_out.print_samples(progress, "before training")
             while self.state.step < stop:
                 if self.stop_check is not None:
                     self.stop_check()
@@ -430,7 +391,7 @@ class Trainer:
                     hist["eval_after"] = after.get("eval/dense/reward")
                     hist["eval_sparse_after"] = after.get("eval/sparse/reward")
                     sinks.log(total, after)
-                    self._print_samples(progress, "after training")
+                    self.held_out.print_samples(progress, "after training")
                 hist["export"] = str(self.policy.export(self.run_dir / EXPORT_DIR))
                 summary = run_summary(self, time.perf_counter() - started)
                 (self.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
@@ -438,30 +399,3 @@ class Trainer:
             progress.close()
             sinks.close()
         return summary
-
-    def _print_samples(self, progress: ProgressDisplay, when: str) -> None:
-        k = self.cfg.logging.print_samples
-        for text, ex, r in getattr(self, "_eval_samples", [])[:k]:
-            question = ex.messages[-1]["content"] if ex.messages else ""
-            progress.print(
-                f"[dim]eval sample {when}[/dim] (reward {r:.2f}, answer {ex.answer!r})\n"
-                f"[cyan]Q:[/cyan] {question[:300]}\n[green]A:[/green] {text[:500]}",
-                highlight=False,
-                markup=True,
-            )
-
-
-def _sample_metrics(samples: list[SampleRecord], advantages: Tensor) -> dict[str, float]:
-    """Reward, length and advantage statistics of the step's samples."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.float32)
-    truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
-    return {
-        "reward/mean": rewards.mean().item(),
-        "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        "reward/max": rewards.max().item(),
-        "length/mean": lengths.mean().item(),
-        "length/max": lengths.max().item(),
-        "length/truncated_frac": truncated.mean().item(),
-        "adv/abs_mean": advantages.abs().mean().item(),
-    }

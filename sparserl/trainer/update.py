@@ -6,7 +6,7 @@ mini-batch loop that the policy's learner and the add-on learners (DistillSparse
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,7 @@ from sparserl.algo import (
     ppo_anchor,
 )
 from sparserl.config import TrainConfig
+from sparserl.engine.module_mode import module_mode
 from sparserl.errors import UserError
 from sparserl.seeds import SHUFFLE, derive_seed
 
@@ -52,19 +53,6 @@ class Batch:
         """The advantages of `rows`, cut to `length` tokens when they are per token."""
         adv = self.advantages[rows]
         return adv[:, :length] if adv.dim() == 2 else adv
-
-
-def pad(rows: Sequence[Tensor | Sequence[float]], length: int | None = None) -> tuple[Tensor, Tensor]:
-    """Right-pad 1-D rows into [B, T] float32 values and a bool mask."""
-    length = max((len(r) for r in rows), default=0) if length is None else length
-    out = torch.zeros(len(rows), length, dtype=torch.float32)
-    mask = torch.zeros(len(rows), length, dtype=torch.bool)
-    for i, r in enumerate(rows):
-        n = len(r)
-        if n:
-            out[i, :n] = torch.as_tensor(r, dtype=torch.float32)[:length]
-            mask[i, :n] = True
-    return out, mask
 
 
 def _unusable(mask: Tensor, *logps: Tensor) -> bool:
@@ -215,7 +203,6 @@ class Learner:
         clipping, so rejection decided inside the pass still sets the denominator exactly.
         """
         cfg, algo = self.cfg, self.cfg.algo
-        self.module.train()
         B = len(batch.prompts)
         from_learner = batch.logp_old is None and algo.needs_recompute
         anchor = (
@@ -252,11 +239,11 @@ class Learner:
 
         per_step = self.optimizer_steps(B)
         self._schedule_at(step, per_step)
-        sums, taken, skipped = minibatch_updates(
-            self._minibatches(step, B), cfg.optim.grad_accum, self.optimizer, micro_step, self._step,
-            self._advance_schedule,
-        )  # fmt: skip
-        self.module.eval()
+        with module_mode(self.module, training=True):
+            sums, taken, skipped = minibatch_updates(
+                self._minibatches(step, B), cfg.optim.grad_accum, self.optimizer, micro_step, self._step,
+                self._advance_schedule,
+            )  # fmt: skip
         return self._metrics(sums, taken, skipped, reference, batch)
 
     def _minibatches(self, step: int, size: int) -> Iterable[Tensor]:
