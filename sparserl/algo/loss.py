@@ -114,25 +114,8 @@ def policy_loss(
 
     Returns the scalar loss and metrics keyed 'actor/<name>' (token statistics over the kept tokens).
     """
-    check_2d("logp", logp)
-    m = as_mask(mask, logp)
-    for name, t in (
-        ("logp_old", logp_old),
-        ("weights", weights),
-        ("logp_ref", logp_ref),
-        ("entropy", entropy),
-    ):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
-    if response_mask is not None:
-        response_mask = as_mask(response_mask, logp, "response_mask")
-    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
-        advantages = advantages[:, None].expand_as(logp)
-    elif advantages.shape != logp.shape:
-        raise ValueError(
-            f"advantages have shape {tuple(advantages.shape)}, expected [B] or {tuple(logp.shape)}"
-        )
-
+    m, response_mask, advantages = _checked(logp, mask, advantages, logp_old, weights, logp_ref, entropy,
+                                            response_mask)  # fmt: skip
     lp = masked_fill_safe(upcast(logp), m)
     old = masked_fill_safe(upcast(logp_old.detach()), m)
     adv = masked_fill_safe(upcast(advantages.detach()), m)
@@ -140,18 +123,7 @@ def policy_loss(
     if bool((w < 0).any()):
         raise ValueError("weights must be >= 0 on the loss mask (importance weights)")
 
-    c = cfg.log_ratio_clamp
-    log_ratio = (lp - old).clamp(-c, c)
-    ratio = log_ratio.exp()
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    pg = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = m & (loss_clipped > loss_unclipped)
-    dual = torch.zeros_like(m)
-    if cfg.dual_clip_c is not None:
-        cap = -adv * cfg.dual_clip_c
-        dual = m & (adv < 0) & (pg > cap)
-        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    pg, ratio, clipped, dual = clipped_pg(lp, old, adv, m, cfg)
     pg_tok = w * pg
 
     agg = {"response_mask": response_mask, "denominator": denominator}
@@ -186,3 +158,45 @@ def policy_loss(
 
     metrics["loss"] = loss.detach()
     return loss, {PREFIX + k: v for k, v in to_floats(metrics).items()}
+
+
+def _checked(
+    logp: Tensor, mask: Tensor, advantages: Tensor, *others: Tensor | None
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """`policy_loss`'s inputs checked: the bool loss mask, the response mask (None stays None) and the
+    advantages broadcast to [B, T]; `others` (logp_old, weights, logp_ref, entropy, response_mask) must be
+    logp's shape where given."""
+    check_2d("logp", logp)
+    m = as_mask(mask, logp)
+    *same, response_mask = others
+    for name, t in zip(("logp_old", "weights", "logp_ref", "entropy"), same, strict=True):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
+    if response_mask is not None:
+        response_mask = as_mask(response_mask, logp, "response_mask")
+    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
+        advantages = advantages[:, None].expand_as(logp)
+    elif advantages.shape != logp.shape:
+        raise ValueError(
+            f"advantages have shape {tuple(advantages.shape)}, expected [B] or {tuple(logp.shape)}"
+        )
+    return m, response_mask, advantages
+
+
+def clipped_pg(
+    lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg: AlgoConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PPO's clipped surrogate per token, max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A), capped at -c A
+    for A < 0 (dual clip); returns it, the ratio r, and where the clip and the dual clip acted (on `m`)."""
+    c = cfg.log_ratio_clamp
+    ratio = (lp - old).clamp(-c, c).exp()
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    pg = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = m & (loss_clipped > loss_unclipped)
+    dual = torch.zeros_like(m)
+    if cfg.dual_clip_c is not None:
+        cap = -adv * cfg.dual_clip_c
+        dual = m & (adv < 0) & (pg > cap)
+        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
+    return pg, ratio, clipped, dual
