@@ -143,13 +143,17 @@ def test_evaluation_is_dense_by_default_and_sparse_on_request(tmp_path: Path) ->
     }
 
 
-def test_a_data_path_selects_the_dataset_task(tmp_path: Path) -> None:
+def test_a_data_path_selects_the_dataset_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(
+        tmp_path
+    )  # command-line paths are stored resolved, so that a resume works from anywhere
     cfg = load_config(None, ["task.data=my.jsonl"])
-    assert cfg.task.name == "my.jsonl" and cfg.task.system_prompt == ""  # not the arithmetic default's
+    mine, held = str(tmp_path / "my.jsonl"), str(tmp_path / "held.jsonl")
+    assert cfg.task.name == mine and cfg.task.system_prompt == ""  # not the arithmetic default's
     with pytest.raises(ConfigError, match="task.name='arithmetic' generates"):
         load_config(None, ["task.name=arithmetic", "task.data=my.jsonl"])
     eval_cfg = load_config(None, ["trainer.eval_data=held.jsonl"]).eval_task_config()
-    assert eval_cfg.data == "held.jsonl" and eval_cfg.name == "held.jsonl"
+    assert eval_cfg.data == held and eval_cfg.name == held
 
 
 def test_yaml_data_paths_are_relative_to_the_yaml_file(
@@ -159,7 +163,8 @@ def test_yaml_data_paths_are_relative_to_the_yaml_file(
     (tmp_path / "cfg" / "run.yaml").write_text("task:\n  data: data/train.jsonl\n  name: mine\n")
     monkeypatch.chdir(tmp_path)
     assert load_config("cfg/run.yaml").task.data == str(tmp_path / "cfg" / "data" / "train.jsonl")
-    assert load_config(None, ["task.data=data/x.jsonl"]).task.data == "data/x.jsonl"  # command line: as given
+    # the command line: resolved against the working directory
+    assert load_config(None, ["task.data=data/x.jsonl"]).task.data == str(tmp_path / "data" / "x.jsonl")
     (tmp_path / "cfg" / "sched.yaml").write_text("[[0, 64], [128, 96]]\n")
     (tmp_path / "cfg" / "sched_run.yaml").write_text("kv:\n  method: block_topk\n  schedule: sched.yaml\n")
     assert load_config("cfg/sched_run.yaml").kv.schedule == [[0, 64], [128, 96]]

@@ -1,4 +1,4 @@
-"""Which task rows fit the model at all, checked once when the data is loaded."""
+"""The run's tasks, and which of their rows fit the model at all (checked once when the data is loaded)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,17 @@ def usable_rows(
     if not keep:
         raise DataError(f"every prompt is too long: {what}")
     return keep, f"[yellow]skipped[/yellow] {what}"
+
+
+def training_tasks(cfg: Any, task: Any, eval_task: Any, reward_fn: Any) -> tuple[Any, Any]:
+    """The train task and the held-out one (None without held-out prompts): the config's unless given, with
+    `reward_fn` (Python reward functions) in place of their rewards when given."""
+    from sparserl.tasks import make_task, with_reward_fns
+
+    task = task if task is not None else make_task(cfg.task, "train")
+    if eval_task is None and cfg.trainer.eval_prompts > 0:
+        eval_task = make_task(cfg.eval_task_config(), "test")
+    if reward_fn is not None:
+        task = with_reward_fns(task, reward_fn)
+        eval_task = with_reward_fns(eval_task, reward_fn) if eval_task is not None else None
+    return task, eval_task

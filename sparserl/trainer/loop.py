@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from sparserl.algo import advantages_from_config
-from sparserl.config import TrainConfig, load_config, save_config
+from sparserl.config import TrainConfig, save_config
 from sparserl.engine.padding import right_pad
 from sparserl.rollout import (
     Recording,
@@ -39,11 +39,9 @@ from sparserl.trainer.checkpoint import (
     Checkpoint,
     Part,
     TrainerState,
-    list_checkpoints,
-    load_latest_intact,
     save_checkpoint,
 )
-from sparserl.trainer.data import usable_rows
+from sparserl.trainer.data import training_tasks, usable_rows
 from sparserl.trainer.evaluation import HeldOutEval
 from sparserl.trainer.logging import (
     MetricSinks,
@@ -54,7 +52,7 @@ from sparserl.trainer.logging import (
     sample_metrics,
 )
 from sparserl.trainer.policy import ModelLoader, Policy
-from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, check_resume_changes, new_run_dir
+from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, checkpoint_to_resume, new_run_dir
 from sparserl.trainer.summary import accumulate, run_summary
 from sparserl.trainer.update import Batch, Learner
 
@@ -107,33 +105,13 @@ class Trainer:
     def _setup(self, resume: bool, task: Any, eval_task: Any, model_loader: Any, reward_fn: Any) -> None:
         """Everything after the run directory is locked: checks, task, policy, engines, learner, resume."""
         cfg = self.cfg
-        if resume:
-            saved = self.run_dir / CONFIG_FILE
-            if saved.is_file():
-                check_resume_changes(load_config(saved), cfg)
-        elif list_checkpoints(self.run_dir):
-            raise FileExistsError(
-                f"{self.run_dir} already holds checkpoints: resume it with `sparserl train --resume {self.run_dir}` "
-                "or choose another trainer.run_name"
-            )
-        ckpt = load_latest_intact(self.run_dir, self.notes) if resume else None
+        ckpt = checkpoint_to_resume(self.run_dir, cfg, resume, self.notes)
         if cfg.trainer.threads:
             torch.set_num_threads(cfg.trainer.threads)
 
-        from sparserl.tasks import make_task
-
         seed = cfg.trainer.seed
         torch.manual_seed(seed)
-        self.task = task if task is not None else make_task(cfg.task, "train")
-        if reward_fn is not None:
-            from sparserl.tasks import with_reward_fns
-
-            self.task = with_reward_fns(self.task, reward_fn)
-        self.eval_task = eval_task
-        if self.eval_task is None and cfg.trainer.eval_prompts > 0:
-            self.eval_task = make_task(cfg.eval_task_config(), "test")
-        if reward_fn is not None and self.eval_task is not None:
-            self.eval_task = with_reward_fns(self.eval_task, reward_fn)
+        self.task, self.eval_task = training_tasks(cfg, task, eval_task, reward_fn)
         self.policy = Policy(
             cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed, distill=cfg.distill
         )

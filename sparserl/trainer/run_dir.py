@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sparserl.config import ConfigError, TrainConfig, flatten, load_config
 from sparserl.errors import UserError
-from sparserl.trainer.checkpoint import latest_checkpoint
+from sparserl.trainer.checkpoint import Checkpoint, latest_checkpoint, list_checkpoints, load_latest_intact
 
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
@@ -141,3 +141,21 @@ def check_resume_changes(saved: TrainConfig, new: TrainConfig) -> None:
             "from here on would jump and follow another curve; keep trainer.steps, or start a new run "
             "(optim.schedule=constant runs may be extended)"
         )
+
+
+def checkpoint_to_resume(
+    run_dir: Path, cfg: TrainConfig, resume: bool, notes: list[str]
+) -> Checkpoint | None:
+    """With `resume`, the run's latest intact checkpoint, once the settings changed since its config.yaml are
+    allowed; without, None, and a directory that already holds checkpoints is refused."""
+    if not resume:
+        if list_checkpoints(run_dir):
+            raise FileExistsError(
+                f"{run_dir} already holds checkpoints: resume it with `sparserl train --resume {run_dir}` "
+                "or choose another trainer.run_name"
+            )
+        return None
+    saved = run_dir / CONFIG_FILE
+    if saved.is_file():
+        check_resume_changes(load_config(saved), cfg)
+    return load_latest_intact(run_dir, notes)
