@@ -84,10 +84,19 @@ def test_bad_input_is_named(rewards, group, estimator, match):
 
 
 def test_from_config():
-    cfg = AlgoConfig(adv_estimator="drgrpo", group_size=2)
+    cfg = AlgoConfig(adv_estimator="drgrpo")
     torch.testing.assert_close(
-        advantages_from_config(torch.tensor([1.0, 0.0]), cfg), torch.tensor([0.5, -0.5])
+        advantages_from_config(torch.tensor([1.0, 0.0]), [7, 7], cfg), torch.tensor([0.5, -0.5])
     )
+
+
+def test_batch_whiten_transform_follows_the_estimator():
+    """REINFORCE++-baseline: the group-mean baseline (drgrpo), then whitening over the batch."""
+    cfg = AlgoConfig(adv_estimator="drgrpo", adv_transforms=["batch_whiten"], adv_eps=0.0)
+    r = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    adv = advantages_from_config(r, [0, 0, 1, 1], cfg)
+    raw = torch.tensor([0.5, -0.5, 1.0, -1.0])
+    torch.testing.assert_close(adv, (raw - raw.mean()) / raw.std())
 
 
 @settings(max_examples=60, deadline=None)

@@ -61,7 +61,7 @@ def test_yaml_then_overrides_with_types(tmp_path: Path) -> None:
         p, ["optim.lr=3e-4", "trainer.steps=7", "model.lora_targets=q_proj,v_proj", "kv.budget=256"]
     )
     assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)  # command line wins over the file
-    assert cfg.trainer.steps == 7 and cfg.rollout.n == 4 and cfg.algo.group_size == 4
+    assert cfg.trainer.steps == 7 and cfg.rollout.n == 4
     assert cfg.model.lora is True and cfg.model.lora_targets == ["q_proj", "v_proj"]
     assert cfg.kv.budget == 256 and cfg.kv.method == "rkv"  # the section keeps its other defaults
     assert load_config(p).optim.lr == 1e-5  # YAML 1.1 reads '1e-5' as a string; the float field coerces it
@@ -143,8 +143,13 @@ def test_unknown_presets() -> None:
 
 
 def test_cross_section_checks() -> None:
-    with pytest.raises(ConfigError, match=r"algo.group_size=3 differs from rollout.n=8"):
+    with pytest.raises(
+        ConfigError, match=r"algo.group_size is gone: advantages are taken over each sample's group"
+    ):
         load_config(None, ["algo.group_size=3"])
+    assert load_config(None, ["algo.group_size=8"]).rollout.n == 8  # configs saved before: read, then dropped
+    with pytest.raises(ConfigError, match="rloo needs rollout.n >= 2"):
+        load_config(None, ["algo.adv_estimator=rloo", "rollout.n=1"])
     with pytest.raises(ConfigError, match="must divide the rollout batch"):
         load_config(None, ["optim.mini_batch_size=5"])
     with pytest.raises(ConfigError, match="samples sparse rollouts but kv.method='dense'"):

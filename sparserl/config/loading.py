@@ -219,7 +219,7 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
             if (
                 cls is TrainConfig
                 and key == "algo"
-                and section.pop("group_size", kwargs["rollout"].n) != kwargs["rollout"].n
+                and str(section.pop("group_size", kwargs["rollout"].n)) != str(kwargs["rollout"].n)
             ):
                 raise ConfigError(
                     f"{where('algo.group_size')}algo.group_size is gone: advantages are taken over each "
