@@ -114,3 +114,31 @@ def test_readme_backend_runs(tmp_path):
     trainer = make_trainer(tiny_cfg(tmp_path, "rollout.backend=counting", "trainer.steps=2"))
     trainer.train()
     assert trainer.rollouts.backend.runs == 2
+
+
+def test_a_checkpoint_written_before_the_sources_had_parts_resumes_exactly(tmp_path):
+    """Older checkpoints kept the data position and the leftover groups in trainer_state.json: they are moved
+    into the source's part on load, and the resumed run ends where an uninterrupted one does."""
+    import json
+    import shutil
+
+    from sparserl.trainer import latest_checkpoint
+
+    extra = ["rollout.partial.enable=true", "rollout.partial.max_staleness=3", "trainer.steps=3"]
+    straight = make_trainer(tiny_cfg(tmp_path, *extra, name="straight"))
+    straight.train()
+    old = make_trainer(tiny_cfg(tmp_path, *extra, name="old"))
+    old.train(until_step=2)
+    old.close()
+    ckpt = latest_checkpoint(tmp_path / "old")
+    part = json.loads((ckpt / "source" / "state.json").read_text())
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["data_position"] = part["inner"]["position"]
+    state["rollout"].update(leftover=part["leftover"], dropped_groups=part["dropped_groups"])
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    shutil.rmtree(ckpt / "source")
+    resumed = make_trainer(tiny_cfg(tmp_path, *extra, name="old"), run_dir=tmp_path / "old", resume=True)
+    resumed.train()
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert straight.source.state_dict() == resumed.source.state_dict()
