@@ -170,7 +170,8 @@ def _tokenizer_from_pretrained(source: str | Path, spec: str, **kwargs: Any) -> 
     tokenizer.json, is a ModelLoadError naming the folder and the file (transformers would talk about
     converters of slow tokenizers instead)."""
     folder = Path(source) if isinstance(source, Path) else None
-    if folder is not None and folder.is_dir() and not (folder / "config.json").is_file():
+    gguf = "gguf_file" in kwargs  # a GGUF file carries its config and tokenizer
+    if folder is not None and folder.is_dir() and not gguf and not (folder / "config.json").is_file():
         raise ModelLoadError(
             f"model folder {spec} has no config.json"
             + (" (it is empty)" if not any(folder.iterdir()) else "")
