@@ -97,10 +97,11 @@ def stop_between_steps(trainer: Any, stop: StopOnSignal) -> None:
     stop.deferring = True
 
 
-def stoppable(command: str, lost: str) -> Callable[[F], F]:
+def stoppable(command: str, lost: str, exits: bool = False) -> Callable[[F], F]:
     """Decorate a command's `main(...) -> exit code`: SIGTERM ends it with one line on stderr ('COMMAND:
     stopped by SIGTERM; LOST') and exit code 143, where Python would die silently. For commands with nothing
-    worth saving half-way (a calibration, a benchmark, an experiment's part)."""
+    worth saving half-way (a calibration, a benchmark, an experiment's part). With `exits`, the process exits
+    with that code (for a script's `main()` that returns its results, not an exit code)."""
 
     def deco(fn: F) -> F:
         @functools.wraps(fn)
@@ -110,6 +111,8 @@ def stoppable(command: str, lost: str) -> Callable[[F], F]:
                     return fn(*args, **kwargs)
                 except Terminated as e:
                     print(f"{command}: stopped by {e.name}; {lost}", file=sys.stderr)
+                    if exits:
+                        sys.exit(e.exit_code)
                     return e.exit_code
 
         return wrapper  # type: ignore[return-value]

@@ -142,3 +142,14 @@ def test_a_checkpoint_written_before_the_sources_had_parts_resumes_exactly(tmp_p
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert straight.source.state_dict() == resumed.source.state_dict()
+
+
+def test_an_unknown_source_or_backend_is_named(tmp_path):
+    import pytest
+
+    from sparserl.errors import UserError
+
+    for key in ("rollout.source", "rollout.backend"):
+        with pytest.raises(UserError, match=rf"{key}='nope' is unknown; choose one of"):
+            make_trainer(tiny_cfg(tmp_path, f"{key}=nope"))
+        assert not (tmp_path / "run").exists()  # no run directory left behind

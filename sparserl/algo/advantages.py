@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from sparserl.registry import Registry
+
 if TYPE_CHECKING:  # the config validates names against the registries below
     from sparserl.algo.config import AlgoConfig
 
@@ -106,18 +108,8 @@ class AdvantageTransform:
         raise NotImplementedError
 
 
-ADV_TRANSFORMS: dict[str, type[AdvantageTransform]] = {}
-
-
-def register_adv_transform(name: str) -> Callable[[type[AdvantageTransform]], type[AdvantageTransform]]:
-    """Class decorator: make an AdvantageTransform available as `algo.adv_transforms=[name]`."""
-
-    def add(cls: type[AdvantageTransform]) -> type[AdvantageTransform]:
-        ADV_TRANSFORMS[name] = cls
-        cls.name = name
-        return cls
-
-    return add
+ADV_TRANSFORMS: Registry[type[AdvantageTransform]] = Registry("algo.adv_transforms")
+register_adv_transform = ADV_TRANSFORMS.register  # class decorator: `algo.adv_transforms=[name]`
 
 
 @register_adv_transform("batch_whiten")

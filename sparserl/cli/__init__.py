@@ -7,7 +7,7 @@
 
 Bad input (a `sparserl.errors.UserError`: config, data, model; or an OSError about the user's files: missing,
 not writable, disk full) prints one clear `error:` line and exits non-zero; anything else is a bug and keeps
-its traceback.
+its traceback. SIGTERM ends a command with one 'stopped by SIGTERM' line and exit code 143 (sparserl.signals).
 """
 
 from __future__ import annotations
@@ -84,9 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from sparserl.config import ConfigError
     from sparserl.errors import UserError
+    from sparserl.signals import StopOnSignal, Terminated
 
     try:
-        return int(args._run(args) or 0)
+        with StopOnSignal():  # train and calibrate install their own, stopping more gently
+            return int(args._run(args) or 0)
+    except Terminated as e:
+        print(f"sparserl {args.command}: stopped by {e.name}", file=sys.stderr)
+        return e.exit_code
     except ConfigError as e:
         print(f"sparserl {args.command}: config error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -104,7 +104,7 @@ class KVConfig:
             raise UserError(f"kv.page_size={self.page_size} must be >= 1")
         if any(layer < 0 for layer in self.dense_layers):
             raise UserError(f"kv.dense_layers={self.dense_layers} must be layer indices >= 0")
-        self.schedule = parse_schedule(self.schedule)
+        self.schedule = parse_schedule(self.schedule, method=self.method)
         if self.method != "dense":
             for name, budget in self._budgets():
                 self._check_budget(name, budget)

@@ -9,6 +9,7 @@ mapping whose `schedule` key holds it, so that a calibration can store its setti
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,11 @@ class BudgetSchedule:
         return budgets[torch.searchsorted(starts, length, right=True) - 1]
 
 
-def parse_schedule(value: Any, key: str = "kv.schedule") -> list[list[int]] | None:
+def parse_schedule(value: Any, key: str = "kv.schedule", method: str | None = None) -> list[list[int]] | None:
     """A checked table `[[from_length, budget], ...]` from an inline table, its YAML text, or a JSON/YAML file
-    path; None (or 'null'/'none') means no schedule. Bad input raises UserError naming `key` (and the file)."""
+    path; None (or 'null'/'none') means no schedule. Bad input raises UserError naming `key` (and the file).
+    A mapping's `method` (what `sparserl calibrate` calibrated it for) other than `method` (the one it will
+    be used with) is warned about: budgets calibrated for one method need not suit another."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none")):
         return None
     where = key
@@ -69,8 +72,21 @@ def parse_schedule(value: Any, key: str = "kv.schedule") -> list[list[int]] | No
             where = f"{key} (file {text})"
             value = _load_file(Path(text).expanduser(), key)
     if isinstance(value, dict) and "schedule" in value:
+        _check_method(value.get("method"), method, where)
         value = value["schedule"]
     return _check_table(value, where)
+
+
+def _check_method(calibrated: Any, method: str | None, where: str) -> None:
+    """Warn when a schedule calibrated for the method `calibrated` is used with another `method`."""
+    if calibrated is None or method is None or calibrated == method:
+        return
+    warnings.warn(
+        f"{where} was calibrated for method {calibrated!r} but is used with {method!r}: its budgets may "
+        f"not suit {method}; calibrate one for it (sparserl calibrate --method {method})",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _load_yaml(text: str, where: str) -> Any:

@@ -266,7 +266,7 @@ def check_schedule(
     file `kv.schedule` reads) on `prompt_ids`, which should not be the calibration prompts. The report's
     `verdict` says per bin whether P5 >= tau; `all_pass` is true when every bin with enough tokens passes
     (bins with too few tokens are listed in `warnings`)."""
-    kv = settings.kv(schedule=parse_schedule(schedule, "schedule"))
+    kv = settings.kv(schedule=parse_schedule(schedule, "schedule", settings.method))
     if not prompt_ids:
         raise UserError("no held-out prompts: give at least one")
     table = _measure_rows(model, tokenizer, prompt_ids, [("schedule", kv)], settings, progress)
@@ -379,7 +379,7 @@ def _settings_from_flags(args: argparse.Namespace) -> tuple[CalibrationSettings,
                 args.samples_per_call,
             )  # fmt: skip
             if args.schedule:
-                settings.kv(schedule=parse_schedule(args.schedule, "--schedule"))
+                settings.kv(schedule=parse_schedule(args.schedule, "--schedule", args.method))
                 return settings, []
             budgets = _int_list(args.budgets, "--budgets")
             candidate_kv_configs(settings, budgets)
@@ -395,7 +395,15 @@ def calibrate_command(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
 
-    from sparserl.eval.commands import DATA_KEY_FLAGS, _check_dtype, _check_sampling, _device, _flag_names
+    from sparserl.eval.commands import (
+        DATA_KEY_FLAGS,
+        _check_dtype,
+        _check_sampling,
+        _device,
+        _flag_names,
+        check_prompt_count,
+        check_samples,
+    )
     from sparserl.eval.evaluate import check_prompt_lengths
     from sparserl.eval.loading import load_eval_model, load_eval_task
     from sparserl.models import encode_prompt
@@ -405,6 +413,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     _check_dtype(args.dtype)
     if args.prompts < 1 or args.offset < 0:
         raise ConfigError(f"--prompts={args.prompts} must be >= 1 and --offset={args.offset} >= 0")
+    check_samples("--n", args.n)
     out = Path(args.out)
     if out.is_file():
         raise ConfigError(f"--out {args.out} is a file; give a directory for the JSON, PNG and schedule")
@@ -412,6 +421,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     console = Console(stderr=True, quiet=args.quiet)
     with _flag_names(DATA_KEY_FLAGS):
         task = load_eval_task(args.data, args.split, args.model, args.question_key, args.answer_key)
+    check_prompt_count(task, "--prompts", args.prompts)
     indices = list(range(args.offset, min(args.offset + args.prompts, len(task))))
     if not indices:
         raise ConfigError(f"--offset {args.offset} is past the last of the task's {len(task)} prompts")
@@ -419,6 +429,11 @@ def calibrate_command(args: argparse.Namespace) -> int:
     loaded = load_eval_model(args.model, args.dtype, _device(args.device), use_checkpoint=args.checkpoint)
     if args.threads:
         torch.set_num_threads(args.threads)
+    vocab = loaded.model.get_output_embeddings().weight.shape[0]
+    if not 1 <= args.top_logprobs <= vocab:
+        raise ConfigError(
+            f"--top-logprobs={args.top_logprobs} must be in [1, {vocab}] (the model's vocabulary)"
+        )
     prompt_ids = {i: encode_prompt(loaded.tokenizer, task[i].messages) for i in indices}
     check_prompt_lengths(loaded.model, task, indices, prompt_ids, args.max_new_tokens)
     prompts = list(prompt_ids.values())

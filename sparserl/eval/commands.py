@@ -57,6 +57,39 @@ def _check_positive(**values: int) -> None:
             raise ConfigError(f"--{name.replace('_', '-')}={v} must be >= 1")
 
 
+# Completions per prompt (--samples, --n): each one gets its own sampling key, row and KV cache row, all made up
+# front, so a huge count fails allocating (MemoryError) or runs without end; no pass@k study needs more.
+MAX_SAMPLES = 2**16
+
+
+def check_samples(flag: str, value: int) -> None:
+    """`flag` (completions per prompt, >= 1 checked apart) is at most MAX_SAMPLES."""
+    if value > MAX_SAMPLES:
+        raise ConfigError(f"{flag}={value} must be at most {MAX_SAMPLES:,} (completions per prompt)")
+
+
+def check_prompt_count(task: Any, flag: str, count: int) -> None:
+    """A procedural task (arithmetic, long_arithmetic) generates its problems: `flag`=`count` beyond the
+    `len(task)` it has (task.num_examples) would generate and sample thousands of prompts where the user most
+    likely meant 'a few', so it is refused; a data file's rows are simply all taken."""
+    from sparserl.eval.loading import PROCEDURAL_TASKS
+
+    name = getattr(task, "name", "")
+    if name in PROCEDURAL_TASKS and count > len(task):
+        raise ConfigError(
+            f"{flag}={count} is more than the {len(task):,} problems {name} generates; give at most {len(task):,}"
+        )
+
+
+def check_context(model: Any, task: Any, prompt_ids: list[list[int]], max_new_tokens: int) -> None:
+    """Every prompt (index i of `prompt_ids`) plus --max-new-tokens fits in the model's context: a UserError
+    naming --max-new-tokens (and the rows too long) before any sampling."""
+    from sparserl.eval.evaluate import check_prompt_lengths
+
+    with _flag_names({"max_new_tokens": "--max-new-tokens"}):
+        check_prompt_lengths(model, task, list(range(len(prompt_ids))), prompt_ids, max_new_tokens)
+
+
 def _check_sampling(temperature: float, top_p: float, top_k: int = 0) -> None:
     """Sampling flags the engine accepts: --temperature >= 0 (0: greedy), --top-p in (0, 1], --top-k >= 0."""
     if not 0 <= temperature < math.inf:
@@ -184,6 +217,7 @@ def eval_command(args: argparse.Namespace) -> int:
     _check_positive(
         samples=args.samples, max_new_tokens=args.max_new_tokens, batch_prompts=args.batch_prompts
     )
+    check_samples("--samples", args.samples)
     if args.limit is not None and args.limit < 0:
         raise ConfigError(f"--limit={args.limit} must be >= 0 (0: all prompts)")
     _check_sampling(args.temperature, args.top_p, args.top_k)
@@ -199,6 +233,7 @@ def eval_command(args: argparse.Namespace) -> int:
             args.data, args.split, args.model, args.question_key, args.answer_key, args.prompt_template
         )
     limit = default_limit(task) if args.limit is None else args.limit
+    check_prompt_count(task, "--limit", limit)
     console.print(f"loading model {args.model} ...", highlight=False)
     with _quiet_loading(args.quiet):
         loaded = load_eval_model(args.model, args.dtype, device, use_checkpoint=args.checkpoint)
@@ -257,6 +292,7 @@ def rollout_command(args: argparse.Namespace) -> int:
     from sparserl.tasks import make_task
 
     _check_positive(prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens)
+    check_samples("--n", args.n)
     _check_sampling(args.temperature, args.top_p)
     kv = kv_config(args.kv, args.budget, args.window, args.interval)
     device = _device(args.device)
@@ -266,12 +302,14 @@ def rollout_command(args: argparse.Namespace) -> int:
     # eval_task_config speaks of --data, the eval flag; here the prompts come from --task.
     with _flag_names({"--data": "--task", **DATA_KEY_FLAGS}):
         task = make_task(eval_task_config(args.task, "test", args.question_key, args.answer_key), "test")
+    check_prompt_count(task, "--prompts", args.prompts)
     count = min(args.prompts, len(task))
     examples = [task[i] for i in range(count)]
     console.print(f"loading model {args.model} ...", highlight=False)
     loaded = load_eval_model(args.model, None, device)
     engine = RolloutEngine(loaded.model, loaded.tokenizer, kv if kv.sparse else None)
     prompts = [encode_prompt(loaded.tokenizer, ex.messages) for ex in examples]
+    check_context(loaded.model, task, prompts, args.max_new_tokens)
     out = engine.generate(
         prompts,
         n=args.n,

@@ -44,6 +44,15 @@ def run_config(run_dir: str | Path) -> Any:
     return load_config(Path(run_dir) / RUN_CONFIG)
 
 
+def pruned_message(ckpt: Path) -> str:
+    """What to say when a checkpoint's files vanish while eval reads them: a training still running on the
+    run directory keeps only its newest checkpoints (trainer.keep_last) and deleted this one."""
+    return (
+        f"the checkpoint {ckpt} was removed while reading (pruned by a running training?); run the command "
+        "again to read the run's latest checkpoint"
+    )
+
+
 def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tuple[Any, Any, dict]:
     """The run's base model with the checkpoint's weights; LoRA adapters are loaded through PEFT and merged
     (a DistillSparse run's are kept as adapters, its sparse-path adapter registered with the engine)."""
@@ -58,6 +67,8 @@ def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tupl
     model_cfg = replace(cfg.model, dtype=dtype) if dtype else cfg.model
     files = sorted(ckpt.glob("*.safetensors"))
     if len(files) != 1:
+        if not ckpt.is_dir():
+            raise ModelLoadError(pruned_message(ckpt))
         raise FileNotFoundError(f"{ckpt}: expected one .safetensors weights file, found {len(files)}")
     distill = cfg.distill if cfg.distill.enable else None
     policy = Policy(model_cfg, distill=distill)
@@ -66,6 +77,8 @@ def _load_checkpoint_model(run_dir: Path, ckpt: Path, dtype: str | None) -> tupl
         if distill is not None:  # the sparse path's adapter stays a switch, on in sparse engines only
             policy.load_adapter_weights(policy.distill_adapter, load_file(ckpt / DISTILL_PART / PART_WEIGHTS))
     except Exception as e:  # noqa: BLE001 - re-raised naming the checkpoint
+        if not (ckpt.is_dir() and files[0].is_file()):  # gone since the glob above: not a mismatch
+            raise ModelLoadError(pruned_message(ckpt)) from e
         raise ModelLoadError(f"checkpoint {ckpt} does not fit model {model_cfg.spec!r}: {e}") from e
     model = policy.peft.merge_and_unload() if policy.peft is not None and distill is None else policy.module
     info = {"base_model": model_cfg.spec, "lora": bool(model_cfg.lora), "weights": str(files[0]),

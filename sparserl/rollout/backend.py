@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.held import HeldRecord, HeldRecorder
 from sparserl.engine.rollout import run_stats
 from sparserl.engine.sampling import DistributionRecorder
+from sparserl.registry import Registry
 from sparserl.rollout.scheduler import Scheduler
 
 
@@ -97,18 +97,8 @@ class RolloutBackend:
         """Release workers or threads."""
 
 
-BACKENDS: dict[str, type[RolloutBackend]] = {}
-
-
-def register_backend(name: str) -> Callable[[type[RolloutBackend]], type[RolloutBackend]]:
-    """Class decorator: make a RolloutBackend available as `rollout.backend=name`."""
-
-    def add(cls: type[RolloutBackend]) -> type[RolloutBackend]:
-        BACKENDS[name] = cls
-        cls.name = name
-        return cls
-
-    return add
+BACKENDS: Registry[type[RolloutBackend]] = Registry("rollout.backend")
+register_backend = BACKENDS.register  # class decorator: `rollout.backend=name`
 
 
 @register_backend("local")
@@ -161,6 +151,4 @@ class LocalBackend(RolloutBackend):
 
 def make_backend(name: str, engine, cfg: RolloutConfig, recording: Recording | None = None) -> RolloutBackend:
     """The registered backend `name` over `engine`."""
-    if name not in BACKENDS:
-        raise ConfigError(f"rollout.backend={name!r} is unknown; choose one of {', '.join(BACKENDS)}")
-    return BACKENDS[name](engine, cfg, recording)
+    return BACKENDS.lookup(name)(engine, cfg, recording)

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import BATCHING
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.sampling import DistributionRecorder
@@ -62,17 +63,19 @@ class Scheduler:
         self.engine, self.cap, self.batching = engine, kv_memory_cap, batching
 
     def _check_cap(self, run: DecodeRun) -> None:
-        """A cap must hold each sequence alone for its prompt and one step (static: for its whole length)."""
+        """A cap must hold each sequence alone for its prompt and one step (static: for its whole length); a
+        ConfigError naming rollout.kv_memory_cap otherwise (the CLI prints it as one line)."""
         if self.cap is None:
             return
         for i, r in enumerate(run.requests):
             need = run.bytes_after_admit([i], whole=self.batching == "static")
             if need > self.cap:
                 held = len(r.prompt) + len(r.prefix)
-                raise ValueError(
+                raise ConfigError(
                     f"rollout.kv_memory_cap={format_size(self.cap)} is too small for one sequence: a prompt of "
                     f"{held} tokens plus one step needs {format_size(need)} of KV cache (charged "
-                    f"{need // run.bytes_per_position} positions of {run.bytes_per_position} bytes)"
+                    f"{need // run.bytes_per_position} positions of {run.bytes_per_position} bytes); raise the "
+                    "cap or unset it"
                 )
 
     def run(

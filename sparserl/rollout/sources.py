@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import PartialConfig
+from sparserl.registry import Registry
 from sparserl.rollout.records import GroupRecord
 from sparserl.seeds import ROLLOUT, PromptSampler, derive_seed
 
@@ -99,18 +98,8 @@ def step_seed(run_seed: int, version: int) -> int:
     return derive_seed(run_seed, version + 1, ROLLOUT)
 
 
-GROUP_SOURCES: dict[str, type[GroupSource]] = {}
-
-
-def register_group_source(name: str) -> Callable[[type[GroupSource]], type[GroupSource]]:
-    """Class decorator: make a GroupSource available as `rollout.source=name`."""
-
-    def add(cls: type[GroupSource]) -> type[GroupSource]:
-        GROUP_SOURCES[name] = cls
-        cls.name = name
-        return cls
-
-    return add
+GROUP_SOURCES: Registry[type[GroupSource]] = Registry("rollout.source")
+register_group_source = GROUP_SOURCES.register  # class decorator: `rollout.source=name`
 
 
 @register_group_source("fresh")
@@ -182,6 +171,4 @@ class LeftoverBuffer(GroupSource):
 
 def make_group_source(name: str, ctx: SourceContext, partial: PartialConfig) -> LeftoverBuffer:
     """The registered source `name` behind the leftover buffer (APRIL's, when partial rollouts are on)."""
-    if name not in GROUP_SOURCES:
-        raise ConfigError(f"rollout.source={name!r} is unknown; choose one of {', '.join(GROUP_SOURCES)}")
-    return LeftoverBuffer(GROUP_SOURCES[name](ctx), partial)
+    return LeftoverBuffer(GROUP_SOURCES.lookup(name)(ctx), partial)

@@ -4,8 +4,9 @@ whose `enabled(cfg)` is true are built at setup."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from sparserl.registry import Registry
 
 if TYPE_CHECKING:  # type names only: the add-ons themselves import the trainer's modules
     from sparserl.config import TrainConfig
@@ -42,18 +43,8 @@ class AddOn:
         raise NotImplementedError
 
 
-ADDONS: dict[str, type[AddOn]] = {}
-
-
-def register_addon(name: str) -> Callable[[type[AddOn]], type[AddOn]]:
-    """Class decorator: an add-on learner built whenever its `enabled(cfg)` says so."""
-
-    def add(cls: type[AddOn]) -> type[AddOn]:
-        ADDONS[name] = cls
-        cls.name = name
-        return cls
-
-    return add
+ADDONS: Registry[type[AddOn]] = Registry("add-on")
+register_addon = ADDONS.register  # class decorator: built whenever the class's `enabled(cfg)` says so
 
 
 def make_addons(cfg: TrainConfig, policy: Policy) -> list[AddOn]:

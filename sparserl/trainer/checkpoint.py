@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import random
@@ -102,8 +103,9 @@ def _fsync_tree(path: Path) -> None:
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a temp dir beside `final` to write into; on success rename it to `final` (an existing `final` is
     moved aside first and deleted after, so one complete copy exists at every moment); on any error or kill
-    the temp dir is removed (or left as a `.tmp-*` leftover that readers ignore). A full disk is reported as
-    such, with the path, whatever layer hit it (torch reports it as an opaque 'enforce fail')."""
+    the temp dir is removed (or left as a `.tmp-*` leftover that readers ignore, and the next successful write
+    of `final` deletes). A full disk is reported as such, with the path, whatever layer hit it (torch reports
+    it as an opaque 'enforce fail')."""
     new_parent = not final.parent.exists()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
@@ -124,6 +126,14 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         if _disk_full(e):
             raise OSError(errno.ENOSPC, f"No space left on device while writing {final}") from e
         raise
+    remove_leftovers(final)
+
+
+def remove_leftovers(final: Path) -> None:
+    """Delete the `.tmp-{final.name}-*` folders beside `final` that an earlier write killed mid-way left (a
+    kill -9 during an export, then a resume that exported again): `final` is complete now, they are garbage."""
+    for leftover in final.parent.glob(f".tmp-{glob.escape(final.name)}-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _save(obj: Any, path: Path) -> None:
