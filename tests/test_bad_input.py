@@ -175,6 +175,27 @@ def model_missing_a_layer(name: str) -> Setup:
     return setup
 
 
+def pruned_while_read(run: str) -> Setup:
+    """A setup training the tiny run tmp/`run` for one step, then making its checkpoints vanish as eval reads
+    their weights (a running training pruning them): the first load_file deletes the checkpoints first."""
+
+    def setup(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        import shutil
+
+        import safetensors.torch
+
+        trained()(tmp, monkeypatch)
+        real = safetensors.torch.load_file
+
+        def load_file(path: Any, *args: Any, **kwargs: Any) -> Any:
+            shutil.rmtree(tmp / run / "checkpoints", ignore_errors=True)
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+
+    return setup
+
+
 def case(
     id: str, argv: list[str], code: int, message: str, setup: Setup | None = None, xfail: str = ""
 ) -> Any:
@@ -259,6 +280,15 @@ CASES = [
     case("kv-schedule-directory", [*TRAIN, "kv.schedule={tmp}/sched.json"], EXIT_USAGE, r"kv\.schedule: .*sched\.json is a directory", write("sched.json/x", "")),
     case("cost-intensity-inf", ["cost", "--model", "tiny-llama", "--output-len", "64", "--intensity", "inf"], EXIT_FAILURE, r"--intensity 'inf' must be a finite positive number"),
     case("train-max-new-tokens-past-context", [*TRAIN, "rollout.max_new_tokens=100000"], EXIT_USAGE, r"rollout\.max_new_tokens=100000 leaves no room for a prompt in the model's context of 4096"),
+    case("eval-samples-huge", [*EVAL, "--data", "arithmetic", "--samples", "9223372036854775807"], EXIT_USAGE, r"--samples=9223372036854775807 must be at most 65,536"),
+    case("rollout-n-huge", [*ROLLOUT, "--n", "9223372036854775807"], EXIT_USAGE, r"--n=9223372036854775807 must be at most 65,536"),
+    case("calibrate-n-huge", ["calibrate", "--model", "tiny-llama", "--data", "arithmetic", "--budgets", "48", "--n", "9223372036854775807", "-q"], EXIT_USAGE, r"--n=9223372036854775807 must be at most 65,536"),
+    case("eval-limit-past-procedural-task", [*EVAL, "--data", "arithmetic", "--limit", "9223372036854775807"], EXIT_USAGE, r"--limit=9223372036854775807 is more than the 10,000 problems arithmetic generates"),
+    case("calibrate-prompts-past-procedural-task", ["calibrate", "--model", "tiny-llama", "--data", "arithmetic", "--budgets", "48", "--prompts", "100000", "-q"], EXIT_USAGE, r"--prompts=100000 is more than the 10,000 problems arithmetic generates"),
+    case("rollout-max-new-tokens-past-context", [*ROLLOUT, "--max-new-tokens", "100000"], EXIT_FAILURE, r"--max-new-tokens=100000 leaves no room .* 4096 positions"),
+    case("calibrate-top-logprobs-past-vocab", ["calibrate", "--model", "tiny-llama", "--data", "arithmetic", "--budgets", "48", "--n", "1", "--prompts", "1", "--max-new-tokens", "8", "--top-logprobs", "100000", "-q", "--out", "{tmp}/cal"], EXIT_USAGE, r"--top-logprobs=100000 must be in \[1, 261\]"),
+    case("train-kv-memory-cap-below-a-prompt", [*TRAIN, "rollout.kv_memory_cap=4096"], EXIT_USAGE, r"rollout\.kv_memory_cap=4\.00 KiB is too small for one sequence"),
+    case("eval-checkpoint-pruned-while-read", [*EVAL, "--data", "arithmetic", "--model", "{tmp}/runs/r", "--checkpoint"], EXIT_FAILURE, r"checkpoint .*runs/r/checkpoints/step-\d+ was removed while reading \(pruned by a running training\?\)", pruned_while_read("runs/r")),
     # --- add new cases above this line ---
 ]  # fmt: skip
 

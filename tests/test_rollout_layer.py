@@ -119,7 +119,9 @@ def test_dense_cache_grows_with_its_longest_row_and_preempts_at_the_cap():
 
 def test_a_cap_too_small_for_one_sequence_names_both_sizes():
     e = engine()
-    with pytest.raises(ValueError, match=r"kv_memory_cap=1.00 KiB is too small.*prompt of \d+ tokens.*needs"):
+    with pytest.raises(
+        ConfigError, match=r"kv_memory_cap=1.00 KiB is too small.*prompt of \d+ tokens.*needs"
+    ):
         Scheduler(e, 1024).run(requests([4]), Sampling())
 
 

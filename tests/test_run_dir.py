@@ -87,6 +87,16 @@ def test_export_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".tmp-*"))
 
 
+def test_a_new_export_removes_leftovers_of_a_killed_one(tmp_path: Path) -> None:
+    for name in (".tmp-final-k1l2", ".tmp-final-old-x9"):  # what kill -9 mid-export leaves
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    (tmp_path / ".tmp-finale-abc").mkdir()  # another folder's leftover: not ours to delete
+    with atomic_dir(tmp_path / "final") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-finale-abc", "final"]
+
+
 def test_a_full_disk_names_itself_and_the_path(tmp_path: Path) -> None:
     with (
         pytest.raises(OSError, match="No space left on device while writing .*ckpt"),

@@ -55,6 +55,19 @@ def test_inline_json_and_yaml_forms_give_the_same_table(tmp_path):
     assert kv.schedule == table and kv.max_budget == 512  # the config keeps the table read from the file
 
 
+def test_a_schedule_file_of_another_method_is_warned_about(tmp_path, recwarn):
+    table = [[0, 256], [512, 384]]
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps({"schedule": table, "method": "block_topk"}))  # as `sparserl calibrate` does
+    expected = r"schedule\.json.*calibrated for method 'block_topk'.*used with 'rkv'"
+    with pytest.warns(UserWarning, match=expected):
+        assert KVConfig(method="rkv", schedule=str(path)).schedule == table
+    recwarn.clear()
+    KVConfig(method="block_topk", schedule=str(path))  # its own method, or an inline table: no warning
+    KVConfig(method="rkv", schedule=table)
+    assert not [w for w in recwarn if "calibrated for" in str(w.message)]
+
+
 def test_lookup_at_the_bin_edges():
     sched = BudgetSchedule.from_table([[0, 256], [512, 384], [1024, 512]])
     lengths = torch.tensor([0, 1, 511, 512, 513, 1023, 1024, 9000])

@@ -1,6 +1,6 @@
 """SIGTERM (schedulers, `docker stop`): `sparserl train` finishes the step in flight, writes a checkpoint, says how
 to resume and exits 143; the resumed run ends with the very weights of an uninterrupted one. `sparserl
-calibrate` stops with one line and 143, not a silent death."""
+calibrate` and the other commands stop with one line and 143, not a silent death."""
 
 from __future__ import annotations
 
@@ -154,6 +154,30 @@ def test_calibrate_stops_with_one_line_and_143(
     assert not (tmp_path / "out" / "schedule.json").exists()
 
 
+def test_other_commands_stop_with_one_line_and_143(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sparserl.eval.commands as commands
+    from sparserl.cli import main
+
+    def terminated(args: object) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # the handler raises here
+        pytest.fail("SIGTERM did not stop sparserl eval")
+
+    def unhandled(signum: int, frame: object) -> None:  # stands for Python's default: a silent death
+        raise AssertionError("sparserl eval left SIGTERM unhandled")
+
+    monkeypatch.setattr(commands, "eval_command", terminated)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        rc = main(["eval", "--data", "arithmetic"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert rc == 143
+    assert capsys.readouterr().err.strip() == "sparserl eval: stopped by SIGTERM"
+
+
 def test_stoppable_returns_the_signal_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
     @stoppable("bench", "nothing written")
     def main() -> int:
@@ -163,3 +187,7 @@ def test_stoppable_returns_the_signal_exit_code(capsys: pytest.CaptureFixture[st
 
     assert main() == 143
     assert "bench: stopped by SIGTERM; nothing written" in capsys.readouterr().err
+    exiting = stoppable("bench", "nothing written", exits=True)(main.__wrapped__)  # a script's main()
+    with pytest.raises(SystemExit) as stopped:
+        exiting()
+    assert stopped.value.code == 143
