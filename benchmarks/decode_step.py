@@ -34,6 +34,7 @@ from sparserl.engine import KVConfig, RolloutEngine
 from sparserl.engine.decoder import causal_lm
 from sparserl.engine.weights import PackedProjections
 from sparserl.models import load_model
+from sparserl.signals import stoppable
 
 GOALS = {16: 1.6, 64: 1.3}  # the most a step may cost, in weight-matmul times, per batch size
 
@@ -88,6 +89,7 @@ def profile_step(model, tokenizer, batch: int, prompt_len: int, steps: int, top:
     return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:top]]
 
 
+@stoppable("benchmarks/decode_step.py", "results not written; run it again", exits=True)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")

@@ -51,6 +51,8 @@ from _common import (  # noqa: E402
     runs_with_settings,
 )
 
+from sparserl.signals import stoppable  # noqa: E402
+
 TRL_VERSION = "1.16.0"
 ARMS = ("trl", "sparserl", "sparserl-compiled")  # the last: engine.compile=true (compiles in step 1)
 GOAL = 2.0
@@ -411,6 +413,7 @@ def other_goals() -> dict[str, Any]:
     return out
 
 
+@stoppable("benchmarks/rl_step.py", "results not written; run it again", exits=True)
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     if importlib.util.find_spec("trl") is None:

@@ -47,6 +47,7 @@ from _common import (  # noqa: E402
 
 from sparserl.engine import RolloutEngine  # noqa: E402
 from sparserl.models import load_model  # noqa: E402
+from sparserl.signals import stoppable  # noqa: E402
 
 TEXT = (
     "The history of numbers begins with counting. Shepherds matched pebbles to sheep, merchants cut notches "
@@ -182,6 +183,7 @@ def parse_contexts(spec: str) -> list[tuple[int, int]]:
     return pairs  # type: ignore[return-value]
 
 
+@stoppable("benchmarks/rollout.py", "results not written; run it again", exits=True)
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")

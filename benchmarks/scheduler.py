@@ -33,6 +33,7 @@ from sparserl.engine import KVConfig, RolloutEngine  # noqa: E402
 from sparserl.engine.decoding import Request, Sampling  # noqa: E402
 from sparserl.models import encode_prompt, load_model  # noqa: E402
 from sparserl.rollout import PromptSource, RolloutLayer, Scheduler  # noqa: E402
+from sparserl.signals import stoppable  # noqa: E402
 
 PROMPT = "Write a very long story about a lighthouse keeper who counts ships. Go on for as long as you can."
 OUT = RESULTS / "scheduler.json"
@@ -166,6 +167,7 @@ def goals(a: dict, b: dict) -> dict:
     return g
 
 
+@stoppable("benchmarks/scheduler.py", "results not written; run it again", exits=True)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["a", "b", "both"], default="both")

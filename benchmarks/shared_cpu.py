@@ -36,6 +36,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, command_line, machine_info, print_table, write_json
 
+from sparserl.signals import stoppable
+
 # THREADS/OMP_WAIT_POLICY/GOMP_SPINCOUNT, "-" = unset. 1 thread first: its policy should not matter.
 DEFAULT_SETTINGS = (
     "1/PASSIVE/-,1/-/-,2/PASSIVE/-,2/-/-,2/-/1000,2/-/10000,2/-/30000,2/-/100000,2/PASSIVE/1000"
@@ -178,6 +180,7 @@ def summarise(setting: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, 
     return row
 
 
+@stoppable("benchmarks/shared_cpu.py", "results not written; run it again", exits=True)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", default=DEFAULT_SETTINGS,

@@ -68,6 +68,7 @@ from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
 from sparserl.eval.calibrate import DEFAULT_BIN_WIDTH, DEFAULT_TAU
 from sparserl.models import encode_prompt, load_model
+from sparserl.signals import stoppable
 
 DEFAULT_SCHEDULE = RESULTS / "calibration" / "schedule.json"
 # The fixed budget is 1024, twice the schedule's last budget (512, which holds from 768 positions on), so that
@@ -463,6 +464,7 @@ def measure_cells(bench: Bench, arms: dict[str, KVConfig | None], on_disk: dict)
     return mine
 
 
+@stoppable("benchmarks/sparrow.py", "cells not yet written are lost; run it again with --resume", exits=True)
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

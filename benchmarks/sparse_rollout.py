@@ -45,6 +45,7 @@ from sparserl.engine import EVICTION_METHODS, KVConfig  # noqa: E402
 
 BENCH_METHODS = ("dense", *EVICTION_METHODS)  # block-sparse attention has its own benchmark (issue 15)
 from sparserl.models import encode_prompt, load_model  # noqa: E402
+from sparserl.signals import stoppable  # noqa: E402
 
 PROMPT = "Write a very long story about a lighthouse keeper who counts ships. Go on for as long as you can."
 DEFAULT_LENGTHS = [1024, 2048, 4096]
@@ -195,6 +196,7 @@ def print_report(rows: list[dict], args) -> None:
     )  # fmt: skip
 
 
+@stoppable("benchmarks/sparse_rollout.py", "results not written; run it again", exits=True)
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")

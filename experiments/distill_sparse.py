@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from study import ROOT, read_metrics, train_arm, write_atomic, write_with_goals
 
+from sparserl.signals import stoppable
+
 CONFIG = ROOT / "configs" / "default.yaml"
 RESULTS = ROOT / "docs" / "results"
 PARTS = RESULTS / "distill_sparse"
@@ -302,6 +304,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+@stoppable("experiments/distill_sparse.py", "finished parts are kept; run the same command to go on")
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0", help="training seeds, comma-separated (default 0)")

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from study import ROOT, read_metrics, train_arm, write_atomic
 
+from sparserl.signals import stoppable
 from sparserl.trainer import checkpoint_path
 
 CONFIG = ROOT / "configs" / "default.yaml"
@@ -169,6 +170,7 @@ def report(run: Path, seeds: list[int], threads: int) -> dict:
     return result
 
 
+@stoppable("experiments/p5_stability.py", "finished parts are kept; run the same command to go on")
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2", help="calibration sampling seeds (default 0,1,2)")

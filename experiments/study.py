@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from sparserl.signals import stoppable
+
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "experiments" / "base.yaml"
 ARMS: dict[str, list[str]] = {
@@ -277,6 +279,7 @@ def report(out: Path, results_dir: Path, evals: dict[str, dict]) -> dict:
     return summary
 
 
+@stoppable("experiments/study.py", "finished parts are kept; run the same command to go on")
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

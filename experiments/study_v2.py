@@ -67,6 +67,8 @@ from study_v2_setup import (
     warmstart,
 )
 
+from sparserl.signals import stoppable
+
 CAL_BUDGETS = [64, 96, 128, 192, 256]
 
 
@@ -256,6 +258,7 @@ def run(args: argparse.Namespace) -> None:
     report()
 
 
+@stoppable("experiments/study_v2.py", "finished parts are kept; run the same command to go on")
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
