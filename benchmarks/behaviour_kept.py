@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from sparserl.signals import stoppable
+
 REPO = Path(__file__).resolve().parent.parent
 ARMS = {
     "default": ["trainer.steps=3"],
@@ -103,6 +105,7 @@ def compare(base: Path, new: Path, base_commit: str, new_commit: str) -> dict:
     }
 
 
+@stoppable("benchmarks/behaviour_kept.py", "this arm's run is incomplete; record it again", exits=True)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
