@@ -32,7 +32,14 @@ from sparserl.config.rollout import PartialConfig, RolloutConfig, parse_bytes  #
 from sparserl.engine import KVConfig, RolloutEngine  # noqa: E402
 from sparserl.engine.decoding import Request, Sampling  # noqa: E402
 from sparserl.models import encode_prompt, load_model  # noqa: E402
-from sparserl.rollout import PromptSource, RolloutLayer, Scheduler  # noqa: E402
+from sparserl.rollout import (  # noqa: E402
+    GroupSource,
+    LeftoverBuffer,
+    LocalBackend,
+    RolloutLayer,
+    Scheduler,
+    SourceContext,
+)
 from sparserl.signals import stoppable  # noqa: E402
 
 PROMPT = "Write a very long story about a lighthouse keeper who counts ships. Go on for as long as you can."
@@ -108,22 +115,17 @@ def part_b(model, tok, prompt: list[int], args) -> dict:
         )  # fmt: skip
         engine = RolloutEngine(model, tok, kv)
         engine.eos_ids = set()
-        layer = RolloutLayer(engine, cfg)
-
-        def take(k: int, position: list[int] = [0]) -> list[int]:  # noqa: B006 - one counter per arm
-            position[0] += k
-            return list(range(position[0] - k, position[0]))
-
-        source = PromptSource(
-            take=take, prompt_ids=lambda row: prompt, example=lambda row: None,
-            score=lambda texts, examples: [0.0] * len(texts), decode=lambda ids: [""] * len(ids),
-            max_new_tokens=lambda row, j: int(lengths[row, j]),
-        )  # fmt: skip
+        backend = LocalBackend(engine, cfg)
+        layer = RolloutLayer(backend, _ScriptedTask(prompt), cfg)
+        source = LeftoverBuffer(_ScriptedLengths(lengths, cfg.n), cfg.partial)
         start = clock()
         per_step = []
         samples = tokens = 0
         for step in range(args.steps):
-            groups, metrics, _ = layer.collect(step, 1000 + step, source)
+            backend.push_weights(step)
+            got = layer.collect(step, 1000 + step, source.plan(cfg.prompts_per_step, step))
+            source.observe(got.groups, got.leftover)
+            groups, metrics = got.groups, got.metrics
             samples += sum(len(g.samples) for g in groups)
             tokens += sum(len(s.tokens) for g in groups for s in g.samples)
             per_step.append({k: metrics[k] for k in ("occupancy", "kv_fill", "off_policy_token_frac",
@@ -142,6 +144,43 @@ def part_b(model, tok, prompt: list[int], args) -> dict:
         }
         print(name, {k: round(v, 3) for k, v in out[name].items() if isinstance(v, float)}, flush=True)
     return out
+
+
+class _ScriptedTask:
+    """One prompt for every row, no reward: the layer's task view in this benchmark."""
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+
+    def prompt_ids(self, row: int) -> list[int]:
+        return self.prompt
+
+    def example(self, row: int) -> None:
+        return None
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return [""] * len(ids)
+
+    def scores(self, texts: list[str], examples: list) -> list[float]:
+        return [0.0] * len(texts)
+
+
+class _ScriptedLengths(GroupSource):
+    """Rows 0, 1, 2... in order; sample j of row r runs exactly lengths[r, j] tokens (EOS is off)."""
+
+    def __init__(self, lengths, n: int) -> None:
+        super().__init__(SourceContext(rows=[], n=n, seed=0))
+        self.lengths, self.position = lengths, 0
+
+    def choose(self, k: int, version: int) -> list[int]:
+        self.position += k
+        return list(range(self.position - k, self.position))
+
+    def plan(self, k: int, version: int):
+        plans = super().plan(k, version)
+        for p in plans:
+            p.max_new_tokens = [int(self.lengths[p.row, j]) for j in range(p.n)]
+        return plans
 
 
 def goals(a: dict, b: dict) -> dict:

@@ -367,3 +367,13 @@ def test_partial_rollouts_train_and_resume_exactly_with_their_leftovers(tmp_path
     assert max(r["rollout/recycled_frac"] for r in ra.values()) > 0
     assert all(0 < r["rollout/occupancy"] <= 1 for r in ra.values() if "rollout/occupancy" in r)
     assert ra[1]["rollout/occupancy"] > 0
+
+
+def test_a_kv_cap_below_one_prompt_is_refused_before_any_step(tmp_path):
+    """Between the config's lower bound and a real prompt: refused when the trainer starts, no run directory
+    left behind."""
+    from test_trainer import make_trainer, tiny_cfg
+
+    with pytest.raises(ConfigError, match="rollout.kv_memory_cap=4.00 KiB is too small for one sequence"):
+        make_trainer(tiny_cfg(tmp_path, "rollout.kv_memory_cap=4096"))
+    assert not (tmp_path / "run").exists()

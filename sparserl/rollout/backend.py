@@ -93,6 +93,9 @@ class RolloutBackend:
         """Decode `requests`; returns the run's metrics (throughput, KV memory, scheduling)."""
         raise NotImplementedError
 
+    def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
+        """Refuse at start-up a setting (a KV memory cap) that cannot run one sequence of this prompt length."""
+
     def close(self) -> None:
         """Release workers or threads."""
 
@@ -111,6 +114,9 @@ class LocalBackend(RolloutBackend):
         super().__init__()
         self.engine, self.recording = engine, recording or Recording()
         self.scheduler = Scheduler(engine, cfg.kv_memory_cap_bytes, cfg.batching)
+
+    def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
+        self.scheduler.check_fits(prompt_length, max_new_tokens)
 
     def run(
         self,

@@ -55,12 +55,12 @@ class Scheduler:
     def __init__(self, engine, kv_memory_cap: int | None = None, batching: str = "continuous"):
         if batching not in BATCHING:
             raise ValueError(f"batching={batching!r}: choose one of {', '.join(BATCHING)}")
-        if kv_memory_cap is not None and engine.compiled_step is not None:
-            raise NotImplementedError(
-                "engine.compile=true decodes one static batch; a KV memory cap (continuous batching) runs "
-                "eagerly for now: set engine.compile=false or unset rollout.kv_memory_cap"
-            )
         self.engine, self.cap, self.batching = engine, kv_memory_cap, batching
+
+    def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
+        """`_check_cap` for one sequence of `prompt_length` prompt tokens, before any run (at start-up)."""
+        request = Request([0] * prompt_length, 0, 0, max_new_tokens)
+        self._check_cap(self.engine.start_run([request], Sampling(), kv_memory_cap=self.cap))
 
     def _check_cap(self, run: DecodeRun) -> None:
         """A cap must hold each sequence alone for its prompt and one step (static: for its whole length); a

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from sparserl.engine import RolloutEngine
 from sparserl.engine.scored import generate_and_score
 from sparserl.rollout import TaskView
 from sparserl.seeds import EVAL, derive_seed
@@ -52,3 +53,18 @@ class HeldOutEval:
                 highlight=False,
                 markup=True,
             )
+
+
+def held_out_eval(
+    cfg: Any, view: TaskView | None, usable_rows: Any, engine: Any, policy: Any
+) -> HeldOutEval | None:
+    """The run's held-out evaluation (None without held-out prompts): a dense engine over the policy's modules
+    (the training `engine` itself when it is dense), and the training KV policy too with trainer.eval_sparse;
+    `usable_rows(view, want)` picks the first rows that fit the model."""
+    if view is None or cfg.trainer.eval_prompts == 0:
+        return None
+    dense = (
+        RolloutEngine(policy.module, policy.tokenizer, dtype=policy.compute_dtype) if cfg.sparse else engine
+    )
+    engines = {"dense": dense, **({"sparse": engine} if cfg.trainer.eval_sparse and cfg.sparse else {})}
+    return HeldOutEval(cfg, view, usable_rows(view, cfg.trainer.eval_prompts), engines, policy.module)

@@ -42,7 +42,7 @@ from sparserl.trainer.checkpoint import (
     save_checkpoint,
 )
 from sparserl.trainer.data import training_tasks, usable_rows
-from sparserl.trainer.evaluation import HeldOutEval
+from sparserl.trainer.evaluation import held_out_eval
 from sparserl.trainer.logging import (
     MetricSinks,
     ProgressDisplay,
@@ -132,26 +132,16 @@ class Trainer:
         self.train_view = TaskView(self.task, self.tokenizer)
         self.eval_view = TaskView(self.eval_task, self.tokenizer) if self.eval_task is not None else None
         self.train_rows = self._usable_rows(self.train_view)
-        self.held_out = None
-        if self.eval_view is not None and cfg.trainer.eval_prompts > 0:
-            engines = {
-                "dense": RolloutEngine(self.policy.module, self.tokenizer, dtype=dtype)
-                if cfg.sparse
-                else self.engine
-            }
-            if cfg.trainer.eval_sparse and cfg.sparse:
-                engines["sparse"] = self.engine
-            rows = self._usable_rows(self.eval_view, cfg.trainer.eval_prompts)
-            self.held_out = HeldOutEval(cfg, self.eval_view, rows, engines, self.policy.module)
+        self.held_out = held_out_eval(cfg, self.eval_view, self._usable_rows, self.engine, self.policy)
         self.source = make_group_source(
             cfg.rollout.source, SourceContext(self.train_rows, cfg.rollout.n, seed, cfg), cfg.rollout.partial
         )
         recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
-        self.rollouts = RolloutLayer(
-            make_backend(cfg.rollout.backend, self.engine, cfg.rollout, recording),
-            self.train_view,
-            cfg.rollout,
-        )
+        backend = make_backend(cfg.rollout.backend, self.engine, cfg.rollout, recording)
+        self.rollouts = RolloutLayer(backend, self.train_view, cfg.rollout)
+        # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
+        longest = max(len(self.train_view.prompt_ids(r)) for r in self.train_rows[:64])
+        backend.check_fits(longest, cfg.rollout.max_new_tokens)
         if ckpt is not None:
             self._resume(ckpt)
         self.resumed_from: Path | None = ckpt.path if ckpt is not None else None
