@@ -62,7 +62,13 @@ def _metrics(path: Path) -> list[dict]:
 
 
 def _is_timing(key: str) -> bool:
-    return key == "time" or key.startswith("time/") or key.endswith("_s") or "per_s" in key or "tokens_per" in key
+    return (
+        key == "time"
+        or key.startswith("time/")
+        or key.endswith("_s")
+        or "per_s" in key
+        or "tokens_per" in key
+    )
 
 
 def _weights(run: Path) -> dict:

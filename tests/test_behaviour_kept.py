@@ -26,9 +26,13 @@ ARMS = {
     "default": (tiny_cfg, ["trainer.steps=3", "trainer.eval_prompts=2"]),
     "cap_partial": (
         tiny_cfg,
-        ["trainer.steps=3", "rollout.partial.enable=true", "rollout.partial.max_staleness=3",
-         "rollout.kv_memory_cap=1MiB"],
-    ),  # fmt: skip
+        [
+            "trainer.steps=3",
+            "rollout.partial.enable=true",
+            "rollout.partial.max_staleness=3",
+            "rollout.kv_memory_cap=1MiB",
+        ],
+    ),
     "epochs_kl_lora": (
         tiny_cfg,
         ["trainer.steps=2", "model.lora=true", "optim.ppo_epochs=2", "algo.kl_coef=0.05", "algo.preset=tis"],
