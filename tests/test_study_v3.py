@@ -42,12 +42,9 @@ def test_candidate_budgets_round_up_to_8():
 
 
 def test_budget_rule_smallest_qualifying():
-    row = lambda reward, off, k3, saving: {
-        "reward": reward,
-        "frac_off": off,
-        "kl_k3": k3,
-        "retained_saving": saving,
-    }  # noqa: E731
+    def row(reward, off, k3, saving):
+        return {"reward": reward, "frac_off": off, "kl_k3": k3, "retained_saving": saving}
+
     rows = {96: row(0.2, 0.2, 0.2, 0.6), 112: row(0.4, 0.05, 0.01, 0.5), 128: row(0.45, 0.01, 0.01, 0.4)}
     assert R.choose_budget(rows, 0.5) == 112  # 96: reward too low; 128: too little mismatch
     rows[112]["retained_saving"] = 0.3
