@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
-from sparserl.engine.weights import ModuleProjections, PackedProjections
+from sparserl.engine.weights import ModuleProjections, PackedProjections, packed_projections
 from sparserl.models import check_supported
 
 
@@ -65,11 +65,12 @@ class Decoder:
 
     def prepare(self) -> None:
         """Read the current weights: pack them (CPU, or a compute dtype other than the weights'), else use the
-        modules. Called at the start of every `generate`, since the weights may have changed since the last."""
+        modules. Called at the start of every `generate`, since the weights may have changed since the last; a
+        model whose weights version is tracked reuses its packed copy until it moves (`weights.packed_projections`)."""
         lm, weights_dtype = self.model, self.model.lm_head.weight.dtype
         packed = None
         if self.device.type == "cpu" or self.dtype != weights_dtype:
-            packed = PackedProjections.build(self.layers, lm.lm_head, self.dtype)
+            packed = packed_projections(lm, self.layers, lm.lm_head, self.dtype)
         if packed is None and self.dtype != weights_dtype:
             raise NotImplementedError(
                 f"rollouts in {self.dtype} over {weights_dtype} weights need plain or LoRA Linear projections; "

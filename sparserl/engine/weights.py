@@ -4,12 +4,21 @@
 the engine's compute dtype, with PEFT LoRA adapters merged in. On CPU, MKL multiplies a few rows by an [in, out]
 matrix 1.3-2x faster than by the [out, in] weight `nn.Linear` keeps (batch 8-16, SmolLM2 shapes, one thread;
 docs/engine.md), fusing halves the calls per layer, and the copy is where float32 master weights become the
-bfloat16 the rollout runs in. The copy is rebuilt at every `generate` call, because an optimizer step may change
-the weights without telling anyone (fused AdamW does not even bump a tensor's version counter).
+bfloat16 the rollout runs in.
+
+An optimizer step may change the weights without telling anyone (fused AdamW does not even bump a tensor's
+version counter), so by default the copy is rebuilt at every `generate` call. A model whose trainer promises to
+say when its weights move (`track_weights_version`, then `bump_weights_version` after every in-place update)
+gets its copy cached instead (`packed_projections`): rebuilt only when the version, the LoRA merge state (which
+adapters are active, enabled, merged, their scaling), a weight tensor's identity or its autograd version counter
+moved, and shared by every engine over the model. The stale copy is dropped at the bump, not kept until the next
+call.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -128,3 +137,99 @@ class PackedProjections:
 
     def logits(self, x: Tensor) -> Tensor:
         return self._lm_head(x)
+
+
+# the attribute on the causal LM that holds its weights version; absent: nobody tracks it, repack every call
+WEIGHTS_VERSION_ATTR = "sparserl_weights_version"
+# causal LM -> (cache key, its packed copy or None when it cannot be packed); weak: no model is kept alive
+_PACKED: weakref.WeakKeyDictionary[nn.Module, tuple[Hashable, PackedProjections | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def track_weights_version(model: nn.Module) -> None:
+    """Promise that every in-place change of `model`'s weights that autograd does not see (an optimizer step:
+    fused AdamW bumps no version counter) is followed by `bump_weights_version`; engines over it then keep their
+    packed copy between calls. Without the promise they repack at every call."""
+    lm = _unwrap(model)
+    if getattr(lm, WEIGHTS_VERSION_ATTR, None) is None:
+        setattr(lm, WEIGHTS_VERSION_ATTR, 0)
+
+
+def bump_weights_version(model: nn.Module) -> None:
+    """The weights of `model` changed in place: the next `generate` repacks. The stale copy is freed now."""
+    lm = _unwrap(model)
+    version = getattr(lm, WEIGHTS_VERSION_ATTR, None)
+    if version is not None:
+        setattr(lm, WEIGHTS_VERSION_ATTR, version + 1)
+    _PACKED.pop(lm, None)
+
+
+def weights_version(model: nn.Module) -> int | None:
+    """The model's weights version, or None when nobody tracks it."""
+    return getattr(_unwrap(model), WEIGHTS_VERSION_ATTR, None)
+
+
+def _tensor_key(t: Tensor | None) -> tuple | None:
+    return None if t is None else (id(t), t.data_ptr(), t._version, t.dtype, t.device)
+
+
+def _module_key(module: nn.Module) -> tuple:
+    """What `linear_weight(module)` depends on, besides values changed without a version bump."""
+    hooks = bool(module._forward_hooks or module._forward_pre_hooks)
+    base = getattr(module, "base_layer", None)
+    if base is None or not hasattr(module, "lora_A"):
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        return type(module), hooks, _tensor_key(weight), _tensor_key(bias)
+    lora_a, lora_b, variants = module.lora_A, module.lora_B, getattr(module, "lora_variant", {})
+    adapters = tuple(
+        (
+            n,
+            _tensor_key(lora_a[n].weight),
+            _tensor_key(lora_b[n].weight),
+            module.scaling.get(n),
+            n in variants,
+        )
+        for n in module.active_adapters
+        if n in lora_a
+    )
+    return (type(module), hooks, module.disable_adapters, module.merged, adapters,
+            _tensor_key(base.weight), _tensor_key(base.bias))  # fmt: skip
+
+
+def _projections(layers: nn.ModuleList, lm_head: nn.Module) -> list[nn.Module]:
+    mods: list[nn.Module] = [lm_head]
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        mods += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        mods += [getattr(mlp, p, None) for p in ("gate_proj", "up_proj", "down_proj")]
+    return [m for m in mods if m is not None]
+
+
+def packed_projections(
+    model: nn.Module, layers: nn.ModuleList, lm_head: nn.Module, dtype: torch.dtype
+) -> PackedProjections | None:
+    """`PackedProjections.build`, cached per model when its weights version is tracked (`track_weights_version`):
+    the cached copy is reused while the version, the dtype and every projection's state (`_module_key`) are
+    unchanged, else dropped before the new one is built (never two copies at once)."""
+    model = _unwrap(model)
+    version = getattr(model, WEIGHTS_VERSION_ATTR, None)
+    if version is None:
+        return PackedProjections.build(layers, lm_head, dtype)
+    key = (version, dtype, tuple(_module_key(m) for m in _projections(layers, lm_head)))
+    hit = _PACKED.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    _PACKED.pop(model, None)
+    packed = PackedProjections.build(layers, lm_head, dtype)
+    _PACKED[model] = (key, packed)
+    return packed
+
+
+def drop_packed(model: nn.Module) -> None:
+    """Free `model`'s cached packed copy (its memory) now; the next call repacks."""
+    _PACKED.pop(_unwrap(model), None)

@@ -25,6 +25,7 @@ from sparserl.engine.held import HeldRecord
 from sparserl.engine.module_mode import module_mode
 from sparserl.engine.sampling import processed_logprobs
 from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
+from sparserl.engine.weights import bump_weights_version
 from sparserl.trainer.addons import AddOn, register_addon
 from sparserl.trainer.checkpoint import Checkpoint, Part
 from sparserl.trainer.policy import Policy, grad_flags_kept
@@ -108,6 +109,7 @@ class DistillLearner:
         norm = clipped_step(self.params, self.optimizer, denominator, self.cfg.optim.grad_clip)
         if norm is None:
             return False
+        bump_weights_version(self.policy.module)  # the sparse path's weights moved: its engines repack
         sums["distill/grad_norm"] = sums.get("distill/grad_norm", 0.0) + norm
         return True
 

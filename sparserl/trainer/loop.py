@@ -20,6 +20,7 @@ from torch import Tensor
 from sparserl.algo import advantages_from_config
 from sparserl.config import TrainConfig, save_config
 from sparserl.engine.padding import right_pad
+from sparserl.engine.weights import drop_packed
 from sparserl.rollout import (
     Recording,
     RolloutLayer,
@@ -221,6 +222,7 @@ class Trainer:
         self.source.observe(got.groups, got.leftover)
         samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
+        drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
         batch = self._batch(samples)
         batch.held = [seg.held for seg in got.recorded] if self.rollouts.backend.recording.held else None
         t2 = time.perf_counter()

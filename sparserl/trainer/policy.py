@@ -16,6 +16,7 @@ from torch import nn
 from sparserl.config import ConfigError, ModelConfig
 from sparserl.config.distill import DistillConfig
 from sparserl.engine.rollout import register_sparse_path
+from sparserl.engine.weights import bump_weights_version, track_weights_version
 from sparserl.models import ModelLoadError
 from sparserl.trainer.checkpoint import atomic_dir
 
@@ -79,9 +80,10 @@ class Policy:
         distill: DistillConfig | None = None,
     ):
         from sparserl.device import resolve_device
-        from sparserl.models import prepare_for_training
+        from sparserl.models import prepare_for_training, return_freed_memory
 
         device = resolve_device(cfg.device, "model.device")  # before the load: a bad device fails at once
+        return_freed_memory()  # a training step's freed activations go back to the system, not stay resident
         model, tokenizer = (loader or default_loader)(cfg)
         # a custom loader's model too: master weights are float32; LoRA layers follow their base onto the device
         model.to(dtype=getattr(torch, cfg.weights_dtype), device=device)
@@ -104,6 +106,9 @@ class Policy:
                 self._ref = copy.deepcopy(model).eval().requires_grad_(False)
         if distill is not None and distill.enable:
             self._add_distill_adapter(distill, seed)
+        # the learners bump it after every optimizer step (and `load_weights` here): engines over the module keep
+        # their packed weights between calls at one version (engine/weights.py)
+        track_weights_version(self.module)
 
     def _add_distill_adapter(self, d: DistillConfig, seed: int) -> None:
         """The DistillSparse adapter, beside the policy's own LoRA or injected into the full model (whose
@@ -235,12 +240,14 @@ class Policy:
             self.module.load_state_dict({names[k]: v for k, v in state.items()}, strict=False)
         else:
             self.module.load_state_dict(state, strict=False)
+        bump_weights_version(self.module)
 
     def load_adapter_weights(self, name: str, state: dict[str, torch.Tensor]) -> None:
         """Inverse of `adapter_weights`."""
         from peft import set_peft_model_state_dict
 
         set_peft_model_state_dict(self.peft, state, adapter_name=name)
+        bump_weights_version(self.module)
 
     def export(self, path: str | Path) -> Path:
         """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer,

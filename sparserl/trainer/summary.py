@@ -4,6 +4,7 @@ summary built from them."""
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from sparserl.trainer.checkpoint import latest_checkpoint
@@ -50,9 +51,25 @@ def run_summary(trainer: Any, wall_s: float) -> dict[str, Any]:
         "nonfinite_skipped_updates": trainer.state.counters.get("train/nonfinite_skips", 0),
         "seconds_per_step": run_mean(h, "time/step"),
         "wall_s_this_session": wall_s,
+        "peak_rss_bytes": peak_rss_bytes(),
         "run_dir": str(run_dir),
         "metrics": str(run_dir / METRICS_FILE) if cfg.logging.jsonl else None,
         "tensorboard": str(run_dir / TB_DIR) if cfg.logging.tensorboard else None,
         "checkpoint": str(ckpt) if ckpt else None,
         "model": h.get("export"),
     }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far, in bytes: Linux's VmHWM, else getrusage's ru_maxrss (a
+    resumed run reports its own session's; child processes, such as reward workers, are not included)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # POSIX only; Linux answered above
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)

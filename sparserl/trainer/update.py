@@ -23,6 +23,7 @@ from sparserl.algo import (
 )
 from sparserl.config import TrainConfig
 from sparserl.engine.module_mode import module_mode
+from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import UserError
 from sparserl.seeds import SHUFFLE, derive_seed
 
@@ -276,6 +277,7 @@ class Learner:
         norm = clipped_step(self.params, self.optimizer, denominator, self.cfg.optim.grad_clip)
         if norm is None:
             return False
+        bump_weights_version(self.module)  # fused AdamW moved the weights unseen: engines repack next call
         sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + norm
         # one fused pass: a NaN/inf weight makes the norm of all weights NaN/inf (and finite weights cannot
         # overflow it: that would take weights near 1e19). 0.07 s for SmolLM2 at one thread, against 0.83 s

@@ -1,0 +1,224 @@
+"""Where `sparserl train`'s resident memory goes: the default config driven through `Trainer`, with the process's
+RSS sampled every 20 ms by a thread and attributed to the phase running (load, engines, evaluation, rollout,
+scoring, update, checkpoint, export), and the reward worker processes' RSS read alongside.
+
+    python benchmarks/memory.py                                    # trainer.steps=2 trainer.eval_prompts=8, 1 thread
+    python benchmarks/memory.py --out /tmp/mem.json kv.method=dense  # extra key=value overrides
+
+Prints one line per phase (entry RSS, peak RSS inside it, exit RSS, MiB) and the process's VmHWM at the end;
+with `--record` the numbers go into docs/results/rl_step.json under `memory` and the peak-memory goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, command_line, machine_info, mib  # noqa: E402
+
+GOAL_NAME = "Peak resident memory of the default `sparserl train` <= 2.5 GB"
+GOAL_BYTES = 2.5e9
+DEFAULT_OVERRIDES = ["trainer.steps=2", "trainer.threads=1", "trainer.eval_prompts=8"]
+
+
+def _status(pid: int | str = "self") -> dict[str, int]:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _children_rss() -> int:
+    """RSS of this process's live child processes (reward workers), in bytes."""
+    import os
+
+    total = 0
+    try:
+        kids = Path(f"/proc/{os.getpid()}/task").glob("*/children")
+        pids = {p for f in kids for p in f.read_text().split()}
+    except OSError:
+        return 0
+    for pid in pids:
+        total += _status(pid).get("VmRSS", 0)
+    return total
+
+
+class Probe:
+    """A sampling thread: the RSS peak of each phase (entered with `phase(name)`)."""
+
+    def __init__(self) -> None:
+        self.current = "start"
+        self.phases: dict[str, dict[str, float]] = {}
+        self.children_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _note(self) -> None:
+        rss = _status().get("VmRSS", 0)
+        p = self.phases.setdefault(self.current, {"entry_rss": rss, "peak_rss": rss, "calls": 0})
+        p["peak_rss"] = max(p["peak_rss"], rss)
+        p["exit_rss"] = rss
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.wait(0.02):
+            self._note()
+            n += 1
+            if n % 10 == 0:
+                self.children_peak = max(self.children_peak, _children_rss())
+
+    def phase(self, name: str):
+        probe = self
+
+        class _Phase:
+            def __enter__(self):
+                probe._note()
+                self.prev = probe.current
+                probe.current = name
+                probe._note()
+                probe.phases[name]["calls"] += 1
+
+            def __exit__(self, *exc):
+                probe._note()
+                probe.current = self.prev
+
+        return _Phase()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wrap(obj: Any, attr: str, probe: Probe, name: str) -> None:
+    fn = getattr(obj, attr)
+
+    def wrapped(*a, **k):
+        with probe.phase(name):
+            return fn(*a, **k)
+
+    setattr(obj, attr, wrapped)
+
+
+def count_packing() -> dict[str, float]:
+    """Counts `Decoder.prepare` calls (one per `generate` / decoding run) and the packed-copy builds among them,
+    with the builds' CPU seconds: what the weights version saves is (prepares - builds) builds."""
+    from sparserl.engine import decoder, weights
+
+    counts = {"prepares": 0, "builds": 0, "build_cpu_s": 0.0}
+    build, prepare = weights.PackedProjections.build.__func__, decoder.Decoder.prepare
+
+    def counted_build(cls, *a, **k):
+        t0 = time.process_time()
+        try:
+            return build(cls, *a, **k)
+        finally:
+            counts["builds"] += 1
+            counts["build_cpu_s"] += time.process_time() - t0
+
+    def counted_prepare(self):
+        counts["prepares"] += 1
+        return prepare(self)
+
+    weights.PackedProjections.build = classmethod(counted_build)
+    decoder.Decoder.prepare = counted_prepare
+    return counts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="extra key=value config overrides")
+    p.add_argument("--out", default=None, help="also write the measurement here (JSON)")
+    p.add_argument("--record", action="store_true", help="record into docs/results/rl_step.json")
+    args = p.parse_args()
+
+    probe = Probe()
+    with probe.phase("imports"):
+        from sparserl.config import load_config
+        from sparserl.config.model_fit import check_fits_model
+        from sparserl.trainer import Trainer, loop, policy, update
+
+    overrides = [*DEFAULT_OVERRIDES, *args.overrides]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, [*overrides, f"trainer.output_dir={tmp}", "logging.progress=false"])
+        check_fits_model(cfg)
+        # phases: the policy's load inside the trainer's setup, then the loop's pieces
+        wrap(policy, "default_loader", probe, "load_model")
+        orig_init = policy.Policy.__init__
+
+        def policy_init(self, *a, **k):
+            with probe.phase("policy"):
+                orig_init(self, *a, **k)
+
+        policy.Policy.__init__ = policy_init
+        packs = count_packing()
+        with probe.phase("setup"):
+            trainer = Trainer(cfg)
+        for attr, name in (("rollout", "rollout"), ("learn", "update"), ("evaluate", "evaluate"),
+                           ("save", "checkpoint")):  # fmt: skip
+            wrap(trainer, attr, probe, name)
+        wrap(trainer.policy, "export", probe, "export")
+        wrap(trainer, "_batch", probe, "score")  # inside rollout: dense old / reference log-probs
+        wrap(trainer, "_score", probe, "score_fwd")  # one `score` call of the two
+        del loop, update
+        t0 = time.perf_counter()
+        with probe.phase("train"):
+            summary = trainer.train()
+        wall = time.perf_counter() - t0
+        trainer.close()
+    probe.close()
+    status = _status()
+    peak = status["VmHWM"]
+    phases = {
+        k: {kk: (mib(vv) if kk != "calls" else vv) for kk, vv in v.items()} for k, v in probe.phases.items()
+    }
+    print(f"{'phase':<12}{'calls':>6}{'entry MiB':>11}{'peak MiB':>10}{'exit MiB':>10}")
+    for k, v in phases.items():
+        print(
+            f"{k:<12}{v['calls']:>6}{v['entry_rss']:>11.0f}{v['peak_rss']:>10.0f}{v.get('exit_rss', 0):>10.0f}"
+        )
+    print(f"packing: {packs}")
+    print(f"process peak (VmHWM): {mib(peak):.0f} MiB = {peak / 1e9:.2f} GB; reward workers' peak RSS (sum): "
+          f"{mib(probe.children_peak):.0f} MiB; summary peak_rss_bytes: {summary.get('peak_rss_bytes')}")  # fmt: skip
+    result = {
+        "command": command_line(),
+        "overrides": overrides,
+        "peak_rss_bytes": peak,
+        "reward_workers_peak_rss_bytes": probe.children_peak,
+        "phases_mib": phases,
+        "train_wall_s": wall,
+        "summary_peak_rss_bytes": summary.get("peak_rss_bytes"),
+        "steps": trainer.state.step,
+        "packing": packs,
+        "machine": machine_info(),
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.record:
+        path = RESULTS / "rl_step.json"
+        data = json.loads(path.read_text())
+        data.setdefault("memory", {})["after"] = result
+        data["goals"][GOAL_NAME] = {
+            "value": peak / 1e9,
+            "target": GOAL_BYTES / 1e9,
+            "met": peak <= GOAL_BYTES,
+            "unit": "GB (10^9 bytes), VmHWM of the training process",
+            "command": result["command"],
+        }
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
