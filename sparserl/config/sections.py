@@ -332,20 +332,44 @@ class LoggingConfig:
     )
 
 
+COMPILE_SETTINGS = ("auto", True, False)
+
+
 @dataclass
 class EngineConfig:
     """How the rollout engine runs its decode step (not what it computes)."""
 
-    compile: bool = field(
-        default=False,
+    compile: Any = field(
+        default="auto",
         metadata={
-            "help": "Run the decode step through torch.compile with static shapes (finished rows stay in the "
-            "batch, masked; attention spans the whole preallocated cache), so that on CUDA it can be "
-            "captured in a graph. The first call of each batch shape (rows, cache capacity rounded up to 128) "
-            "compiles: ~30 s on CPU for a tiny model, ~60 s for SmolLM2-135M. Dense rollouts only. Same tokens "
-            "and log-probs as the eager step. `sparserl eval` and `sparserl rollout` run eagerly."
+            "help": "true, false or auto (the default): run the decode step through torch.compile with static "
+            "shapes (the batch padded to a bucket of rows, 4, 8, 16, 32, ...; fewer than 4 rows step eagerly; "
+            "attention over the whole preallocated cache), dense or evicting (R-KV, SnapKV, H2O, StreamingLLM, "
+            "random; the cut stays eager), with kv.schedule and under rollout.kv_memory_cap; not block_topk. Each new "
+            "shape (rows bucket, cache capacity in blocks of 128 or the eviction bound) compiles once, "
+            "announced on the console: ~10-20 s on CPU for a tiny model, 30-40 CPU-s for SmolLM2-135M (~5 s "
+            "when torch's compile cache holds it). auto compiles where it pays by measurement "
+            "(docs/engine.md): a model of 50M parameters or more, not block_topk, a C++ compiler on CPU, and "
+            "a run of at least 2000 decode steps (trainer.steps x rollout.max_new_tokens); else eager (tiny "
+            "test models, short runs). Same tokens and log-probs as the eager step. `sparserl eval` and "
+            "`sparserl rollout` run eagerly."
         },
     )
+
+    def __post_init__(self) -> None:
+        value = self.compile
+        if isinstance(value, str):
+            text = value.strip().lower()
+            value = (
+                True
+                if text in ("true", "yes", "on", "1")
+                else False
+                if text in ("false", "no", "off", "0")
+                else text
+            )
+        if value not in COMPILE_SETTINGS or (isinstance(value, int) and not isinstance(value, bool)):
+            raise ConfigError(f"engine.compile={self.compile!r}: choose true, false or auto")
+        self.compile = value
 
 
 @dataclass
@@ -415,15 +439,10 @@ class TrainConfig:
                 f"optim.grad_accum={self.optim.grad_accum} exceeds the mini-batch size {mini}: "
                 "each micro-batch needs at least one sequence"
             )
-        if self.engine.compile and self.algo.sparse_rollout:
+        if self.engine.compile is True and self.sparse and self.kv.method in SPARSE_ATTENTION_METHODS:
             raise ConfigError(
-                f"engine.compile=true runs dense rollouts only for now; algo.preset={self.algo.preset!r} samples "
-                f"sparse ones (kv.method={self.kv.method!r}): set engine.compile=false or algo.preset=dense"
-            )
-        if self.engine.compile and self.rollout.kv_memory_cap is not None:
-            raise ConfigError(
-                "engine.compile=true decodes one static batch; rollout.kv_memory_cap (continuous batching) runs "
-                "eagerly for now: set engine.compile=false or unset rollout.kv_memory_cap"
+                f"engine.compile=true does not run block-sparse attention (kv.method={self.kv.method!r}): the "
+                "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
             )
         if self.trainer.log_acceptance and self.rollout.partial.enable:
             raise ConfigError(

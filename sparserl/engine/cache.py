@@ -10,7 +10,8 @@ copy of the cache), and new rows are appended into storage reserved beyond the l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -192,6 +193,24 @@ class KVCache:
         self._rows = new_n
         self._views()
         return order[:new_n]
+
+    @contextmanager
+    def padded(self, rows: int) -> Iterator[None]:
+        """Show `rows` rows (the live ones, then reserved storage) while the block runs: a compiled step's
+        fixed batch. The rows past the live ones are scratch that an `append` overwrites whole."""
+        live = self._rows
+        if rows == live:
+            yield
+            return
+        if rows > self.reserved_rows:
+            raise RuntimeError(f"cannot show {rows} rows: {self.reserved_rows} are reserved")
+        self._rows = rows
+        self._views()
+        try:
+            yield
+        finally:
+            self._rows = live
+            self._views()
 
     def append(self, src: KVCache, rows: Tensor) -> None:
         """Add rows `rows` of `src` (repeats allowed: a prompt's KV for each of its samples) after the live

@@ -30,6 +30,19 @@ def in_blocks(positions: int) -> int:
     return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
 
+COMPILED_MIN_ROWS = 4  # fewer live rows decode eagerly: the compiled step would save ~ms and cost a graph
+
+
+def row_bucket(rows: int) -> int:
+    """The rows a compiled step runs for `rows` live rows: the next power of two from COMPILED_MIN_ROWS on (4,
+    8, 16, 32, 64, ...), so a handful of graphs serve every batch size (a batch of 32 whose rows finish one by
+    one uses 32, 16, 8 and 4) and at most half is padding."""
+    size = COMPILED_MIN_ROWS
+    while size < rows:
+        size *= 2
+    return size
+
+
 @dataclass
 class Request:
     """One sequence to sample: a prompt, and the completion tokens it already has when it is resumed.
@@ -102,7 +115,7 @@ class DecodeRun:
         )  # fmt: skip
         self.sample_of_row = torch.zeros(0, dtype=torch.long, device=dev)
         self.logits: Tensor | None = None
-        self.static = engine.compiled_step is not None  # compiled: rows never move, finished ones are masked
+        self.compiled = engine.compiled_step is not None
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
         self.peak_bytes = 0  # the decoding cache's keys and values (what a dense cache is compared with)
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
@@ -117,8 +130,11 @@ class DecodeRun:
     def fit_capacity(self, need: int) -> int:
         """Slots per row for rows needing `need` positions: an evicting cache's bound (no row ever holds more);
         else, under a memory cap, blocks of CAPACITY_BUCKET, without one the longest request's whole length
-        (prompt + max_new_tokens, allocated once); never more than the longest request can reach."""
+        (prompt + max_new_tokens, allocated once); never more than the longest request can reach. A compiled
+        step's capacity is a graph's shape: the longest request's length is rounded up to whole blocks."""
         most = max(need, self.longest)  # no request of the run ever holds more
+        if self.compiled:
+            most = in_blocks(most)
         if self.engine.evictor is not None:  # charged the bound from the start: it never grows
             return min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
         if self.kv_memory_cap is None:  # nothing to share: allocate once (no growth, no copies)
@@ -176,20 +192,13 @@ class DecodeRun:
         return int((self.sample_of_row >= 0).sum())
 
     def _rows(self) -> Tensor:
-        """Cache rows of the running sequences (all rows, unless compiled rows are kept after finishing)."""
-        if not self.static:
-            return torch.arange(self.cache.rows, device=self.sample_of_row.device)
-        return (self.sample_of_row >= 0).nonzero().squeeze(-1)
+        """Cache rows of the running sequences (all of them: finished rows leave the cache at once)."""
+        return torch.arange(self.cache.rows, device=self.sample_of_row.device)
 
     def admit(self, ids: list[int]) -> None:
         """Prefill the given samples (identical inputs once) and add them to the batch."""
         if not ids:
             return
-        if self.static and self.cache.rows:
-            raise NotImplementedError(
-                "engine.compile=true decodes a static batch: every sequence is admitted at the start "
-                "(continuous batching, rollout.kv_memory_cap, runs eagerly: set engine.compile=false)"
-            )
         t0 = time.perf_counter()
         engine, dev = self.engine, self.cache.length.device
         inputs: dict[tuple[int, ...], int] = {}
@@ -217,8 +226,7 @@ class DecodeRun:
             engine.sparse.start(tmp)
         expand = torch.tensor(source, device=dev)
         new = torch.tensor(ids, device=dev)
-        capacity = self._first_capacity() if not self.cache.rows else self.cache.capacity
-        capacity = max(capacity, self.fit_capacity(int(tmp.length.max()) + 1))
+        capacity = max(self.cache.capacity, self.fit_capacity(int(tmp.length.max()) + 1))
         self._resize(capacity, self.cache.rows + len(ids))
         self.cache.append(tmp, expand)
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
@@ -228,14 +236,6 @@ class DecodeRun:
         self.events[new] += events[expand]
         self.positions.start(new, self.cache.length[-len(ids) :])
         self.timing["prefill_s"] += time.perf_counter() - t0
-
-    def _first_capacity(self) -> int:
-        """A compiled batch's capacity is fixed for the run (a few sizes, each compiled once) and fits every
-        row after the most decode steps any row needs: finished rows keep being written, unread."""
-        if not self.static:
-            return 0
-        steps = int((self.limit - self.start_count).max())
-        return in_blocks(int((self.prompt_len + self.start_count).max()) + steps)
 
     def truncate(self, i: int) -> None:
         """End running sample i now, as if it had reached its length cap."""
@@ -249,11 +249,8 @@ class DecodeRun:
         rows = torch.isin(self.sample_of_row, torch.tensor(ids, device=self.sample_of_row.device))
         self._drop(rows.nonzero().squeeze(-1))
 
-    def _drop(self, rows: Tensor) -> Tensor | None:
-        """Remove cache rows; returns each remaining row's former index (None: compiled rows do not move)."""
-        if self.static:
-            self.sample_of_row[rows] = -1
-            return None
+    def _drop(self, rows: Tensor) -> Tensor:
+        """Remove cache rows; returns each remaining row's former index."""
         order = self.cache.retire(rows)
         self.sample_of_row, self.logits = self.sample_of_row[order], self.logits[order]
         return order
@@ -282,8 +279,7 @@ class DecodeRun:
         done = self._finished(tok, ids)
         finished = ids[done].tolist()
         if done.any():
-            order = self._drop(rows[done])
-            tok = tok[~done] if order is None else tok[order]  # eager rows moved: follow them
+            tok = tok[self._drop(rows[done])]  # the rows moved: follow them
             rows = self._rows()
             ids = self.sample_of_row[rows]
         if ids.numel():
@@ -294,14 +290,10 @@ class DecodeRun:
             need = int(self.cache.length[rows].max()) + 1
             if need > self.cache.capacity:
                 self._resize(self.fit_capacity(need), self.cache.rows)
-            if engine.compiled_step is None:
+            if engine.compiled_step is None or self.cache.rows < COMPILED_MIN_ROWS:
                 self.logits = engine._decode_step(tok, total, self.cache)
-            else:  # finished rows keep decoding (token 0 at a frozen position), unread
-                feed = torch.zeros(self.cache.rows, dtype=torch.long, device=tok.device)
-                any_sample = self.sample_of_row.clamp(min=0)
-                pos = self.prompt_len[any_sample] + self.count[any_sample] - 1
-                feed[rows], pos[rows] = tok, total
-                self.logits = engine.compiled_step(feed, pos, self.cache, self.cache.capacity)
+            else:
+                self.logits = self._compiled_step(tok, total)
             read = engine.sparse.plan.read[rows] if engine.sparse is not None else self.cache.length[rows]
             self.positions.add(ids, self.cache.length[rows], read, total + 1)
             self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
@@ -311,6 +303,27 @@ class DecodeRun:
                 hook(self.decode_steps - 1, self.cache, self.sample_of_row)
         self.timing["decode_s"] += time.perf_counter() - t0
         return finished
+
+    def _compiled_step(self, tok: Tensor, total: Tensor) -> Tensor:
+        """The compiled decode step over the live rows padded to a bucket of rows (`row_bucket`; under a memory
+        cap never more than the cap affords at this capacity), attending over the whole capacity: the graph's
+        shape is (bucket, capacity), so a handful of graphs serve every batch. Padding rows are reserved storage
+        (counted against the cap; an admission overwrites all of a row): they decode token 0 at position 0 from
+        an emptied row, unread."""
+        cache, n = self.cache, self.cache.rows
+        bucket = row_bucket(n)
+        if self.kv_memory_cap is not None:  # no more rows than the cap affords at this capacity
+            bucket = min(bucket, max(n, self.kv_memory_cap // (cache.capacity * self.bytes_per_position)))
+        cache.reserve_rows(bucket)
+        feed = torch.zeros(bucket, dtype=torch.long, device=tok.device)
+        pos = torch.zeros(bucket, dtype=total.dtype, device=tok.device)
+        feed[:n], pos[:n] = tok, total
+        with cache.padded(bucket):
+            cache.length[n:] = 0
+            self.engine.note_compile(bucket, cache.capacity)
+            logits = self.engine.compiled_step(feed, pos, cache, cache.capacity)
+            self.engine.note_compiled()
+        return logits[:n]
 
     def _compress(self, rows: Tensor, ids: Tensor) -> None:
         """Cut the rows due this step (every `interval` tokens of their own) that hold their budget or more."""

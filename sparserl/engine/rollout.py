@@ -3,6 +3,7 @@ with sampler log-probs."""
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -63,6 +64,44 @@ def eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[i
     return ids
 
 
+# engine.compile=auto: compile when a run decodes at least this many steps (trainer.steps x max_new_tokens) on a
+# model of at least AUTO_COMPILE_MIN_PARAMS. Measured (benchmarks/decode_step.py, docs/results/decode_step.json,
+# SmolLM2-135M, one CPU thread, a cold compile cache): one graph compiles in 29-42 CPU-s and saves 28-70 ms a
+# step, so it pays after 570-1400 steps (974 for the default run's R-KV batch of 32); a run whose rows finish at
+# different lengths compiles up to four graphs (its batch, half, a quarter, ..., 4 rows), each used for part of
+# the steps, hence twice the single graph's break-even. The default run (512 steps) and benchmarks/rl_step.py
+# (256) stay eager; with torch's compile cache warm (the same graphs compiled before on this machine) a graph
+# costs ~5 s and compiling would pay after ~150 steps, which auto does not assume.
+AUTO_COMPILE_MIN_STEPS = 2000
+AUTO_COMPILE_MIN_PARAMS = 50_000_000  # tiny and test models: a compile of 10-20 s for a step of a few ms
+
+
+def resolve_compile(
+    setting: bool | str, model: nn.Module, kv: KVConfig | None, decode_steps: int
+) -> tuple[bool, str]:
+    """engine.compile's value for a run of `decode_steps` decode steps (true, false or auto) and why."""
+    import shutil
+
+    if setting is not True and setting is not False and setting != "auto":
+        raise ValueError(f"engine.compile={setting!r}: choose true, false or auto")
+    if setting != "auto":
+        return bool(setting), f"engine.compile={str(setting).lower()}"
+    params = sum(p.numel() for p in model.parameters())
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    why = (
+        f"kv.method={kv.method} does not compile" if kv is not None and kv.sparse_attention
+        else "no C++ compiler for torch.compile on CPU" if on_cpu and not (shutil.which("g++") or shutil.which("c++"))
+        else f"a model of {params / 1e6:.1f}M parameters (< {AUTO_COMPILE_MIN_PARAMS // 10**6}M)"
+        if params < AUTO_COMPILE_MIN_PARAMS
+        else f"{decode_steps} decode steps in the run (< {AUTO_COMPILE_MIN_STEPS})"
+        if decode_steps < AUTO_COMPILE_MIN_STEPS
+        else None
+    )  # fmt: skip
+    if why is not None:
+        return False, f"engine.compile=auto: eager decode step ({why})"
+    return True, f"engine.compile=auto: compiled decode step ({decode_steps} decode steps in the run)"
+
+
 # A model's sparse-path switch (DistillSparse: an adapter on only while sampling sparse), entered by every sparse
 # engine over that model for the length of a run. Kept beside the model, not on it, so copies (exports) are dense.
 _SPARSE_PATHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -78,9 +117,12 @@ class RolloutEngine:
 
     A prompt is prefilled once (dense) and its KV copied to its n samples. `dtype` is the compute dtype of the
     rollout and its KV cache (default: the weights' own; bfloat16 over float32 weights runs a bfloat16 copy).
-    With `compile`, the decode step runs through `torch.compile` with static shapes (rows that finish stay in the
-    batch, masked, and attention spans the whole preallocated capacity), so that on CUDA it can be captured in a
-    graph; the tokens and log-probs are the eager step's (tested). With `kv.method` an eviction
+    With `compile`, the decode step runs through `torch.compile` with static shapes (the live rows padded to a
+    bucket of rows, attention over the whole preallocated capacity: one graph per (bucket, capacity), see
+    `DecodeRun._compiled_step`), so that on CUDA it can be captured in a graph; the tokens and log-probs are the
+    eager step's (tested), dense or evicting (the cut itself, every `kv.interval` steps, stays eager: its
+    shapes vary with the rows due and their lengths). Block-sparse attention does not compile (its pages read
+    per step are data-dependent shapes). With `kv.method` an eviction
     method, a prompt longer than `kv.budget` is cut to the budget right after prefill, and during decoding every
     `kv.interval` steps each sequence holding `budget` or more positions is cut back so that it holds exactly
     `budget` after the step's token is written: no row ever holds more than `budget + interval - 1` positions.
@@ -90,7 +132,7 @@ class RolloutEngine:
 
     Each of `step_hooks` (added for a while with `with engine.step_hook(fn):`, chained, never replaced) is
     called after every decode step as `fn(step, cache, samples)` (`samples[r]` is the sample index of cache row
-    r; -1 for a finished row that a compiled step keeps): a read-only window on the cache for recording and
+    r): a read-only window on the cache for recording and
     instrumentation.
 
     A sparse engine over a model with a registered sparse path (`register_sparse_path`) samples inside it.
@@ -108,13 +150,20 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.decoder = Decoder(model, dtype)
         self.kv = kv or KVConfig()
-        if compile and self.kv.method != "dense":
+        if compile and self.kv.sparse_attention:
             raise NotImplementedError(
-                f"engine.compile=true runs the dense decode step only for now; kv.method={self.kv.method!r} "
-                "decodes eagerly (set engine.compile=false)"
+                f"engine.compile=true does not run kv.method={self.kv.method!r}: block-sparse attention picks "
+                "its pages per step (how many, which fill) from the data, shapes a static graph cannot hold "
+                "without reading the whole cache; set engine.compile=false"
             )
-        # static shapes: every row stays in the batch until the call ends and attends over the whole capacity
+        # static shapes: (rows padded to a bucket, capacity); attention spans the whole capacity
         self.compiled_step = torch.compile(self._decode_step, dynamic=False) if compile else None
+        if compile:  # every engine's graphs count against one limit (per code object; 8 by default), beyond
+            # which dynamo silently runs eagerly: a few buckets x capacities x KV methods x models must fit
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.compiled_shapes: set[tuple[int, int]] = set()  # (rows, capacity) graphs compiled so far
+        self.notify: Callable[[str], None] | None = None  # told when a graph compiles (the trainer's console)
+        self._compiling: tuple[str, float] | None = None
         self.evictor = make_evictor(self.kv, self.decoder.scale) if self.kv.evicting else None
         switch = _SPARSE_PATHS.get(model) if self.kv.sparse else None
         self.sampling_context: Callable[[], AbstractContextManager] = switch or nullcontext
@@ -125,6 +174,26 @@ class RolloutEngine:
         self.step_budget: Tensor | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.step_hooks: list[Callable[[int, KVCache, Tensor], None]] = []
+
+    def note_compile(self, rows: int, capacity: int) -> None:
+        """Before a compiled step: a shape not seen yet compiles now (seconds to a minute): say so."""
+        if (rows, capacity) in self.compiled_shapes:
+            return
+        self.compiled_shapes.add((rows, capacity))
+        what = f"{rows} rows x {capacity} cache slots"
+        if self.notify is not None:
+            self.notify(f"engine.compile: compiling the decode step for {what} (once per shape)...")
+        self._compiling = (what, time.perf_counter())
+
+    def note_compiled(self) -> None:
+        """After a compiled step: how long the compile that `note_compile` announced took."""
+        if self._compiling is not None:
+            what, t0 = self._compiling
+            self._compiling = None
+            if self.notify is not None:
+                self.notify(
+                    f"engine.compile: decode step for {what} compiled in {time.perf_counter() - t0:.0f} s"
+                )
 
     @contextmanager
     def step_hook(self, fn: Callable[[int, KVCache, Tensor], None] | None) -> Iterator[None]:

@@ -120,11 +120,14 @@ class Trainer:
         check_acceptance(cfg, self.policy.module.get_input_embeddings().weight.shape[0])
 
         from sparserl.engine import RolloutEngine
+        from sparserl.engine.rollout import resolve_compile
 
         dtype = self.policy.compute_dtype
-        self.engine = RolloutEngine(
-            self.policy.module, self.tokenizer, cfg.kv if cfg.sparse else None, dtype, cfg.engine.compile
-        )
+        kv = cfg.kv if cfg.sparse else None
+        steps = cfg.trainer.steps * cfg.rollout.max_new_tokens
+        compiled, why = resolve_compile(cfg.engine.compile, self.policy.module, kv, steps)
+        self.notes += [why] if cfg.engine.compile == "auto" and compiled else []
+        self.engine = RolloutEngine(self.policy.module, self.tokenizer, kv, dtype, compiled)
         self.learner = Learner(
             cfg, self.policy.module, self.policy.trainable_parameters(), autocast=self.policy.autocast
         )
@@ -321,6 +324,8 @@ class Trainer:
         stop = total if until_step is None else min(total, until_step)
         sinks = MetricSinks(self.run_dir, cfg.logging, cfg.to_dict(), resume_step=self.state.step)
         progress = ProgressDisplay(total, self.state.step, enabled=cfg.logging.progress, console=self.console)
+        # engine.compile: each graph's compile is said on the console, not a silent minute
+        self.engine.notify = progress.print
         hist = self.state.history
         started = time.perf_counter()
         try:
