@@ -103,7 +103,7 @@ class Decoder:
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head before RoPE
             q, k = attn.q_norm(q).to(self.dtype), attn.k_norm(k).to(self.dtype)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        # rotate in float32 over float32 weights (as the autocast scorer does), then round to the compute dtype
+        # rotate in the tables' dtype (the compute dtype, see `rope`), then round to the compute dtype
         rotate = torch.promote_types(rope[0].dtype, self.dtype)
         cos, sin = (r.unsqueeze(1).to(rotate) for r in rope)
         q, k = q.to(rotate), k.to(rotate)

@@ -222,10 +222,10 @@ class Trainer:
         self.state.engine_seed = step_seed(cfg.trainer.seed, version)
         plans = self.source.plan(cfg.rollout.prompts_per_step, version)
         got = self.rollouts.collect(version, self.state.engine_seed, plans)
+        drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
         self.source.observe(got.groups, got.leftover)
         samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
-        drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
         batch = self._batch(samples)
         batch.held = [seg.held for seg in got.recorded] if self.rollouts.backend.recording.held else None
         t2 = time.perf_counter()
