@@ -322,8 +322,8 @@ def test_training_without_the_flag_records_nothing(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(
         RolloutEngine,
         "start_run",
-        lambda self, requests, sampling, recorder=None, *a: (
-            seen.append(recorder) or real(self, requests, sampling, recorder, *a)
+        lambda self, requests, sampling, recorder=None, *a, **kw: (
+            seen.append(recorder) or real(self, requests, sampling, recorder, *a, **kw)
         ),
     )
     make_trainer(tiny_cfg(tmp_path, "trainer.steps=1")).train()

@@ -59,6 +59,8 @@ class Scheduler:
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         """`_check_cap` for one sequence of `prompt_length` prompt tokens, before any run (at start-up)."""
+        if self.cap is None:
+            return
         request = Request([0] * prompt_length, 0, 0, max_new_tokens)
         self._check_cap(self.engine.start_run([request], Sampling(), kv_memory_cap=self.cap))
 
