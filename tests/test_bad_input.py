@@ -25,16 +25,13 @@ import pytest
 import torch
 
 from sparserl.cli import EXIT_FAILURE, EXIT_USAGE, main
+from tests.tiny import TINY_RUN
 
 # Tiny train runs: a random 2-layer model, a few prompts and tokens, output under {tmp}/runs.
 TRAIN = [
     "train",
-    "model.spec=tiny-llama",
-    "rollout.prompts_per_step=2",
-    "rollout.n=2",
+    *TINY_RUN,
     "rollout.max_new_tokens=4",
-    "kv.budget=24",
-    "kv.interval=4",
     "trainer.eval_prompts=0",
     "task.num_examples=20",
     "trainer.steps=1",

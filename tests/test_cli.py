@@ -14,14 +14,11 @@ import pytest
 
 from sparserl import cli
 from sparserl.trainer import latest_checkpoint
+from tests.tiny import TINY_RUN
 
 TINY = [
-    "model.spec=tiny-llama",
-    "rollout.prompts_per_step=2",
-    "rollout.n=2",
+    *TINY_RUN,
     "rollout.max_new_tokens=8",
-    "kv.budget=24",
-    "kv.interval=4",
     "trainer.eval_prompts=1",
     "task.num_examples=20",
 ]

@@ -19,14 +19,11 @@ from sparserl.cli import EXIT_FAILURE, EXIT_USAGE, build_parser, main
 from sparserl.config import iter_fields, load_config
 from sparserl.config.model_fit import check_fits_model
 from sparserl.errors import UserError
+from tests.tiny import TINY_RUN
 
 TINY = [
-    "model.spec=tiny-llama",
-    "rollout.prompts_per_step=2",
-    "rollout.n=2",
+    *TINY_RUN,
     "rollout.max_new_tokens=4",
-    "kv.budget=24",
-    "kv.interval=4",
     "trainer.eval_prompts=0",
     "task.num_examples=20",
     "trainer.steps=1",

@@ -12,14 +12,11 @@ import yaml
 
 from sparserl.cli import main
 from sparserl.config import load_config
+from tests.tiny import TINY_RUN
 
 TINY = [
-    "model.spec=tiny-llama",
-    "rollout.prompts_per_step=2",
-    "rollout.n=2",
+    *TINY_RUN,
     "rollout.max_new_tokens=4",
-    "kv.budget=24",
-    "kv.interval=4",
     "trainer.steps=1",
     "trainer.eval_prompts=1",
     "logging.progress=false",

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from sparserl.signals import StopOnSignal, Terminated, stoppable
 from sparserl.trainer import latest_checkpoint
+from tests.tiny import TINY_RUN
 
 # A reward that marks each call in a file and takes a moment, so that the test can signal mid-step.
 SLOW_REWARD = """
@@ -33,12 +34,8 @@ def slow(completions, **kwargs):
     return [float(len(c) % 3) for c in completions]
 """
 TINY = [
-    "model.spec=tiny-llama",
-    "rollout.prompts_per_step=2",
-    "rollout.n=2",
+    *TINY_RUN,
     "rollout.max_new_tokens=8",
-    "kv.budget=24",
-    "kv.interval=4",
     "trainer.eval_prompts=0",
     "task.num_examples=20",
     "trainer.steps=3",
