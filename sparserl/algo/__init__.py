@@ -6,6 +6,9 @@ Typical use per batch of rollouts (mask = response mask, [B, T]):
     ref = correction_reference(logp_old, logp, cfg)                           # pi_old; the learner's in bypass
     w, keep, m1 = correction_weights(ref, logp_sampler, mask, cfg, adv)
     loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, keep, w, cfg, logp_ref)
+
+The surrogate is `cfg.policy_loss` (POLICY_LOSSES: ppo_clip, gspo, cispo); verl's rejection names map to the
+rules through `cfg.rollout_rs` (rollout_rs_overrides).
 """
 
 from sparserl.algo.acceptance import (
@@ -27,11 +30,14 @@ from sparserl.algo.advantages import (
 from sparserl.algo.config import AlgoConfig
 from sparserl.algo.corrections import correction_reference, correction_weights, ppo_anchor
 from sparserl.algo.loss import aggregate, kl_penalty, loss_denominator, policy_loss
+from sparserl.algo.losses import POLICY_LOSSES, register_policy_loss
 from sparserl.algo.presets import PRESETS, algo_config
+from sparserl.algo.rs_aliases import rollout_rs_overrides
 
 __all__ = [
     "ADV_ESTIMATORS",
     "ADV_TRANSFORMS",
+    "POLICY_LOSSES",
     "PRESETS",
     "AdvantageTransform",
     "AcceptanceBin",
@@ -52,4 +58,6 @@ __all__ = [
     "policy_loss",
     "ppo_anchor",
     "register_adv_transform",
+    "register_policy_loss",
+    "rollout_rs_overrides",
 ]

@@ -1,7 +1,8 @@
 """Group-relative advantages over group ids (groups of any size), then an ordered chain of transforms.
 
 Two registries, one small function or class per method:
-- estimators (`ADV_ESTIMATORS`): one group's rewards -> its advantages (grpo, drgrpo, rloo);
+- estimators (`ADV_ESTIMATORS`): one group's rewards -> its advantages (grpo, drgrpo, rloo; reinforce, the raw
+  reward, for REINFORCE++);
 - transforms (`ADV_TRANSFORMS`): the whole batch's advantages, with its rewards, group ids and texts -> new
   advantages, [B] or token-level [B, T] (uniqueness weights, tree advantages); `algo.adv_transforms` lists
   them in order, none by default.
@@ -42,7 +43,20 @@ def _rloo(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
     return (g - g.mean(dim=1, keepdim=True)) * n / (n - 1)
 
 
-ADV_ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "drgrpo": _drgrpo, "rloo": _rloo}
+def _reinforce(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
+    """R_i, no baseline: REINFORCE++ (Hu 2025) with adv_transforms=[batch_whiten], which then subtracts the
+    batch mean. Not group-relative: an equal-reward group or a group of one keeps its rewards."""
+    return g.clone()
+
+
+_reinforce.group_baseline = False  # type: ignore[attr-defined]  # `advantages` keeps equal groups as they are
+
+ADV_ESTIMATORS: dict[str, Estimator] = {
+    "grpo": _grpo,
+    "drgrpo": _drgrpo,
+    "rloo": _rloo,
+    "reinforce": _reinforce,
+}
 
 
 def advantages(
@@ -54,8 +68,9 @@ def advantages(
 ) -> Tensor:
     """Per-sequence advantages; `group_index[i]` names the group of sequence i (groups of any size, in any
     order). Computed over every sequence of the group, before any rejection. A group of equal rewards, or of
-    one sample, gets zero advantage, never NaN (except rloo, which refuses a single sample). Returns shape
-    [num_seqs], float32 (float64 for float64 rewards)."""
+    one sample, gets zero advantage, never NaN (except rloo, which refuses a single sample, and reinforce,
+    which has no group baseline: the rewards as they are). Returns shape [num_seqs], float32 (float64 for
+    float64 rewards)."""
     if estimator not in ADV_ESTIMATORS:
         raise ValueError(
             f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADV_ESTIMATORS)}"
@@ -70,6 +85,8 @@ def advantages(
     if not bool(torch.isfinite(r).all()):
         bad = torch.nonzero(~torch.isfinite(r)).flatten().tolist()
         raise ValueError(f"rewards are not finite at sequence index(es) {bad[:10]}")
+    if not getattr(ADV_ESTIMATORS[estimator], "group_baseline", True):
+        return ADV_ESTIMATORS[estimator](r.view(1, -1), eps, std_unbiased).view(-1).to(out_dtype)
     adv = torch.zeros_like(r)
     for gid in torch.unique(index).tolist():
         rows = torch.nonzero(index == gid).flatten()

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sparserl.algo.advantages import ADV_ESTIMATORS, ADV_TRANSFORMS
+from sparserl.algo.losses import POLICY_LOSSES
+from sparserl.algo.rs_aliases import ALIASES as RS_ALIASES
+from sparserl.algo.rs_aliases import NO_EQUIVALENT as RS_NO_EQUIVALENT
+from sparserl.algo.rs_aliases import rollout_rs_overrides, tighter
 
 CORRECTION_MODES = ("none", "decoupled", "bypass")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -24,6 +28,7 @@ CORRECTION_KNOBS = (
     "geo_rs_high",
     "k3_rs_threshold",
     "prob_diff_threshold",
+    "seq_tis_cap",
 )
 
 
@@ -48,7 +53,9 @@ class AlgoConfig:
         default="grpo",
         metadata={
             "help": f"Advantage estimator, one of {', '.join(ADV_ESTIMATORS)}: 'grpo' (group mean and std), "
-            "'drgrpo' (group mean, no std normalisation), 'rloo' (leave-one-out mean)."
+            "'drgrpo' (group mean, no std normalisation), 'rloo' (leave-one-out mean), 'reinforce' (the raw "
+            "reward, no baseline). REINFORCE++: reinforce + adv_transforms=[batch_whiten]; "
+            "REINFORCE++-baseline: drgrpo + [batch_whiten] (presets reinforce++, reinforce++-baseline)."
         },
     )
     adv_transforms: list[str] = field(
@@ -130,6 +137,21 @@ class AlgoConfig:
             "help": "K3-RS: reject a sequence if mean_t k3_t (xi - 1 - log xi) exceeds this (e.g. 0.01)."
         },
     )
+    seq_tis_cap: float | None = field(
+        default=None,
+        metadata={
+            "help": "Sequence TIS: every token of a sequence weighted by min(prod_t xi_t, cap), no rejection "
+            "(verl's rollout_is=sequence; e.g. 2.0)."
+        },
+    )
+    rollout_rs: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "verl rejection names as aliases, entries 'name:threshold' ANDed with the bounds above "
+            f"(e.g. [token_k3:2.0]): {', '.join(RS_ALIASES)}. No equivalent here, refused: "
+            f"{', '.join(RS_NO_EQUIVALENT)} (docs/algorithm.md)."
+        },
+    )
     prob_diff_threshold: float | None = field(
         default=None,
         metadata={
@@ -139,6 +161,16 @@ class AlgoConfig:
     )
 
     # ---- loss -----------------------------------------------------------------------------------
+    policy_loss: str = field(
+        default="ppo_clip",
+        metadata={
+            "help": f"Policy-gradient surrogate, one of {', '.join(POLICY_LOSSES)} (algo/losses.py; register "
+            "your own with register_policy_loss): 'ppo_clip' (PPO's token-ratio clip, dual clip on request), "
+            "'gspo' (GSPO: length-normalised sequence ratio exp(mean_t log r_t), clipped per sequence; "
+            "paper eps 3e-4/4e-4), 'cispo' (CISPO: -sg(clip(r_t)) * A * log pi_t, every token keeps its "
+            "gradient). The clip bounds are eps_low/eps_high."
+        },
+    )
     eps_low: float = field(
         default=0.2, metadata={"help": "PPO clip: lower bound of the ratio is 1 - eps_low."}
     )
@@ -184,7 +216,17 @@ class AlgoConfig:
     entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus: loss -= coef * entropy."})
 
     def __post_init__(self) -> None:
+        if self.rollout_rs:
+            if self.correction_mode == "none":
+                raise ValueError(
+                    f"algo.correction_mode='none' ignores algo.rollout_rs={self.rollout_rs}; "
+                    "set algo.correction_mode='decoupled' (or 'bypass') or unset it"
+                )
+            # idempotent (a bound only tightens), so a saved and reloaded config expands to itself
+            for key, value in rollout_rs_overrides(self.rollout_rs).items():
+                setattr(self, key, tighter(key, getattr(self, key), value))
         _choice("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        _choice("policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
         _choice("correction_mode", self.correction_mode, CORRECTION_MODES)
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
@@ -222,6 +264,8 @@ class AlgoConfig:
             raise ValueError(f"algo.entropy_coef={self.entropy_coef} must be >= 0 (it is a bonus)")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"algo.tis_cap={self.tis_cap} must be > 0")
+        if self.seq_tis_cap is not None and self.seq_tis_cap <= 0:
+            raise ValueError(f"algo.seq_tis_cap={self.seq_tis_cap} must be > 0")
         if self.eps_low < 0 or self.eps_high < 0:
             raise ValueError(f"algo.eps_low={self.eps_low} and algo.eps_high={self.eps_high} must be >= 0")
         if self.eps_low >= 1:

@@ -27,6 +27,9 @@ from sparserl.algo.masked import (
     to_floats,
     upcast,
 )
+from sparserl.algo.rs_aliases import ALIASES as VERL_RS_ALIASES  # noqa: F401  verl's rollout_rs names
+from sparserl.algo.rs_aliases import NO_EQUIVALENT as VERL_RS_NO_EQUIVALENT  # noqa: F401
+from sparserl.algo.rs_aliases import rollout_rs_overrides  # noqa: F401  (algo.rollout_rs)
 
 PREFIX = "rollout_corr/"
 
@@ -156,6 +159,14 @@ def seq_mis(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
     return Verdict(rejected, metrics, seq_weight=r.seq_log_xi.clamp(-r.clamp, r.clamp).exp())
 
 
+def seq_tis(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Sequence TIS: weight a sequence by min(prod_t xi_t, cap), reject nothing."""
+    if cfg.seq_tis_cap is None:
+        return None
+    weight = r.seq_log_xi.clamp(-r.clamp, r.clamp).exp().clamp(max=cfg.seq_tis_cap)
+    return Verdict(torch.zeros_like(r.has_tokens), {}, seq_weight=weight)
+
+
 def geo_rs(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
     """Geo-RS: reject a sequence whose geometric-mean xi is outside [low, high]."""
     if cfg.geo_rs_low is None and cfg.geo_rs_high is None:
@@ -223,7 +234,9 @@ def prob_diff(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
 
 
 # A new rule: one function above, its config field(s) in AlgoConfig (and CORRECTION_KNOBS), one entry here.
-SEQUENCE_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (seq_mis, geo_rs, k3_rs, veto)
+SEQUENCE_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (
+    seq_mis, seq_tis, geo_rs, k3_rs, veto
+)  # fmt: skip
 TOKEN_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (token_rs, prob_diff)
 
 

@@ -1,4 +1,5 @@
-"""The policy loss: PPO clip (clip-higher, dual clip) times IS weights, masked aggregation, KL and entropy."""
+"""The policy loss: the `algo.policy_loss` surrogate (PPO clip by default; GSPO, CISPO in algo/losses.py) times IS
+weights, masked aggregation, KL and entropy."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 from torch import Tensor
 
 from sparserl.algo.config import AlgoConfig
+from sparserl.algo.losses import POLICY_LOSSES, ppo_clip
 from sparserl.algo.masked import (
     as_mask,
     check_2d,
@@ -96,6 +98,7 @@ def policy_loss(
     r_t = exp(clamp(log pi_theta - log pi_old)),
     pg_t = w_t * max(-r_t A, -clip(r_t, 1 - eps_low, 1 + eps_high) A), capped at -c A for A < 0 (dual clip),
     loss = agg(pg) + beta * agg(kl(pi_theta || pi_ref)) - entropy_coef * agg(entropy).
+    That is cfg.policy_loss='ppo_clip'; 'gspo' and 'cispo' replace the surrogate (algo/losses.py).
 
     Args:
         logp: [B, T] log pi_theta of the sampled tokens, with gradient.
@@ -123,7 +126,7 @@ def policy_loss(
     if bool((w < 0).any()):
         raise ValueError("weights must be >= 0 on the loss mask (importance weights)")
 
-    pg, ratio, clipped, dual = clipped_pg(lp, old, adv, m, cfg)
+    pg, ratio, clipped, dual = POLICY_LOSSES.lookup(cfg.policy_loss)(lp, old, adv, m, cfg)
     pg_tok = w * pg
 
     agg = {"response_mask": response_mask, "denominator": denominator}
@@ -187,16 +190,6 @@ def clipped_pg(
     lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg: AlgoConfig
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """PPO's clipped surrogate per token, max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A), capped at -c A
-    for A < 0 (dual clip); returns it, the ratio r, and where the clip and the dual clip acted (on `m`)."""
-    c = cfg.log_ratio_clamp
-    ratio = (lp - old).clamp(-c, c).exp()
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    pg = torch.maximum(loss_unclipped, loss_clipped)
-    clipped = m & (loss_clipped > loss_unclipped)
-    dual = torch.zeros_like(m)
-    if cfg.dual_clip_c is not None:
-        cap = -adv * cfg.dual_clip_c
-        dual = m & (adv < 0) & (pg > cap)
-        pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
-    return pg, ratio, clipped, dual
+    for A < 0 (dual clip); returns it, the ratio r, and where the clip and the dual clip acted (on `m`).
+    The 'ppo_clip' entry of `POLICY_LOSSES` (algo/losses.py)."""
+    return ppo_clip(lp, old, adv, m, cfg)

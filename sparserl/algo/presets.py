@@ -7,8 +7,9 @@ from typing import Any
 
 from sparserl.algo.config import AlgoConfig
 
-# The loss is the same in every preset (the reference's: eps 0.2, beta 1e-4 with k3, seq-mean-token-mean),
-# so presets differ only in how rollouts are sampled and corrected.
+# The sampling/correction presets share the reference's loss (eps 0.2, beta 1e-4 with k3, seq-mean-token-mean)
+# and differ only in how rollouts are sampled and corrected; the last three are dense runs with the losses and
+# estimators users of verl look for (combine them with a correction key by key).
 PRESETS: dict[str, dict[str, Any]] = {
     # Dense rollouts, plain GRPO: the baseline.
     "dense": {"sparse_rollout": False, "correction_mode": "none"},
@@ -40,6 +41,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "geo_rs_high": 2.0,
         "tis_cap": 2.0,
     },
+    # GSPO: sequence-level ratio, the paper's clip range (v2, section 5.1) and no KL to the reference.
+    "gspo": {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "kl_coef": 0.0},
+    # REINFORCE++: raw rewards whitened over the batch; -baseline: group mean subtracted first.
+    "reinforce++": {"adv_estimator": "reinforce", "adv_transforms": ["batch_whiten"]},
+    "reinforce++-baseline": {"adv_estimator": "drgrpo", "adv_transforms": ["batch_whiten"]},
 }
 
 
@@ -53,4 +59,7 @@ def algo_config(preset: str = "dense", **overrides: Any) -> AlgoConfig:
         raise ValueError(
             f"unknown algo config key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(valid))}"
         )
-    return AlgoConfig(**{**PRESETS[preset], **overrides})
+    preset_values = {
+        k: list(v) if isinstance(v, list) else v for k, v in PRESETS[preset].items()
+    }  # no sharing
+    return AlgoConfig(**{**preset_values, **overrides})
