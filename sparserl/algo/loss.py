@@ -122,10 +122,7 @@ def policy_loss(
     lp = masked_fill_safe(upcast(logp), m)
     old = masked_fill_safe(upcast(logp_old.detach()), m)
     adv = masked_fill_safe(upcast(advantages.detach()), m)
-    w = torch.ones_like(lp) if weights is None else masked_fill_safe(upcast(weights.detach()), m)
-    if bool((w < 0).any()):
-        raise ValueError("weights must be >= 0 on the loss mask (importance weights)")
-
+    w = _importance_weights(weights, lp, m)
     pg, ratio, clipped, dual = POLICY_LOSSES.lookup(cfg.policy_loss)(lp, old, adv, m, cfg)
     pg_tok = w * pg
 
@@ -193,3 +190,11 @@ def clipped_pg(
     for A < 0 (dual clip); returns it, the ratio r, and where the clip and the dual clip acted (on `m`).
     The 'ppo_clip' entry of `POLICY_LOSSES` (algo/losses.py)."""
     return ppo_clip(lp, old, adv, m, cfg)
+
+
+def _importance_weights(weights: Tensor | None, lp: Tensor, m: Tensor) -> Tensor:
+    """The detached IS weights on the loss mask (all ones when None); negative ones are an error."""
+    w = torch.ones_like(lp) if weights is None else masked_fill_safe(upcast(weights.detach()), m)
+    if bool((w < 0).any()):
+        raise ValueError("weights must be >= 0 on the loss mask (importance weights)")
+    return w
