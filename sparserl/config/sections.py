@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sparserl.algo import PRESETS, AlgoConfig
+from sparserl.config.checks import cross_section_checks
 from sparserl.config.distill import DistillConfig
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
-from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
+from sparserl.engine.kv_config import KVConfig
 from sparserl.tasks import TaskConfig
 from sparserl.tasks.config import GENERATED_TASKS
 
@@ -424,81 +424,8 @@ class TrainConfig:
         return dataclasses.replace(self.task, name=name, data=self.trainer.eval_data, split="test")
 
     def validate(self) -> None:
-        """Cross-section checks (each section checks its own fields)."""
-        batch = self.rollout.prompts_per_step * self.rollout.n
-        if self.algo.adv_estimator == "rloo" and self.rollout.n < 2:
-            raise ConfigError("algo.adv_estimator=rloo needs rollout.n >= 2 (a leave-one-out baseline)")
-        mini = self.optim.mini_batch_size or batch
-        if batch % mini:
-            raise ConfigError(
-                f"optim.mini_batch_size={mini} must divide the rollout batch "
-                f"(rollout.prompts_per_step * rollout.n = {batch})"
-            )
-        if self.optim.grad_accum > mini:
-            raise ConfigError(
-                f"optim.grad_accum={self.optim.grad_accum} exceeds the mini-batch size {mini}: "
-                "each micro-batch needs at least one sequence"
-            )
-        if self.engine.compile is True and self.sparse and self.kv.method in SPARSE_ATTENTION_METHODS:
-            raise ConfigError(
-                f"engine.compile=true does not run block-sparse attention (kv.method={self.kv.method!r}): the "
-                "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
-            )
-        if self.trainer.log_acceptance and self.rollout.partial.enable:
-            raise ConfigError(
-                "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "
-                "resumed sample's earlier distributions are gone: turn one of them off"
-            )
-        self._validate_distill()
-        self._validate_sampling()
-        if self.algo.sparse_rollout and not self.kv.sparse:
-            raise ConfigError(
-                f"algo.preset={self.algo.preset!r} samples sparse rollouts but kv.method={self.kv.method!r}; "
-                f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
-                f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
-            )
-
-    def _validate_sampling(self) -> None:
-        """Training samples from the tempered softmax only, and warns where stale tokens go uncorrected."""
-        r = self.rollout
-        if r.top_p < 1.0 or r.top_k > 0:
-            raise ConfigError(
-                f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: training needs top_p=1 and top_k=0, since "
-                "the sampler records log-probs of the truncated distribution while pi_old, the learner and the "
-                "reference use the full softmax, a mismatch the corrections would mistake for sparsity "
-                "(`sparserl eval` and `sparserl rollout` may truncate: --top-p)"
-            )
-        if r.partial.enable and r.partial.mode == "train_all" and self.algo.correction_mode == "none":
-            warnings.warn(
-                "rollout.partial.mode=train_all with algo.correction_mode=none trains the tokens an older policy "
-                "drew as if the current one had drawn them, with no staleness correction: set "
-                "algo.correction_mode=decoupled (or bypass) to weigh them, or rollout.partial.mode=mask_old",
-                UserWarning,
-                stacklevel=2,
-            )
-
-    def _validate_distill(self) -> None:
-        """DistillSparse needs sparse rollouts it can replay teacher-forced: block_topk, whole samples."""
-        d = self.distill
-        if not d.enable:
-            return
-        if not (self.algo.sparse_rollout and self.kv.sparse):
-            raise ConfigError(
-                f"distill.enable=true trains an adapter for sparse rollouts, but rollouts are dense "
-                f"(algo.preset={self.algo.preset!r}, kv.method={self.kv.method!r}): set kv.method to block_topk or "
-                "an eviction method and a sparse preset (e.g. algo.preset=tis), or distill.enable=false"
-            )
-        if self.model.lora and d.adapter_name == "default":
-            raise ConfigError(
-                "distill.adapter_name='default' is the name of the policy's own LoRA adapter (model.lora=true): "
-                "choose another name"
-            )
-        if self.rollout.partial.enable or self.rollout.kv_memory_cap is not None:
-            raise ConfigError(
-                "distill.enable=true needs each sample decoded in one go: a resumed or preempted sample is "
-                "re-prefilled densely, which the sparse replay cannot reproduce; unset rollout.partial.enable "
-                "and rollout.kv_memory_cap"
-            )
+        """Cross-section checks (each section checks its own fields): config/checks.py."""
+        cross_section_checks(self)
 
     @property
     def rollout_batch(self) -> int:

@@ -1,0 +1,94 @@
+"""The checks of a training config that span its sections (each section checks its own fields when built):
+batch shapes, what the compiled decode and alpha logging can run, DistillSparse's needs, and sampling settings
+that training cannot correct for."""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from sparserl.config.errors import ConfigError
+from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS
+
+if TYPE_CHECKING:  # the config's type only: sections.py calls these
+    from sparserl.config.sections import TrainConfig
+
+
+def cross_section_checks(cfg: TrainConfig) -> None:
+    """The checks that span sections of a TrainConfig (each section checks its own fields)."""
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.n
+    if cfg.algo.adv_estimator == "rloo" and cfg.rollout.n < 2:
+        raise ConfigError("algo.adv_estimator=rloo needs rollout.n >= 2 (a leave-one-out baseline)")
+    mini = cfg.optim.mini_batch_size or batch
+    if batch % mini:
+        raise ConfigError(
+            f"optim.mini_batch_size={mini} must divide the rollout batch "
+            f"(rollout.prompts_per_step * rollout.n = {batch})"
+        )
+    if cfg.optim.grad_accum > mini:
+        raise ConfigError(
+            f"optim.grad_accum={cfg.optim.grad_accum} exceeds the mini-batch size {mini}: "
+            "each micro-batch needs at least one sequence"
+        )
+    if cfg.engine.compile is True and cfg.sparse and cfg.kv.method in SPARSE_ATTENTION_METHODS:
+        raise ConfigError(
+            f"engine.compile=true does not run block-sparse attention (kv.method={cfg.kv.method!r}): the "
+            "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
+        )
+    if cfg.trainer.log_acceptance and cfg.rollout.partial.enable:
+        raise ConfigError(
+            "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "
+            "resumed sample's earlier distributions are gone: turn one of them off"
+        )
+    check_distill(cfg)
+    check_sampling(cfg)
+    if cfg.algo.sparse_rollout and not cfg.kv.sparse:
+        raise ConfigError(
+            f"algo.preset={cfg.algo.preset!r} samples sparse rollouts but kv.method={cfg.kv.method!r}; "
+            f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
+            f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
+        )
+
+
+def check_sampling(cfg: TrainConfig) -> None:
+    """Training samples from the tempered softmax only, and warns where stale tokens go uncorrected."""
+    r = cfg.rollout
+    if r.top_p < 1.0 or r.top_k > 0:
+        raise ConfigError(
+            f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: training needs top_p=1 and top_k=0, since "
+            "the sampler records log-probs of the truncated distribution while pi_old, the learner and the "
+            "reference use the full softmax, a mismatch the corrections would mistake for sparsity "
+            "(`sparserl eval` and `sparserl rollout` may truncate: --top-p)"
+        )
+    if r.partial.enable and r.partial.mode == "train_all" and cfg.algo.correction_mode == "none":
+        warnings.warn(
+            "rollout.partial.mode=train_all with algo.correction_mode=none trains the tokens an older policy "
+            "drew as if the current one had drawn them, with no staleness correction: set "
+            "algo.correction_mode=decoupled (or bypass) to weigh them, or rollout.partial.mode=mask_old",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def check_distill(cfg: TrainConfig) -> None:
+    """DistillSparse needs sparse rollouts it can replay teacher-forced: block_topk, whole samples."""
+    d = cfg.distill
+    if not d.enable:
+        return
+    if not (cfg.algo.sparse_rollout and cfg.kv.sparse):
+        raise ConfigError(
+            f"distill.enable=true trains an adapter for sparse rollouts, but rollouts are dense "
+            f"(algo.preset={cfg.algo.preset!r}, kv.method={cfg.kv.method!r}): set kv.method to block_topk or "
+            "an eviction method and a sparse preset (e.g. algo.preset=tis), or distill.enable=false"
+        )
+    if cfg.model.lora and d.adapter_name == "default":
+        raise ConfigError(
+            "distill.adapter_name='default' is the name of the policy's own LoRA adapter (model.lora=true): "
+            "choose another name"
+        )
+    if cfg.rollout.partial.enable or cfg.rollout.kv_memory_cap is not None:
+        raise ConfigError(
+            "distill.enable=true needs each sample decoded in one go: a resumed or preempted sample is "
+            "re-prefilled densely, which the sparse replay cannot reproduce; unset rollout.partial.enable "
+            "and rollout.kv_memory_cap"
+        )
