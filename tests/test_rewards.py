@@ -14,21 +14,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sparserl.tasks import Example, Task
+from sparserl.tasks.answers import (
+    extract_answer,
+    extract_boxed,
+    extract_hash_answer,
+    format_reward,
+    numeric_match,
+    parse_number,
+    reference_answer,
+)
 from sparserl.tasks.rewards import (
     MathVerifier,
     RewardStats,
     RewardTimeout,
     answers_match,
-    extract_answer,
-    extract_boxed,
-    extract_hash_answer,
-    format_reward,
     get_verifier,
     math_reward,
-    numeric_match,
     numeric_reward,
-    parse_number,
-    reference_answer,
     safe_call,
 )
 

@@ -12,10 +12,10 @@ import pytest
 
 from sparserl.errors import DataError, UserError
 from sparserl.tasks import BOXED_INSTRUCTION, Example, TaskConfig, make_task
+from sparserl.tasks.answers import reference_answer
 from sparserl.tasks.arithmetic import evaluate
 from sparserl.tasks.dataset import DatasetTask
 from sparserl.tasks.long_arithmetic import FACT_NAMES
-from sparserl.tasks.rewards import reference_answer
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")

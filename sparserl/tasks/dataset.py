@@ -20,16 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.errors import DataError
+from sparserl.tasks.answers import extract_boxed, extract_hash_answer, reference_answer
 from sparserl.tasks.base import Example, Task
 from sparserl.tasks.config import TaskConfig
 from sparserl.tasks.prompts import build_messages, normalize_messages
-from sparserl.tasks.rewards import (
-    extract_boxed,
-    extract_hash_answer,
-    get_verifier,
-    math_reward,
-    reference_answer,
-)
+from sparserl.tasks.rewards import get_verifier, math_reward
 
 logger = logging.getLogger(__name__)
 
