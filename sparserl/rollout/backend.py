@@ -63,12 +63,14 @@ class StaleWeights(RuntimeError):
 
 
 class RolloutBackend:
-    """Base class of the registry. Subclasses implement `run`; `push_weights` records the version held."""
+    """Base class of the registry. Subclasses implement `run`; `push_weights` records the version held and
+    `check_version` refuses another (the rollout layer calls it before every run)."""
 
     name: ClassVar[str] = ""
 
-    def __init__(self) -> None:
+    def __init__(self, recording: Recording | None = None) -> None:
         self.version = 0
+        self.recording = recording or Recording()
 
     def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
         """Hold the weights of policy `version` (`state`: the tensors that changed; None when shared)."""
@@ -90,7 +92,8 @@ class RolloutBackend:
         on_segment: Callable[[Segment], None],
         stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
-        """Decode `requests`; returns the run's metrics (throughput, KV memory, scheduling)."""
+        """Decode `requests` (never empty) with the weights of policy `version`, which the caller has checked
+        with `check_version`; returns the run's metrics (throughput, KV memory, scheduling)."""
         raise NotImplementedError
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
@@ -111,8 +114,8 @@ class LocalBackend(RolloutBackend):
     every run."""
 
     def __init__(self, engine, cfg: RolloutConfig, recording: Recording | None = None) -> None:
-        super().__init__()
-        self.engine, self.recording = engine, recording or Recording()
+        super().__init__(recording)
+        self.engine = engine
         self.scheduler = Scheduler(engine, cfg.kv_memory_cap_bytes, cfg.batching)
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
@@ -127,9 +130,6 @@ class LocalBackend(RolloutBackend):
         on_segment: Callable[[Segment], None],
         stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
-        self.check_version(version)
-        if not requests:
-            return {}
         rec = self.recording
         recorder = DistributionRecorder.maybe(
             len(requests), max(r.max_new_tokens for r in requests), rec.top_logprobs, rec.full_logprobs,

@@ -92,6 +92,7 @@ class RolloutLayer:
         """Run the plans' unfinished samples with the weights of policy `version` (each sample on its own
         stream; `seed` seeds stateful eviction, e.g. random, for the run)."""
         cfg, target = self.cfg, self.cfg.prompts_per_step
+        self.backend.check_version(version)
         groups = [self._group(p) for p in plans]
         pending = [(g, s) for g in groups for s in g.samples if not s.finished]
         requests = [self._request(s) for _, s in pending]

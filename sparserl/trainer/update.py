@@ -124,12 +124,6 @@ def minibatch_updates(
     return sums, taken, skipped
 
 
-def optimizer_steps(batch_size: int, mini_batch_size: int, epochs: int) -> int:
-    """Optimizer steps one training step takes: K epochs x the batch's mini-batches (the last may be short)."""
-    mini = mini_batch_size or batch_size
-    return epochs * -(-batch_size // mini)
-
-
 class Learner:
     """Owns the optimizer and the lr schedule of the policy's trainable parameters. Mini-batches and the lr
     horizon come from the batch it receives (groups of any size, any number of them)."""
@@ -164,8 +158,10 @@ class Learner:
         )
 
     def optimizer_steps(self, batch_size: int) -> int:
-        """Optimizer steps taken on a batch of `batch_size` samples: K epochs x its mini-batches."""
-        return optimizer_steps(batch_size, self.cfg.optim.mini_batch_size, self.cfg.optim.ppo_epochs)
+        """Optimizer steps taken on a batch of `batch_size` samples: K epochs x its mini-batches (the last may
+        be short)."""
+        mini = self.cfg.optim.mini_batch_size or batch_size
+        return self.cfg.optim.ppo_epochs * -(-batch_size // mini)
 
     def single_update(self, batch_size: int) -> bool:
         """True when pi_old can come from the learner's pass: one update per rollout batch, decoupled (or
