@@ -62,6 +62,12 @@ def write(path: Path, obj: dict) -> None:
     write_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
+def save_warmstart(state: dict) -> None:
+    """warmstart.json with its goal (the start level, study_v3_rules.warmstart_goals) as measured so far."""
+    rest = {k: v for k, v in state.items() if k != "goals"}  # a state read back carries the old goals
+    write(RESULTS / "warmstart.json", {"goals": R.warmstart_goals(rest), **rest})
+
+
 def rung_overrides(rung: list[int]) -> list[str]:
     return [f"task.num_operands={rung[0]}", f"task.max_digits={rung[1]}"]
 
@@ -174,13 +180,13 @@ def sft_rung(rung: list[int], args, state: dict) -> bool:
         torch.save(opt.state_dict(), ckpt / "optimizer.pt")
         rec["cpu_s"] = rec.get("cpu_s", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
-        write(RESULTS / "warmstart.json", state)
+        save_warmstart(state)
         if R.sft_done(rec["probes"][-1]):
             merged = peft.merge_and_unload().eval()
             merged.save_pretrained(WARMSTART)
             tok.save_pretrained(WARMSTART)
             state.update(rung=rung, done=True, weights_sha256=weight_checksum(merged), kept=rec["probes"][-1])
-            write(RESULTS / "warmstart.json", state)
+            save_warmstart(state)
             return True
     return False
 
@@ -198,7 +204,7 @@ def warmstart(args) -> None:
     state.update(
         done=True, failed=True, reason="no rung of the ladder reached the start level: claims not testable"
     )
-    write(RESULTS / "warmstart.json", state)
+    save_warmstart(state)
 
 
 def sample(model, tok, cfg, kv, prompts, task, exs, samples: int) -> list[dict]:

@@ -180,6 +180,24 @@ def sft_done(probe: dict) -> bool:
     return probe["dense_reward"] >= w["target"] and probe["mean_length"] >= w["min_mean_tokens"]
 
 
+def warmstart_goals(state: dict) -> dict:
+    """The warm start's goal as measured so far: a probe with dense reward >= the target (and long enough
+    answers) on some rung of the ladder, within the step cap."""
+    w = RULES["warmstart"]
+    probes = [p for rung in state.get("rungs", {}).values() for p in rung["probes"]]
+    best = max((p["dense_reward"] for p in probes), default=None)
+    return {
+        "warm start reaches the start level": {
+            "value": best,
+            "target": w["target"],
+            "met": bool(state.get("done")) and not state.get("failed", False),
+            "unit": f"best probe dense reward so far (32 prompts x 2 samples); met when a probe passes sft_done "
+            f"(>= {w['target']} with mean completion >= {w['min_mean_tokens']} tokens) within {w['cap']} steps",
+            "command": "python experiments/study_v3.py warmstart",
+        }
+    }
+
+
 def pilot_lr(kl_ref: Sequence[float], reward: Sequence[float], lr: float) -> tuple[float, str]:
     """The pilot's rule: the lr kept, or halved (once) with the reason."""
     if max(kl_ref, default=0.0) > RULES["pilot"]["kl_max"]:

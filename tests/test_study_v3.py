@@ -98,3 +98,13 @@ def test_validity_gate():
     assert ok["passed"]
     bad = R.validity_gate([0.05] * 4, {"dense": 0.4, "naive-sparse-rkv": 0.1, "sparse-rl-rkv": 0.3})
     assert not bad["passed"] and len(bad["reasons"]) == 2
+
+
+def test_warmstart_goal_reads_the_best_probe_and_the_done_flag():
+    state = {"rungs": {"12x2": {"probes": [{"dense_reward": 0.2}, {"dense_reward": 0.3}]}}}
+    goal = R.warmstart_goals(state)["warm start reaches the start level"]
+    assert goal["value"] == 0.3 and goal["met"] is False and goal["target"] == 0.35
+    assert R.warmstart_goals({**state, "done": True})["warm start reaches the start level"]["met"] is True
+    failed = {**state, "done": True, "failed": True}
+    assert R.warmstart_goals(failed)["warm start reaches the start level"]["met"] is False
+    assert R.warmstart_goals({})["warm start reaches the start level"]["value"] is None
