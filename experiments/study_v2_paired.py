@@ -133,7 +133,12 @@ def main() -> int:
     gains = {arm: [x - base for x in heldout(arm, "dense")] for arm in ("dense", "sparse-rl-rkv")}
     ratio = statistics.fmean(gains["sparse-rl-rkv"]) / statistics.fmean(gains["dense"])
     v1 = json.loads((ROOT / "docs" / "results" / "study" / "study.json").read_text())["base_model"]
+    v2_goals = json.loads((RESULTS / "study_v2.json").read_text())["goals"]
     out = {
+        # the verdicts stay study_v2.json's (rules fixed before its runs); the paired tests are reported beside
+        "goals": v2_goals,
+        "goals_note": "study v2's goals and verdicts as recorded in study_v2.json, unchanged; the paired tests "
+        "below are a re-analysis reported beside them, not new verdicts",
         "what": "study v2's contrasts paired by seed beside the unpaired ones, masking share, retained-token "
         "saving, P5 per Sparrow schedule (issue 38 item 1); computed from committed parts only",
         "command": "python experiments/study_v2_paired.py",
