@@ -133,9 +133,24 @@ def _run_mode(
         reward_s += scored.score_s
         if progress is not None:
             progress(mode, chunk[-1] + 1, len(indices))
+    totals = {"dense_bytes": dense_bytes, "bytes_per_pos": bytes_per_pos, "retained": retained,
+              "generated": generated, "gen_s": gen_s, "reward_s": reward_s}  # fmt: skip
+    section = _summary(rewards, lengths, finishes, agg, totals)
+    stats_after = task.stats.as_metrics()
+    for key in ("reward/errors", "reward/timeouts"):
+        section[key.replace("/", "_")] = int(stats_after.get(key, 0) - stats_before.get(key, 0))
+    section["_per_prompt"] = {"rewards": rewards, "lengths": lengths, "finish": finishes, "texts": texts}
+    return section
+
+
+def _summary(
+    rewards: list[list[float]], lengths: list[list[int]], finishes: list[list[str]], agg: dict, totals: dict
+) -> dict[str, Any]:
+    """One mode's section: reward summary, lengths, truncation, KV memory and saving, throughput."""
     n_samples = sum(len(x) for x in lengths)
     flat_len = [x for row in lengths for x in row]
     flat_fin = [x for row in finishes for x in row]
+    dense_bytes, gen_s = totals["dense_bytes"], totals["gen_s"]
     section: dict[str, Any] = summarize_rewards(rewards)
     section.update(
         {
@@ -146,19 +161,15 @@ def _run_mode(
             "dense_kv_bytes": dense_bytes,
             "kv_saved_fraction": max(0.0, 1.0 - agg["peak_kv_bytes"] / dense_bytes) if dense_bytes else 0.0,
             "peak_kv_positions": agg["peak_kv_positions"],
-            "kv_bytes_per_position": bytes_per_pos,
-            "retained_fraction": retained / n_samples,
+            "kv_bytes_per_position": totals["bytes_per_pos"],
+            "retained_fraction": totals["retained"] / n_samples,
             "compression_events": agg["compression_events"],
-            "generated_tokens": generated,
-            "tokens_per_s": generated / gen_s if gen_s > 0 else 0.0,
+            "generated_tokens": totals["generated"],
+            "tokens_per_s": totals["generated"] / gen_s if gen_s > 0 else 0.0,
             "generate_s": gen_s,
-            "reward_s": reward_s,
+            "reward_s": totals["reward_s"],
         }
     )
-    stats_after = task.stats.as_metrics()
-    for key in ("reward/errors", "reward/timeouts"):
-        section[key.replace("/", "_")] = int(stats_after.get(key, 0) - stats_before.get(key, 0))
-    section["_per_prompt"] = {"rewards": rewards, "lengths": lengths, "finish": finishes, "texts": texts}
     return section
 
 
@@ -233,32 +244,40 @@ def evaluate(
             engine, task, indices, prompt_ids, samples, gen_kwargs, seed, batch_prompts, progress, mode
         )
     if "dense" in result and "sparse" in result:
-        d, s = result["dense"], result["sparse"]
-        keys = [k for k in d if k.startswith(("mean@", "pass@"))] + ["mean_length", "truncated_share"]
-        result["sparse_minus_dense"] = {k: s[k] - d[k] for k in keys}
-        result["sparse_minus_dense"]["kv_bytes_ratio"] = (
-            s["peak_kv_bytes"] / d["peak_kv_bytes"] if d["peak_kv_bytes"] else None
-        )
+        result["sparse_minus_dense"] = _sparse_minus_dense(result["dense"], result["sparse"])
     per = {mode: result[mode].pop("_per_prompt") for mode, _ in modes}
     if details:
-        result["examples"] = [
-            {
-                "index": i,
-                "answer": task[i].answer,
-                "source": task[i].meta.get("source", ""),
-                **{
-                    mode: {
-                        "rewards": per[mode]["rewards"][j],
-                        "lengths": per[mode]["lengths"][j],
-                        "finish": per[mode]["finish"][j],
-                        "completions": per[mode]["texts"][j],
-                    }
-                    for mode in per
-                },
-            }
-            for j, i in enumerate(indices)
-        ]
+        result["examples"] = _examples(task, indices, per)
     return result
+
+
+def _sparse_minus_dense(d: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
+    """Sparse minus dense for every mean@/pass@, the mean length and truncation; the ratio of peak KV bytes."""
+    keys = [k for k in d if k.startswith(("mean@", "pass@"))] + ["mean_length", "truncated_share"]
+    out: dict[str, Any] = {k: s[k] - d[k] for k in keys}
+    out["kv_bytes_ratio"] = s["peak_kv_bytes"] / d["peak_kv_bytes"] if d["peak_kv_bytes"] else None
+    return out
+
+
+def _examples(task: Task, indices: list[int], per: dict[str, dict[str, list]]) -> list[dict[str, Any]]:
+    """Per prompt: its answer and source, and per mode its rewards, lengths, finish reasons and completions."""
+    return [
+        {
+            "index": i,
+            "answer": task[i].answer,
+            "source": task[i].meta.get("source", ""),
+            **{
+                mode: {
+                    "rewards": per[mode]["rewards"][j],
+                    "lengths": per[mode]["lengths"][j],
+                    "finish": per[mode]["finish"][j],
+                    "completions": per[mode]["texts"][j],
+                }
+                for mode in per
+            },
+        }
+        for j, i in enumerate(indices)
+    ]
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> Path:
