@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
-import types
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -17,6 +15,7 @@ from typing import Any
 import yaml
 
 from sparserl.algo import PRESETS
+from sparserl.config.coerce import coerce, field_types, is_optional, type_name
 from sparserl.config.sections import (
     CONFIG_DIR,
     DEFAULT_PRESET,
@@ -25,124 +24,6 @@ from sparserl.config.sections import (
     TrainConfig,
 )
 from sparserl.tasks import TaskConfig
-
-# ------------------------------------------------------------------------------------------------ typing
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _is_optional(tp: Any) -> tuple[bool, Any]:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return True, args[0]
-    return False, tp
-
-
-INT64_MAX = 2**63 - 1
-
-
-def _in_int64(number: int, value: Any, key: str) -> int:
-    """`number` if a 64-bit integer holds it (torch and numpy take no more); else a ConfigError naming `key`."""
-    if not -INT64_MAX - 1 <= number <= INT64_MAX:
-        raise ConfigError(f"{key}={value!r} is out of range: integers here are at most {INT64_MAX:,}")
-    return number
-
-
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
-
-
-def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert `value` (typed YAML, or a command-line string) to the field type `tp`, or raise ConfigError."""
-    optional, inner = _is_optional(tp)
-    if optional:
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "~")):
-            return None
-        return coerce(value, inner, key)
-    bad = ConfigError(f"{key}={value!r} is not a valid {_type_name(tp)}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-            return value.strip().lower() in _TRUE
-        raise bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return _in_int64(value, value, key)
-        if isinstance(value, float) and value.is_integer():
-            return _in_int64(int(value), value, key)
-        if isinstance(value, str):
-            try:
-                number = int(value.strip().replace("_", ""))
-            except ValueError:
-                try:
-                    f = float(value)
-                except ValueError:
-                    raise bad from None
-                if not f.is_integer():
-                    raise bad from None
-                number = int(f)
-            return _in_int64(number, value, key)
-        raise bad
-    if tp is float:
-        if isinstance(value, bool):
-            raise bad
-        try:
-            number = float(value.strip() if isinstance(value, str) else value)
-        except (TypeError, ValueError):
-            raise bad from None
-        if math.isnan(number):  # no setting means anything with NaN; it would pass every `<` check silently
-            raise ConfigError(f"{key}={value!r} is not a number")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise bad
-    origin = typing.get_origin(tp)
-    if origin in (list, tuple):
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    value = yaml.safe_load(text)
-                except yaml.YAMLError:
-                    raise bad from None
-            else:
-                value = [v.strip() for v in text.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        k_tp, v_tp = typing.get_args(tp) or (Any, Any)
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError:
-                raise bad from None
-        if value is None:
-            value = {}
-        if not isinstance(value, dict):
-            raise bad
-        return {coerce(k, k_tp, key): coerce(v, v_tp, f"{key}.{k}") for k, v in value.items()}
-    if tp is Any:
-        return value
-    raise ConfigError(f"{key}: fields of type {_type_name(tp)} are not supported by the config loader")
-
 
 # ------------------------------------------------------------------------------------------------ building
 
@@ -170,7 +51,7 @@ def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
 def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where(prefix)}'{prefix}' must be a mapping of keys to values, got {data!r}")
-    hints = _field_types(cls)
+    hints = field_types(cls)
     valid = [f.name for f in fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -180,9 +61,9 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             continue
-        if isinstance(value, dict) and typing.get_origin(_is_optional(tp)[1]) is not dict:
+        if isinstance(value, dict) and typing.get_origin(is_optional(tp)[1]) is not dict:
             raise ConfigError(
-                f"{where(path)}'{path}' is not a section: it takes one {_type_name(tp)} value (e.g. {path}=...)"
+                f"{where(path)}'{path}' is not a section: it takes one {type_name(tp)} value (e.g. {path}=...)"
             )
         try:
             kwargs[key] = coerce(value, tp, path)
@@ -422,14 +303,14 @@ def save_config(cfg: TrainConfig, path: str | Path) -> None:
 
 def iter_fields(cls: type = TrainConfig, prefix: str = "") -> typing.Iterator[tuple[str, str, str]]:
     """(key path, type name, help) for every leaf field, in declaration order."""
-    hints = _field_types(cls)
+    hints = field_types(cls)
     for f in fields(cls):
         tp = hints[f.name]
         path = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(tp):
             yield from iter_fields(tp, path)
         else:
-            yield path, _type_name(tp), f.metadata.get("help", "")
+            yield path, type_name(tp), f.metadata.get("help", "")
 
 
 def format_help() -> str:
