@@ -15,7 +15,6 @@ from typing import Any
 import yaml
 
 from sparserl.algo import PRESETS
-from sparserl.config.coerce import coerce, field_types, is_optional, type_name
 from sparserl.config.sections import (
     CONFIG_DIR,
     DEFAULT_PRESET,
@@ -23,6 +22,7 @@ from sparserl.config.sections import (
     ConfigError,
     TrainConfig,
 )
+from sparserl.config.values import coerce, field_types, is_optional, type_name
 from sparserl.tasks import TaskConfig
 
 # ------------------------------------------------------------------------------------------------ building
