@@ -26,11 +26,11 @@ from sparserl.eval.calibrate import (
     PASSES,
     CalibrationSettings,
     calibrate,
-    calibrate_command,
     check_schedule,
     choose_schedule,
     write_outputs,
 )
+from sparserl.eval.calibrate_command import calibrate_command
 from sparserl.models import encode_prompt, tiny_model
 
 ALPHA_TOL = 1e-4  # alpha of a dense-equivalent run: 1 up to the sampler/scorer round-off (test_acceptance.py)

@@ -138,6 +138,7 @@ def test_calibrate_stops_with_one_line_and_143(
     from test_calibrate import command_args
 
     import sparserl.eval.calibrate as calibration
+    from sparserl.eval.calibrate_command import calibrate_command
 
     def terminated(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)
@@ -145,7 +146,7 @@ def test_calibrate_stops_with_one_line_and_143(
         pytest.fail("SIGTERM did not stop the calibration")
 
     monkeypatch.setattr(calibration, "measure_bins", terminated)
-    assert calibration.calibrate_command(command_args(tmp_path)) == 143
+    assert calibrate_command(command_args(tmp_path)) == 143
     err = capsys.readouterr().err
     assert "sparserl calibrate: stopped by SIGTERM" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "schedule.json").exists()

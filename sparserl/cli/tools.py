@@ -132,7 +132,7 @@ def _calibrate_epilog() -> str:
     epilog=_calibrate_epilog,
 )
 def calibrate(args: argparse.Namespace) -> int:
-    """`sparserl calibrate`: see sparserl/eval/calibrate.py."""
-    from sparserl.eval.calibrate import calibrate_command
+    """`sparserl calibrate`: see sparserl/eval/calibrate_command.py."""
+    from sparserl.eval.calibrate_command import calibrate_command
 
     return calibrate_command(args)

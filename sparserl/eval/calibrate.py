@@ -9,8 +9,6 @@ measures the same per-bin tail with a schedule itself, on other (held-out) promp
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -20,14 +18,12 @@ from typing import Any
 from torch import nn
 
 from sparserl.algo.acceptance import TOO_FEW_TOKENS, AcceptanceBin, check_tau
-from sparserl.config import ConfigError
 from sparserl.engine.acceptance import measure_acceptance
 from sparserl.engine.kv_config import KV_METHODS, KVConfig
 from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
 from sparserl.eval.calibration_plot import plot_heatmap
 from sparserl.eval.evaluate import write_json
-from sparserl.signals import stoppable
 
 DEFAULT_BIN_WIDTH = (
     512  # SmolLM2 has 8192 positions and CPU runs reach a few thousand: Sparrow's 2000 is too wide
@@ -327,136 +323,3 @@ def write_outputs(report: dict[str, Any], out_dir: str | Path) -> list[Path]:
         plot_heatmap(report, out / HEATMAP_PNG),
         write_json(schedule, out / SCHEDULE_JSON),
     ]
-
-
-# ---------------------------------------------------------------------------------------------- command
-
-
-def command_line(args: argparse.Namespace, name: str = "calibrate") -> str:
-    """The command as it would be typed, every flag explicit (each argument's dest is its flag's name)."""
-    parts = ["sparserl", name]
-    for key, value in vars(args).items():
-        if key.startswith("_") or key == "command" or value is None or value is False or value == "":
-            continue
-        parts.append(f"--{key.replace('_', '-')}")
-        if value is not True:
-            parts.append(str(value))
-    return shlex.join(parts)
-
-
-def _int_list(text: str, flag: str) -> list[int]:
-    """Comma-separated integers of a flag; anything else is a ConfigError naming it."""
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
-    try:
-        return [int(t) for t in items]
-    except ValueError:
-        raise ConfigError(f"{flag} {text!r}: expected comma-separated integers, e.g. 64,128,256") from None
-
-
-def _settings_from_flags(args: argparse.Namespace) -> tuple[CalibrationSettings, list[int]]:
-    """The calibration settings and candidate budgets (none with --schedule) from the flags, every budget or
-    schedule bin checked; bad flags are ConfigErrors (usage errors) naming them."""
-    from sparserl.eval.commands import _flag_names
-
-    if bool(args.schedule) == bool(args.budgets):
-        empty = [f"{flag}={value!r} is empty; " for flag, value in (("--budgets", args.budgets),
-                 ("--schedule", args.schedule)) if value is not None and not value]  # fmt: skip
-        raise ConfigError(
-            "".join(empty)
-            + "give --budgets (candidate budgets to calibrate, e.g. 64,128,256,512) or --schedule "
-            "(a schedule to check on held-out prompts)"
-            + (", not both" if args.schedule and args.budgets else "")
-        )
-    kv_options = {"page_size": args.page_size, "dense_layers": _int_list(args.dense_layers, "--dense-layers")}
-    kv_options |= {k: getattr(args, k) for k in ("window", "interval") if getattr(args, k) is not None}
-    flags = ("bin_width", "max_new_tokens", "top_logprobs", "samples_per_call", "kv.page_size", "kv.window",
-             "kv.interval", "kv.dense_layers")  # fmt: skip
-    try:
-        with _flag_names({name: "--" + name.removeprefix("kv.").replace("_", "-") for name in flags}):
-            settings = CalibrationSettings(
-                args.method, kv_options, args.n, args.max_new_tokens, args.bin_width, args.tau, args.estimate,
-                args.top_logprobs, args.temperature, args.top_p, args.top_k, args.seed, args.ignore_eos,
-                args.samples_per_call,
-            )  # fmt: skip
-            if args.schedule:
-                settings.kv(schedule=parse_schedule(args.schedule, "--schedule", args.method))
-                return settings, []
-            budgets = _int_list(args.budgets, "--budgets")
-            candidate_kv_configs(settings, budgets)
-            return settings, budgets
-    except UserError as e:
-        raise ConfigError(str(e)) from None
-
-
-@stoppable("sparserl calibrate", "its outputs were not written (or not all); run the same command again")
-def calibrate_command(args: argparse.Namespace) -> int:
-    """`sparserl calibrate`: check the flags, load the model and prompts, calibrate (or, with --schedule,
-    check a schedule on these prompts), write the outputs under --out and print the schedule and warnings."""
-    import torch
-    from rich.console import Console
-
-    from sparserl.eval.commands import (
-        DATA_KEY_FLAGS,
-        _check_dtype,
-        _check_sampling,
-        _device,
-        _flag_names,
-        check_prompt_count,
-        check_samples,
-    )
-    from sparserl.eval.evaluate import check_prompt_lengths
-    from sparserl.eval.loading import load_eval_model, load_eval_task
-    from sparserl.models import encode_prompt
-
-    settings, budgets = _settings_from_flags(args)
-    _check_sampling(args.temperature, args.top_p, args.top_k)
-    _check_dtype(args.dtype)
-    if args.prompts < 1 or args.offset < 0:
-        raise ConfigError(f"--prompts={args.prompts} must be >= 1 and --offset={args.offset} >= 0")
-    check_samples("--n", args.n)
-    out = Path(args.out)
-    if out.is_file():
-        raise ConfigError(f"--out {args.out} is a file; give a directory for the JSON, PNG and schedule")
-    out.mkdir(parents=True, exist_ok=True)
-    console = Console(stderr=True, quiet=args.quiet)
-    with _flag_names(DATA_KEY_FLAGS):
-        task = load_eval_task(args.data, args.split, args.model, args.question_key, args.answer_key)
-    check_prompt_count(task, "--prompts", args.prompts)
-    indices = list(range(args.offset, min(args.offset + args.prompts, len(task))))
-    if not indices:
-        raise ConfigError(f"--offset {args.offset} is past the last of the task's {len(task)} prompts")
-    console.print(f"loading model {args.model} ...", highlight=False)
-    loaded = load_eval_model(args.model, args.dtype, _device(args.device), use_checkpoint=args.checkpoint)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    vocab = loaded.model.get_output_embeddings().weight.shape[0]
-    if not 1 <= args.top_logprobs <= vocab:
-        raise ConfigError(
-            f"--top-logprobs={args.top_logprobs} must be in [1, {vocab}] (the model's vocabulary)"
-        )
-    prompt_ids = {i: encode_prompt(loaded.tokenizer, task[i].messages) for i in indices}
-    check_prompt_lengths(loaded.model, task, indices, prompt_ids, args.max_new_tokens)
-    prompts = list(prompt_ids.values())
-
-    def progress(message: str) -> None:
-        console.print(f"  {message}", highlight=False)
-
-    t0 = time.perf_counter()
-    if args.schedule:
-        report = check_schedule(loaded.model, loaded.tokenizer, prompts, args.schedule, settings, progress)
-    else:
-        report = calibrate(loaded.model, loaded.tokenizer, prompts, budgets, settings, progress)
-    report["command"] = command_line(args)
-    report["source"] = {"model": args.model, "model_loaded_from": loaded.path, "data": args.data,
-                        "split": args.split, "prompt_indices": indices}  # fmt: skip
-    report["wall_s"] = time.perf_counter() - t0
-    report["goals"] = report_goals(report)
-    for path in write_outputs(report, out):
-        console.print(f"wrote {path}", highlight=False)
-    for warning in report["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
-    if args.schedule:
-        print(f"all bins P5 >= {settings.tau}: {report['all_pass']}")
-    else:
-        print(f"schedule (kv.schedule={out / SCHEDULE_JSON}): {report['schedule']}")
-    return 0
