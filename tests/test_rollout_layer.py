@@ -259,7 +259,7 @@ def test_partial_rollouts_stop_early_keep_the_rest_and_report_staleness():
     )
     h = Harness(cfg, [3, 3, 40, 40])  # rows (row*7 + j) % 4
     _, first = h.step(0, 1)
-    assert first["partial_buffer_groups"] >= 1 and first["off_policy_token_frac"] == 0
+    assert first["rollout/partial_buffer_groups"] >= 1 and first["off_policy_token_frac"] == 0
     _, later = h.step(1, 2)
     _, last = h.step(2, 3)
     assert max(later["staleness_max"], last["staleness_max"]) >= 1
@@ -275,7 +275,7 @@ def test_stale_leftovers_are_dropped_and_counted():
     h.step(0, 1)
     kept = len(h.source.leftover)
     _, metrics = h.step(1, 2)
-    assert kept >= 1 and metrics["partial_dropped_groups"] >= 1
+    assert kept >= 1 and metrics["rollout/partial_dropped_groups"] >= 1
     h.layer.close()
 
 

@@ -20,10 +20,11 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 @settings(max_examples=40, deadline=None)
 @given(num_rows=st.integers(1, 5), k=st.integers(1, 12), n=st.integers(1, 6), version=st.integers(0, 9))
 def test_no_two_samples_of_a_step_share_a_stream(num_rows, k, n, version):
-    """Fewer rows than groups per step: a row drawn twice gets its own streams each time."""
+    """Fewer rows than groups per step: a row drawn twice gets its own streams each time, also when a step
+    plans a second round (DAPO's refill)."""
     source = FreshPrompts(SourceContext(rows=list(range(num_rows)), n=n, seed=3))
-    for _ in range(2):
-        plans = source.plan(k, version)
+    for v in (version, version + 1):
+        plans = source.plan(k, v)
         streams = [(p.seed, key) for p in plans for key in p.keys]
         assert len(streams) == len(set(streams)) == k * n
         assert all(
@@ -31,6 +32,8 @@ def test_no_two_samples_of_a_step_share_a_stream(num_rows, k, n, version):
             for p in plans
             if plans.index(p) == min(i for i, q in enumerate(plans) if q.row == p.row)
         )  # a row's first group keeps the key row * n + j
+    second_round = [(p.seed, key) for p in source.plan(k, version + 1) for key in p.keys]
+    assert not set(second_round) & set(streams)
 
 
 def test_a_row_drawn_twice_in_a_step_samples_different_tokens(tmp_path):
@@ -83,7 +86,7 @@ def _readme_block(marker: str) -> str:
 def test_readme_group_source_runs_and_resumes_exactly(tmp_path):
     scope: dict = {}
     exec(_readme_block("register_group_source"), scope)  # registers "easy_first"
-    extra = ["rollout.source=easy_first", "trainer.save_every=1"]
+    extra = ["sampling.method=easy_first", "trainer.save_every=1"]
     straight = make_trainer(tiny_cfg(tmp_path, *extra, name="straight"))
     straight.train()
     killed = make_trainer(tiny_cfg(tmp_path, *extra, name="killed"))
@@ -149,7 +152,7 @@ def test_an_unknown_source_or_backend_is_named(tmp_path):
 
     from sparserl.errors import UserError
 
-    for key in ("rollout.source", "rollout.backend"):
+    for key in ("sampling.method", "rollout.backend"):
         with pytest.raises(UserError, match=rf"{key}='nope' is unknown; choose one of"):
             make_trainer(tiny_cfg(tmp_path, f"{key}=nope"))
         assert not (tmp_path / "run").exists()  # no run directory left behind

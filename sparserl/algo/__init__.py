@@ -22,9 +22,11 @@ from sparserl.algo.advantages import (
     ADV_ESTIMATORS,
     ADV_TRANSFORMS,
     AdvantageTransform,
+    TransformContext,
     advantages,
     advantages_from_config,
     grpo_advantages,
+    make_adv_transforms,
     register_adv_transform,
 )
 from sparserl.algo.config import AlgoConfig
@@ -40,6 +42,7 @@ __all__ = [
     "POLICY_LOSSES",
     "PRESETS",
     "AdvantageTransform",
+    "TransformContext",
     "AcceptanceBin",
     "AlgoConfig",
     "acceptance_by_bin",
@@ -48,6 +51,7 @@ __all__ = [
     "acceptance_topk",
     "advantages",
     "advantages_from_config",
+    "make_adv_transforms",
     "aggregate",
     "algo_config",
     "correction_reference",

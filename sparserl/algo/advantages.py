@@ -11,7 +11,8 @@ Two registries, one small function or class per method:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -112,17 +113,31 @@ def grpo_advantages(
     return advantages(rewards, index, estimator, eps, std_unbiased)
 
 
+@dataclass
+class TransformContext:
+    """What a transform is built with, once per run: the `algo` section, the `shaping` section, and the
+    trainer's `policy` resources (`.module`, `.tokenizer`, `.engine`, `.autocast()`; None in pure tests)."""
+
+    algo: AlgoConfig
+    shaping: Any = None
+    policy: Any = None
+
+
 class AdvantageTransform:
     """One link of `algo.adv_transforms`: `__call__(adv, rewards, group_index, texts)` -> new advantages ([B]
-    or [B, T]). Register a subclass with `@register_adv_transform("name")`; it is built with the AlgoConfig."""
+    or [B, T]). Register a subclass with `@register_adv_transform("name")`; it is built once per run with a
+    `TransformContext`, and may keep state and `metrics()` (logged under shaping/)."""
 
     name: ClassVar[str] = ""
 
-    def __init__(self, cfg: AlgoConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, ctx: TransformContext) -> None:
+        self.ctx = ctx
 
     def __call__(self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str]) -> Tensor:
         raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
 
 ADV_TRANSFORMS: Registry[type[AdvantageTransform]] = Registry("algo.adv_transforms")
@@ -137,16 +152,32 @@ class BatchWhiten(AdvantageTransform):
     def __call__(self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str]) -> Tensor:
         a = adv.double()
         std = a.std() if a.numel() > 1 else torch.zeros((), dtype=a.dtype)
-        return ((a - a.mean()) / (std + self.cfg.adv_eps)).to(adv.dtype)
+        return ((a - a.mean()) / (std + self.ctx.algo.adv_eps)).to(adv.dtype)
+
+
+def make_adv_transforms(
+    algo: AlgoConfig, shaping: Any = None, policy: Any = None
+) -> list[AdvantageTransform]:
+    """The run's chain, built once: each of `algo.adv_transforms` in order, then `shaping.method` (when it
+    is not 'none')."""
+    ctx = TransformContext(algo, shaping, policy)
+    names = list(algo.adv_transforms)
+    if shaping is not None and shaping.method != "none":
+        names.append(shaping.method)
+    return [ADV_TRANSFORMS.lookup(name)(ctx) for name in names]
 
 
 def advantages_from_config(
-    rewards: Tensor, group_index: Tensor | Sequence[int], cfg: AlgoConfig, texts: list[str] | None = None
+    rewards: Tensor,
+    group_index: Tensor | Sequence[int],
+    cfg: AlgoConfig,
+    texts: list[str] | None = None,
+    transforms: list[AdvantageTransform] | None = None,
 ) -> Tensor:
-    """`advantages` with the estimator, eps and std choice of `cfg`, then each of `cfg.adv_transforms` in
-    order (they see the rewards, group ids and the completions' texts)."""
+    """`advantages` with the estimator, eps and std choice of `cfg`, then each transform in order (they see
+    the rewards, group ids and the completions' texts); `transforms` defaults to `algo.adv_transforms`."""
     index = torch.as_tensor(group_index, dtype=torch.long)
     adv = advantages(rewards, index, cfg.adv_estimator, cfg.adv_eps, cfg.adv_std_unbiased)
-    for name in cfg.adv_transforms:
-        adv = ADV_TRANSFORMS[name](cfg)(adv, rewards, index, texts or [])
+    for transform in make_adv_transforms(cfg) if transforms is None else transforms:
+        adv = transform(adv, rewards, index, texts or [])
     return adv

@@ -96,6 +96,10 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
                 section = {**defaults, **section}
             else:
                 section = dict(section)
+            if cls is TrainConfig and key == "rollout" and "source" in section:
+                # rollout.source became sampling.method (configs saved before the sampling section)
+                sampling = {"method": section.pop("source"), **(data.get("sampling") or {})}
+                data = {**data, "sampling": sampling}
             # algo.group_size was always rollout.n (configs saved before group ids carry it): read and dropped
             if (
                 cls is TrainConfig

@@ -124,13 +124,6 @@ class RolloutConfig:
     partial: PartialConfig = field(
         default_factory=PartialConfig, metadata={"help": "APRIL active partial rollouts."}
     )
-    source: str = field(
-        default="fresh",
-        metadata={
-            "help": "Group source: which groups each step runs (sparserl/rollout/sources.py GROUP_SOURCES; "
-            "register your own with register_group_source). 'fresh': prompts in a seeded permutation per epoch."
-        },
-    )
     backend: str = field(
         default="local",
         metadata={

@@ -14,6 +14,7 @@ from sparserl.config.checks import cross_section_checks
 from sparserl.config.distill import DistillConfig
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
+from sparserl.config.sampling import SamplingConfig
 from sparserl.engine.kv_config import KVConfig
 from sparserl.tasks import TaskConfig
 from sparserl.tasks.config import GENERATED_TASKS
@@ -386,6 +387,10 @@ class TrainConfig:
     )
     rollout: RolloutConfig = field(
         default_factory=RolloutConfig, metadata={"help": "Sampling of completions."}
+    )
+    sampling: SamplingConfig = field(
+        default_factory=SamplingConfig,
+        metadata={"help": "Which prompts a step spends its rollouts on, and how many samples each gets."},
     )
     kv: KVConfig = field(
         default_factory=_kv_default,

@@ -1,6 +1,7 @@
 """The rollout layer, between the engine and the trainer: which groups run (group sources), what runs them
 (backends, returning plain segments), which sequences decode when (scheduler), their records (per-token
-provenance), asynchronous rewards and APRIL partial rollouts (layer)."""
+provenance), asynchronous rewards and APRIL partial rollouts (layer), and the sources that choose prompts and
+group sizes by their rewards (DARS, VCRL, DAPO's dynamic sampling)."""
 
 from sparserl.rollout.backend import (
     BACKENDS,
@@ -14,6 +15,7 @@ from sparserl.rollout.backend import (
 )
 from sparserl.rollout.layer import Collected, RolloutLayer, RolloutState
 from sparserl.rollout.records import GroupRecord, SampleRecord
+from sparserl.rollout.sampling import Dars, DynamicSampling, Vcrl, make_group_source
 from sparserl.rollout.scheduler import Scheduler, SchedulerStats
 from sparserl.rollout.sources import (
     GROUP_SOURCES,
@@ -22,7 +24,6 @@ from sparserl.rollout.sources import (
     GroupSource,
     LeftoverBuffer,
     SourceContext,
-    make_group_source,
     register_group_source,
     step_seed,
 )
@@ -32,6 +33,8 @@ __all__ = [
     "BACKENDS",
     "GROUP_SOURCES",
     "Collected",
+    "Dars",
+    "DynamicSampling",
     "FreshPrompts",
     "GroupPlan",
     "GroupRecord",
@@ -49,6 +52,7 @@ __all__ = [
     "SourceContext",
     "StaleWeights",
     "TaskView",
+    "Vcrl",
     "make_backend",
     "make_group_source",
     "register_backend",

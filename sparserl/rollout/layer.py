@@ -19,7 +19,7 @@ from sparserl.engine.decoding import Request, Sampling
 from sparserl.rollout.backend import RolloutBackend, Segment
 from sparserl.rollout.records import GroupRecord, SampleRecord
 from sparserl.rollout.rewards import RewardWorker
-from sparserl.rollout.sources import GroupPlan
+from sparserl.rollout.sources import GroupPlan, GroupSource
 from sparserl.rollout.task_view import TaskView
 
 
@@ -40,6 +40,8 @@ class Collected:
     leftover: list[GroupRecord]
     metrics: dict[str, float]
     recorded: list[Segment] = field(default_factory=list)
+    sampling: dict[str, float] = field(default_factory=dict)  # collect_step: what its rounds cost and gave
+    by_sample: dict[int, Segment] = field(default_factory=dict)  # recordings by id(SampleRecord)
 
 
 class RolloutLayer:
@@ -47,7 +49,9 @@ class RolloutLayer:
     `backend` runs the samples, `task` gives prompts and rewards; the plans come from a group source, and
     the groups go back to it (`Collected.groups`, `Collected.leftover`)."""
 
-    def __init__(self, backend: RolloutBackend, task: TaskView, cfg: RolloutConfig) -> None:
+    def __init__(
+        self, backend: RolloutBackend, task: TaskView, cfg: RolloutConfig, max_extra_rounds: int = 0
+    ) -> None:
         if backend.recording.any and cfg.partial.enable:
             raise ValueError(
                 "recording the sampler's distributions (for alpha) or held positions (for its replay) needs whole "
@@ -59,6 +63,7 @@ class RolloutLayer:
                 "rollout.kv_memory_cap: a preempted sample is re-prefilled, which the replay cannot reproduce"
             )
         self.backend, self.task, self.cfg = backend, task, cfg
+        self.max_extra_rounds = max_extra_rounds  # sampling.max_extra_rounds: rounds after a step's first
         self.state = RolloutState()
         self.rewards = RewardWorker(cfg.async_rewards)
 
@@ -70,6 +75,14 @@ class RolloutLayer:
         """The plan's record: the group it resumes, or a new one with its own id and streams."""
         if plan.resume is not None:
             return plan.resume
+        if plan.extends is not None:  # more samples for a group already drawn (DARS's second round)
+            g = plan.extends
+            start = len(g.samples)
+            g.samples += [
+                SampleRecord(plan.row, g.group_id, start + j, plan.seed, key)
+                for j, key in enumerate(plan.keys)
+            ]
+            return g
         if plan.prefixes is not None:
             raise NotImplementedError(
                 "GroupPlan.prefixes: starting samples from given tokens needs those tokens' sampler log-probs, "
@@ -88,12 +101,34 @@ class RolloutLayer:
         cap = s.max_new_tokens or self.cfg.max_new_tokens
         return Request(self.task.prompt_ids(s.prompt_id), s.key, s.seed, cap, list(s.tokens))
 
-    def collect(self, version: int, seed: int, plans: list[GroupPlan]) -> Collected:
+    def collect_step(self, source: GroupSource, k: int, version: int, seed: int) -> Collected:
+        """One step: the source's plans for `k` groups, then after each round its refills (at most
+        `max_extra_rounds` more rounds, none with partial rollouts), its choice of the groups to train on;
+        the groups go back to it (`observe`). `Collected.sampling` says what the rounds cost and gave."""
+        first = self.collect(version, seed, source.plan(k, version))
+        scored, rounds = list(first.groups), [first]
+        first_flat = _zero_variance_frac(first.groups)  # before a later round extends these groups
+        while len(rounds) <= self.max_extra_rounds and (plans := source.refill(scored, k, version)):
+            more = self.collect(version, seed, plans, target=len(plans))
+            rounds.append(more)
+            scored += [g for g in more.groups if all(g is not h for h in scored)]
+        trained = source.select(scored, k)
+        source.observe(trained, first.leftover)
+        segments = {i: seg for r in rounds for i, seg in r.by_sample.items()}
+        recorded = [segments[id(s)] for g in trained for s in g.samples] if segments else []
+        metrics = {**first.metrics, **_staleness(trained, version)}
+        sampling = round_metrics(scored, trained, first_flat, len(rounds), version)
+        return Collected(trained, first.leftover, metrics, recorded, sampling=sampling)
+
+    def collect(
+        self, version: int, seed: int, plans: list[GroupPlan], target: int | None = None
+    ) -> Collected:
         """Run the plans' unfinished samples with the weights of policy `version` (each sample on its own
-        stream; `seed` seeds stateful eviction, e.g. random, for the run)."""
-        cfg, target = self.cfg, self.cfg.prompts_per_step
+        stream; `seed` seeds stateful eviction, e.g. random, for the run); at most `target` complete groups
+        are kept (rollout.prompts_per_step by default; with partial rollouts decoding stops there)."""
+        cfg, target = self.cfg, self.cfg.prompts_per_step if target is None else target
         self.backend.check_version(version)
-        groups = [self._group(p) for p in plans]
+        groups = list({id(g): g for g in map(self._group, plans)}.values())  # two plans may extend one group
         pending = [(g, s) for g in groups for s in g.samples if not s.finished]
         requests = [self._request(s) for _, s in pending]
         finished_groups = sum(g.finished for g in groups)
@@ -130,20 +165,23 @@ class RolloutLayer:
         metrics = {**run_metrics, **_staleness(complete, version)}
         metrics["reward_wait_s"] = reward_wait  # scoring left after decoding ended (the rest overlapped it)
         segments = [recorded[id(s)] for g in complete for s in g.samples] if recorded else []
-        return Collected(complete, leftover, metrics, segments)
+        return Collected(complete, leftover, metrics, segments, by_sample=recorded)
 
     def _submit(self, g: GroupRecord) -> None:
-        texts = self.task.decode([s.tokens for s in g.samples])
-        for s, text in zip(g.samples, texts, strict=True):
+        """Score the group's samples not scored yet (all of them, but for a group a later round extended)."""
+        todo = [s for s in g.samples if s.reward is None]
+        texts = self.task.decode([s.tokens for s in todo])
+        for s, text in zip(todo, texts, strict=True):
             s.text = text
         example = self.task.example(g.prompt_id)
-        self.rewards.submit(g.group_id, self.task.scores, texts, [example] * len(g.samples))
+        self.rewards.submit(g.group_id, self.task.scores, texts, [example] * len(todo))
 
     def _assign_rewards(self, groups: list[GroupRecord]) -> None:
         rewards = self.rewards.wait()
         for g in groups:
             if g.group_id in rewards:
-                for s, r in zip(g.samples, rewards[g.group_id], strict=True):
+                todo = [s for s in g.samples if s.reward is None]
+                for s, r in zip(todo, rewards[g.group_id], strict=True):
                     s.reward = r
 
 
@@ -160,3 +198,32 @@ def _staleness(groups: list[GroupRecord], version: int) -> dict[str, float]:
         "staleness_max": float(stale.max()) if some else 0.0,
         "off_policy_token_frac": float((stale > 0).double().mean()) if some else 0.0,
     }
+
+
+def round_metrics(
+    scored: list[GroupRecord], trained: list[GroupRecord], first_flat: float, rounds: int, version: int
+) -> dict[str, float]:
+    """What a step's rounds cost and gave, the same for every source (logged under sampling/): rounds run,
+    tokens and samples drawn now (trained or not), the zero-variance fraction of the first round's groups
+    and of the trained ones, the fraction of the step's prompts with a sample of reward > 0, reward per
+    drawn token, and the groups scored but not trained."""
+    drawn = [s for g in scored for s in g.samples]
+    tokens = sum(v == version for s in drawn for v in s.versions)
+    solved = {g.prompt_id for g in scored if any(s.reward > 0 for s in g.samples)}
+    return {
+        "rounds": float(rounds),
+        "generated_tokens": float(tokens),
+        "generated_samples": float(sum(bool(s.versions) and s.versions[-1] == version for s in drawn)),
+        "zero_variance_frac_first_round": first_flat,
+        "zero_variance_frac": _zero_variance_frac(trained),
+        "solved_prompt_frac": len(solved) / max(1, len({g.prompt_id for g in scored})),
+        "reward_per_token": sum(s.reward for s in drawn) / max(1, tokens),
+        "dropped_groups": float(len(scored) - len(trained)),
+        "trained_groups": float(len(trained)),
+    }
+
+
+def _zero_variance_frac(groups: list[GroupRecord]) -> float:
+    """Fraction of groups whose rewards are all equal (zero GRPO advantage)."""
+    flat = sum(len({s.reward for s in g.samples}) == 1 for g in groups)
+    return flat / max(1, len(groups))

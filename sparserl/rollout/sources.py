@@ -5,7 +5,7 @@
 unfinished or unused), so a source can learn from rewards; `state_dict()` / `load_state_dict()` make it part
 of the checkpoint. Built-in: `fresh` (rows from a seeded permutation per epoch); every source sits behind the
 leftover buffer, which runs the groups a step did not train on first at the next (APRIL's partial rollouts). Register your own with
-`@register_group_source("name")` and select it with `rollout.source=name`.
+`@register_group_source("name")` and select it with `sampling.method=name`.
 """
 
 from __future__ import annotations
@@ -15,21 +15,26 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import PartialConfig
 from sparserl.registry import Registry
 from sparserl.rollout.records import GroupRecord
 from sparserl.seeds import ROLLOUT, PromptSampler, derive_seed
 
 # A row drawn twice in one step: occurrence o > 0 of the row shifts its keys by o << OCCURRENCE_SHIFT, so every
-# planned group of a step has its own streams while occurrence 0 keeps the key `row * n + j`.
+# planned group of a step has its own streams while occurrence 0 keeps the key `row * n + j`. A group's extra
+# samples (a later round's, DARS) shift its first key by j << EXTENSION_SHIFT, j >= 1 their index in the group.
 OCCURRENCE_SHIFT = 40
+EXTENSION_SHIFT = 48
 
 
 @dataclass
 class GroupPlan:
     """One group to run: task row `row`, samples drawing from (`seed`, `keys[j]`); `prefixes[j]`, when given,
     are completion tokens sample j starts from; `max_new_tokens[j]` caps sample j (for good) instead of
-    `rollout.max_new_tokens`; `resume` continues a group already partly drawn (APRIL's leftovers)."""
+    `rollout.max_new_tokens`; `resume` continues a group already partly drawn (APRIL's leftovers); `extends`
+    adds the samples to a group of this step instead of starting a new one (its advantages then take the
+    enlarged group: DARS's second round)."""
 
     row: int
     seed: int
@@ -37,6 +42,7 @@ class GroupPlan:
     prefixes: list[list[int]] | None = None
     max_new_tokens: list[int] | None = None
     resume: GroupRecord | None = None
+    extends: GroupRecord | None = None
 
     @property
     def n(self) -> int:
@@ -56,34 +62,49 @@ class SourceContext:
 
 class GroupSource:
     """Base class: `choose(k, version)` picks k task rows; `plan` turns them into groups of `ctx.n` samples
-    with unique streams. Override `plan` for variable group sizes or prefixes, `observe` to learn from
+    with unique streams. Override `plan` for variable group sizes or prefixes, `refill` for more rounds in a
+    step (after seeing the scored groups), `select` to train on some of them, `observe` to learn from
     rewards, `state_dict`/`load_state_dict` for state that must survive a resume."""
 
     name: ClassVar[str] = ""
+    refills: ClassVar[bool] = False  # True if `refill` may ask for more rounds (not with partial rollouts)
 
     def __init__(self, ctx: SourceContext) -> None:
         self.ctx = ctx
+        self._seen: tuple[int, Counter] = (-1, Counter())  # (version, occurrences of each row this step)
 
     def choose(self, k: int, version: int) -> list[int]:
         raise NotImplementedError(f"group source {type(self).__name__} defines neither choose nor plan")
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
-        """k groups of `ctx.n` samples at this step's seed; every group its own streams (see OCCURRENCE_SHIFT):
-        a sample's tokens depend on (seed, row, occurrence, j) and the weights, not on its batch mates."""
-        seed, n, seen = step_seed(self.ctx.seed, version), self.ctx.n, Counter()
-        plans = []
-        for row in self.choose(k, version):
-            occurrence, seen[row] = seen[row], seen[row] + 1
-            plans.append(
-                GroupPlan(row, seed, [(occurrence << OCCURRENCE_SHIFT) + row * n + j for j in range(n)])
-            )
-        return plans
+        """k groups of `ctx.n` samples at this step's seed; every group its own streams (see OCCURRENCE_SHIFT,
+        counted over every round of the step): a sample's tokens depend on (seed, row, occurrence, j) and the
+        weights, not on its batch mates."""
+        return [self.new_group(row, version) for row in self.choose(k, version)]
+
+    def new_group(self, row: int, version: int) -> GroupPlan:
+        """A group of `ctx.n` samples of `row` on streams no other group of this step draws."""
+        if self._seen[0] != version:
+            self._seen = (version, Counter())
+        seen, n = self._seen[1], self.ctx.n
+        occurrence, seen[row] = seen[row], seen[row] + 1
+        keys = [(occurrence << OCCURRENCE_SHIFT) + row * n + j for j in range(n)]
+        return GroupPlan(row, step_seed(self.ctx.seed, version), keys)
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        """After each round: the step's groups scored so far -> the next round's plans ([]: the step is done).
+        The layer runs at most sampling.max_extra_rounds more rounds."""
+        return []
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        """The groups to train on, out of every group the step scored (all of them by default)."""
+        return scored
 
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         """The step's trained groups (finished and scored) and the ones it did not train on."""
 
     def metrics(self) -> dict[str, float]:
-        """Logged under rollout/ each step."""
+        """Logged each step, under the names given (a source's own under sampling/)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -98,8 +119,8 @@ def step_seed(run_seed: int, version: int) -> int:
     return derive_seed(run_seed, version + 1, ROLLOUT)
 
 
-GROUP_SOURCES: Registry[type[GroupSource]] = Registry("rollout.source")
-register_group_source = GROUP_SOURCES.register  # class decorator: `rollout.source=name`
+GROUP_SOURCES: Registry[type[GroupSource]] = Registry("sampling.method")
+register_group_source = GROUP_SOURCES.register  # class decorator: `sampling.method=name`
 
 
 @register_group_source("fresh")
@@ -129,6 +150,11 @@ class LeftoverBuffer(GroupSource):
 
     def __init__(self, inner: GroupSource, partial: PartialConfig) -> None:
         super().__init__(inner.ctx)
+        if partial.enable and inner.refills:
+            raise ConfigError(
+                f"group source {type(inner).__name__} runs more rounds in a step after scoring (sampling.method, "
+                "sampling.dynamic), which rollout.partial.enable=true does not support yet: turn one of them off"
+            )
         self.inner, self.partial = inner, partial
         self.leftover: list[dict[str, Any]] = []  # GroupRecord.to_dict(), JSON for the checkpoint
         self.dropped_groups = 0
@@ -146,14 +172,20 @@ class LeftoverBuffer(GroupSource):
         self.leftover = []
         return plans + self.inner.plan(max(0, want - len(plans)), version)
 
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        return self.inner.refill(scored, k, version)
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        return self.inner.select(scored, k)
+
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         self.leftover = [g.to_dict() for g in leftover]
         self.inner.observe(groups, leftover)
 
     def metrics(self) -> dict[str, float]:
         return {
-            "partial_buffer_groups": float(len(self.leftover)),
-            "partial_dropped_groups": float(self.dropped_groups),
+            "rollout/partial_buffer_groups": float(len(self.leftover)),
+            "rollout/partial_dropped_groups": float(self.dropped_groups),
             **self.inner.metrics(),
         }
 
@@ -167,8 +199,3 @@ class LeftoverBuffer(GroupSource):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.leftover, self.dropped_groups = list(state["leftover"]), int(state["dropped_groups"])
         self.inner.load_state_dict(state["inner"])
-
-
-def make_group_source(name: str, ctx: SourceContext, partial: PartialConfig) -> LeftoverBuffer:
-    """The registered source `name` behind the leftover buffer (APRIL's, when partial rollouts are on)."""
-    return LeftoverBuffer(GROUP_SOURCES.lookup(name)(ctx), partial)

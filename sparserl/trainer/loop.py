@@ -12,12 +12,13 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from sparserl.algo import advantages_from_config
+from sparserl.algo import advantages_from_config, make_adv_transforms
 from sparserl.config import TrainConfig, save_config
 from sparserl.engine.padding import right_pad
 from sparserl.engine.weights import drop_packed
@@ -138,11 +139,12 @@ class Trainer:
         self.train_rows = self._usable_rows(self.train_view)
         self.held_out = held_out_eval(cfg, self.eval_view, self._usable_rows, self.engine, self.policy)
         self.source = make_group_source(
-            cfg.rollout.source, SourceContext(self.train_rows, cfg.rollout.n, seed, cfg), cfg.rollout.partial
+            cfg.sampling, SourceContext(self.train_rows, cfg.rollout.n, seed, cfg), cfg.rollout.partial
         )
+        self.adv_transforms = make_adv_transforms(cfg.algo, None, self._judge_resources())
         recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
         backend = make_backend(cfg.rollout.backend, self.engine, cfg.rollout, recording)
-        self.rollouts = RolloutLayer(backend, self.train_view, cfg.rollout)
+        self.rollouts = RolloutLayer(backend, self.train_view, cfg.rollout, cfg.sampling.max_extra_rounds)
         # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
         longest = max(len(self.train_view.prompt_ids(r)) for r in self.train_rows[:64])
         backend.check_fits(longest, cfg.rollout.max_new_tokens)
@@ -189,6 +191,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- pieces
 
+    def _judge_resources(self) -> SimpleNamespace:
+        """What a model-backed advantage transform (a uniqueness judge) may use: the policy, its tokenizer,
+        the rollout engine and the autocast context."""
+        return SimpleNamespace(
+            module=self.policy.module,
+            tokenizer=self.tokenizer,
+            engine=self.engine,
+            autocast=self.policy.autocast,
+        )
+
     def _usable_rows(self, view: TaskView, want: int | None = None) -> list[int]:
         """`data.usable_rows` for this model and rollout length; its note is said when the run starts."""
         rows, note = usable_rows(
@@ -220,10 +232,10 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         version = step - 1  # the weights have had step - 1 updates: the version of every token sampled now
         self.state.engine_seed = step_seed(cfg.trainer.seed, version)
-        plans = self.source.plan(cfg.rollout.prompts_per_step, version)
-        got = self.rollouts.collect(version, self.state.engine_seed, plans)
+        got = self.rollouts.collect_step(
+            self.source, cfg.rollout.prompts_per_step, version, self.state.engine_seed
+        )
         drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
-        self.source.observe(got.groups, got.leftover)
         samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
         batch = self._batch(samples)
@@ -231,8 +243,11 @@ class Trainer:
         t2 = time.perf_counter()
         with self.policy.autocast():
             metrics = acceptance_step_metrics(cfg, self.policy.module, batch.prompts, got.recorded)
-        stats = {**got.metrics, **self.source.metrics()}
+        stats = got.metrics
         metrics.update(sample_metrics(samples, batch.advantages))
+        metrics.update({f"sampling/{k}": v for k, v in got.sampling.items()})
+        metrics.update(self.source.metrics())
+        metrics.update({f"shaping/{k}": v for t in self.adv_transforms for k, v in t.metrics().items()})
         metrics.update({"time/rollout": t1 - t0, "time/score": t2 - t1})
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
         metrics.update(
@@ -248,7 +263,8 @@ class Trainer:
         prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         group_index = [s.group_id for s in samples]
-        advantages = advantages_from_config(rewards, group_index, cfg.algo, [s.text or "" for s in samples])
+        texts = [s.text or "" for s in samples]
+        advantages = advantages_from_config(rewards, group_index, cfg.algo, texts, self.adv_transforms)
         logp_sampler, mask = right_pad([s.sampler_logps for s in samples], torch.float32)
         mask &= right_pad([s.loss_mask for s in samples])[
             0

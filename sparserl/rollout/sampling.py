@@ -1,0 +1,292 @@
+"""Group sources that spend a step's rollouts where they teach: DARS (more samples for hard prompts), VCRL
+(prompts by the variance of their rewards, with a memory bank) and DAPO's dynamic sampling (drop groups without
+signal and refill), all on the `GroupSource` seam: `plan` a first round, `refill` after each scored round,
+`select` the groups to train on. Every source sits behind the leftover buffer (`make_group_source`).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+from sparserl.config.rollout import PartialConfig
+from sparserl.config.sampling import SamplingConfig
+from sparserl.rollout.records import GroupRecord
+from sparserl.rollout.sources import (
+    EXTENSION_SHIFT,
+    GROUP_SOURCES,
+    FreshPrompts,
+    GroupPlan,
+    GroupSource,
+    LeftoverBuffer,
+    SourceContext,
+    register_group_source,
+)
+
+
+def flat(g: GroupRecord) -> bool:
+    """All rewards of the group equal: no group-relative signal."""
+    return len({s.reward for s in g.samples}) == 1
+
+
+def accuracy(g: GroupRecord) -> Fraction:
+    """The group's mean reward, exactly (1/1 rewards sum exactly), clamped to [0, 1]."""
+    mean = sum(Fraction(s.reward) for s in g.samples) / len(g.samples)
+    return min(Fraction(1), max(Fraction(0), mean))
+
+
+# --------------------------------------------------------------------------------------------------- DARS
+
+
+def _least_int(estimate: float, holds: Any) -> int:
+    """The least integer m with `holds(m)` (a predicate monotone in m), starting from a float estimate and
+    stepping with the exact predicate, so a float's rounding never moves the answer."""
+    m = math.ceil(estimate)
+    while holds(m - 1):
+        m -= 1
+    while not holds(m):
+        m += 1
+    return m
+
+
+def dars_extra_samples(a: Fraction, n: int, n_max: int, schedule: str = "et", std: bool = False) -> int:
+    """DARS's extra samples for a prompt of first-round accuracy `a` over `n` samples, capped at n_max - n.
+
+    S(a), the cumulative |advantage| per sample, is 2a(1 - a) without std normalisation (peak N/2 at a = 1/2)
+    and 2 sqrt(a(1 - a)) with it (peak N). 'et' brings the prompt to the peak: dN = (A_peak - N S(a)) / S(a);
+    'hw' to 2(1 - a) x the peak. Only a < 1/2 gets extras; a = 0 counts as 1/(2N). Exact: the least integer
+    at or above dN, found by comparing squares of rationals, so 7.9999999 never becomes 9."""
+    if a <= Fraction(1, 10**6):
+        a = Fraction(1, 2 * n)
+    if a >= Fraction(1, 2):
+        return 0
+    q = a * (1 - a)
+    if not std:  # closed forms: et N(1/(4q) - 1), hw N(1 - 2a)/(2a)
+        need = n * (1 / (4 * q) - 1) if schedule == "et" else n * (1 - 2 * a) / (2 * a)
+        extra = math.ceil(need)
+    elif schedule == "et":  # m >= N / (2 sqrt q) - N  <=>  4 q (m + N)^2 >= N^2 (m + N >= 0)
+        estimate = n / (2 * math.sqrt(q)) - n
+        extra = _least_int(estimate, lambda m: m + n >= 0 and 4 * q * (m + n) ** 2 >= n * n)
+    else:  # m >= N sqrt((1 - a) / a) - N  <=>  a (m + N)^2 >= N^2 (1 - a) (m + N >= 0)
+        estimate = n * math.sqrt((1 - a) / a) - n
+        extra = _least_int(estimate, lambda m: m + n >= 0 and a * (m + n) ** 2 >= n * n * (1 - a))
+    return max(0, min(extra, n_max - n))
+
+
+@register_group_source("dars")
+class Dars(FreshPrompts):
+    """DARS: a first round of n samples per prompt, then extra samples for the prompts whose accuracy is below
+    1/2 (sampling.dars_schedule, up to sampling.dars_n_max in all), on the same group id, so advantages take
+    the enlarged group. Groups still all-wrong or all-right are left out of the batch (the paper's filter)
+    unless sampling.dars_keep_degenerate. The schedule's std follows algo.adv_estimator (grpo: with std)."""
+
+    refills = True
+
+    def __init__(self, ctx: SourceContext) -> None:
+        super().__init__(ctx)
+        self.cfg: SamplingConfig = ctx.cfg.sampling
+        self.std = ctx.cfg.algo.adv_estimator == "grpo"
+        self.extended: set[int] = set()  # group ids given their extras this step
+        self.unsolved: set[int] = set()  # first-round all-wrong group ids this step
+        self.step = {"dars_extra_samples": 0.0, "dars_saved": 0.0, "dars_hard_prompts": 0.0}
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        self.extended, self.unsolved = set(), set()
+        self.step = dict.fromkeys(self.step, 0.0)
+        return super().plan(k, version)
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        plans = []
+        for g in scored:
+            if g.group_id in self.extended:
+                continue
+            self.extended.add(g.group_id)
+            if all(s.reward <= 0 for s in g.samples):
+                self.unsolved.add(g.group_id)
+            n = len(g.samples)
+            extra = dars_extra_samples(accuracy(g), n, self.cfg.dars_n_max, self.cfg.dars_schedule, self.std)
+            if extra:
+                first = g.samples[0].key
+                keys = [first + (j << EXTENSION_SHIFT) for j in range(n, n + extra)]
+                plans.append(GroupPlan(g.prompt_id, g.samples[0].seed, keys, extends=g))
+                self.step["dars_extra_samples"] += extra
+                self.step["dars_hard_prompts"] += 1
+        return plans
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        saved = [g for g in scored if g.group_id in self.unsolved and any(s.reward > 0 for s in g.samples)]
+        self.step["dars_saved"] = len(saved) / max(1, len(self.unsolved))
+        kept = scored if self.cfg.dars_keep_degenerate else [g for g in scored if not flat(g)]
+        return kept or scored  # nothing left to learn from: the (zero-advantage) groups as they are
+
+    def metrics(self) -> dict[str, float]:
+        return {f"sampling/{k}": v for k, v in self.step.items()}
+
+
+# --------------------------------------------------------------------------------------------------- VCRL
+
+
+def normalised_variance(rewards: list[float]) -> float:
+    """VCRL's p = var / var_max of a group's rewards: the unbiased variance over the largest a group of that
+    size can have with rewards in [0, 1] (G / (4 (G - 1)) for even G, (G + 1) / (4 G) for odd G); 0 for G < 2."""
+    g = len(rewards)
+    if g < 2:
+        return 0.0
+    mean = sum(rewards) / g
+    var = sum((r - mean) ** 2 for r in rewards) / (g - 1)
+    var_max = g / (4 * (g - 1)) if g % 2 == 0 else (g + 1) / (4 * g)
+    return min(1.0, var / var_max)
+
+
+@register_group_source("vcrl")
+class Vcrl(FreshPrompts):
+    """VCRL: groups scored by p, their rewards' normalised variance. Prompts with p >= sampling.vcrl_kappa
+    enter a memory bank (priority p, an EMA when seen again; out after vcrl_max_age steps unseen or when the
+    bank is full); each step replays up to vcrl_replay_fraction of its groups from the bank, highest priority
+    first, and fresh prompts fill the rest. Groups below kappa are dropped and their slots refilled (bank
+    first) in later rounds; short of k kept groups, the best dropped ones fill the batch (counted)."""
+
+    refills = True
+
+    def __init__(self, ctx: SourceContext) -> None:
+        super().__init__(ctx)
+        self.cfg: SamplingConfig = ctx.cfg.sampling
+        self.bank: dict[int, list[float]] = {}  # row -> [priority, version last seen]
+        self.seen_groups: set[int] = set()
+        self.in_step: set[int] = set()
+        self.version = 0
+        self.step = {"vcrl_replayed": 0.0, "vcrl_groups": 0.0, "vcrl_filled": 0.0, "vcrl_mean_p": 0.0}
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        self.bank = {r: e for r, e in self.bank.items() if version - e[1] <= self.cfg.vcrl_max_age}
+        self.seen_groups, self.in_step, self.version = set(), set(), version
+        self.step = dict.fromkeys(self.step, 0.0)
+        return self._groups(k, math.floor(k * self.cfg.vcrl_replay_fraction), version)
+
+    def _groups(self, k: int, replays: int, version: int) -> list[GroupPlan]:
+        """k groups of prompts not yet in this step: up to `replays` from the bank, the rest fresh."""
+        ranked = sorted((r for r in self.bank if r not in self.in_step), key=lambda r: (-self.bank[r][0], r))
+        rows = ranked[:replays]
+        fresh, tries = [], 0
+        while len(rows) + len(fresh) < k and tries < len(self.ctx.rows):  # a prompt at most once a step
+            row = self.choose(1, version)[0]
+            tries += 1
+            if row not in self.in_step and row not in rows and row not in fresh:
+                fresh.append(row)
+        self.in_step.update(rows + fresh)
+        self.step["vcrl_replayed"] += len(rows)
+        self.step["vcrl_groups"] += len(rows) + len(fresh)
+        return [self.new_group(row, version) for row in rows + fresh]
+
+    def _learn(self, scored: list[GroupRecord], version: int) -> None:
+        """Each newly scored group updates the bank once: an EMA for a banked prompt, entry at p >= kappa."""
+        c = self.cfg
+        for g in scored:
+            if g.group_id in self.seen_groups:
+                continue
+            self.seen_groups.add(g.group_id)
+            p = normalised_variance([s.reward for s in g.samples])
+            if g.prompt_id in self.bank:
+                old = self.bank[g.prompt_id][0]
+                self.bank[g.prompt_id] = [c.vcrl_ema * old + (1 - c.vcrl_ema) * p, version]
+            elif p >= c.vcrl_kappa and c.vcrl_bank_size > 0:
+                self.bank[g.prompt_id] = [p, version]
+        while len(self.bank) > c.vcrl_bank_size:
+            del self.bank[min(self.bank, key=lambda r: (self.bank[r][0], -r))]
+
+    def _kept(self, scored: list[GroupRecord]) -> list[GroupRecord]:
+        return [
+            g for g in scored if normalised_variance([s.reward for s in g.samples]) >= self.cfg.vcrl_kappa
+        ]
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        self._learn(scored, self.version)
+        need = k - len(self._kept(scored))
+        return self._groups(need, need, version) if need > 0 else []
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        kept = self._kept(scored)[:k]
+        if len(kept) < k:
+            rest = [g for g in scored if all(g is not h for h in kept)]
+            rest.sort(key=lambda g: -normalised_variance([s.reward for s in g.samples]))
+            self.step["vcrl_filled"] = float(min(len(rest), k - len(kept)))
+            kept += rest[: k - len(kept)]
+        ps = [normalised_variance([s.reward for s in g.samples]) for g in kept]
+        self.step["vcrl_mean_p"] = sum(ps) / max(1, len(ps))
+        return kept
+
+    def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
+        self._learn(groups, self.version)
+
+    def metrics(self) -> dict[str, float]:
+        s = self.step
+        return {
+            "sampling/vcrl_bank_size": float(len(self.bank)),
+            "sampling/vcrl_replay_frac": s["vcrl_replayed"] / max(1.0, s["vcrl_groups"]),
+            "sampling/vcrl_filled_groups": s["vcrl_filled"],
+            "sampling/vcrl_mean_p": s["vcrl_mean_p"],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "bank": {str(r): e for r, e in self.bank.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.bank = {int(r): [float(e[0]), int(e[1])] for r, e in state["bank"].items()}
+
+
+# ------------------------------------------------------------------------------------------ DAPO dynamic
+
+
+class DynamicSampling(GroupSource):
+    """DAPO's dynamic sampling around any source: groups whose rewards are all equal are dropped, and new
+    groups (the inner source's `plan`) are run until k groups with a signal are in or the layer's round cap
+    is reached; short of k, dropped groups fill the batch (counted in sampling/dynamic_filled_groups)."""
+
+    refills = True
+
+    def __init__(self, inner: GroupSource) -> None:
+        super().__init__(inner.ctx)
+        self.inner = inner
+        self.step = {"dynamic_extra_groups": 0.0, "dynamic_filled_groups": 0.0}
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        self.step = dict.fromkeys(self.step, 0.0)
+        return self.inner.plan(k, version)
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        more = self.inner.refill(scored, k, version)
+        if more:
+            return more
+        need = k - sum(not flat(g) for g in self.inner.select(scored, k))
+        if need <= 0:
+            return []
+        self.step["dynamic_extra_groups"] += need
+        return self.inner.plan(need, version)
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        chosen = self.inner.select(scored, k)
+        kept = [g for g in chosen if not flat(g)][:k]
+        fill = [g for g in scored if flat(g)][: k - len(kept)]  # the inner source may have dropped them
+        self.step["dynamic_filled_groups"] = float(len(fill))
+        return kept + fill
+
+    def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
+        self.inner.observe(groups, leftover)
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"sampling/{k}": v for k, v in self.step.items()}, **self.inner.metrics()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def make_group_source(sampling: SamplingConfig, ctx: SourceContext, partial: PartialConfig) -> LeftoverBuffer:
+    """The registered source `sampling.method` (with dynamic sampling around it when asked), behind the
+    leftover buffer (APRIL's, when partial rollouts are on)."""
+    source = GROUP_SOURCES.lookup(sampling.method)(ctx)
+    return LeftoverBuffer(DynamicSampling(source) if sampling.dynamic else source, partial)

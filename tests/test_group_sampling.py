@@ -1,0 +1,255 @@
+"""DARS, VCRL and DAPO's dynamic sampling on the group-source seam: the schedules against their closed forms,
+VCRL's score, the rounds of a step (cap, no duplicated sample, enlarged groups), and exact resume."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from sparserl.config import load_config
+from sparserl.config.errors import ConfigError
+from sparserl.config.rollout import PartialConfig, RolloutConfig
+from sparserl.engine.decoding import Sampling
+from sparserl.rollout import (
+    GroupSource,
+    RolloutBackend,
+    RolloutLayer,
+    Segment,
+    SourceContext,
+    make_group_source,
+    register_group_source,
+)
+from sparserl.rollout.sampling import dars_extra_samples, normalised_variance
+from tests.test_trainer import make_trainer, rows, tiny_cfg, weights
+
+# --- DARS's schedules ---------------------------------------------------------------------------------------
+
+
+def closed_form(a: Fraction, n: int, n_max: int, schedule: str) -> int:
+    """The paper code's schedules without std, in closed form (et N(1/(4a(1-a)) - 1), hw N(1-2a)/(2a))."""
+    a = Fraction(1, 2 * n) if a == 0 else a
+    if a >= Fraction(1, 2):
+        return 0
+    x = n * (1 / (4 * a * (1 - a)) - 1) if schedule == "et" else n * (1 - 2 * a) / (2 * a)
+    return min(math.ceil(x), n_max - n)
+
+
+@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("schedule,n_max", [("et", 32), ("hw", 64)])
+def test_dars_schedules_equal_their_closed_forms(n, schedule, n_max):
+    for k in range(n + 1):
+        a = Fraction(k, n)
+        assert dars_extra_samples(a, n, n_max, schedule) == closed_form(a, n, n_max, schedule), (k, n)
+
+
+def test_dars_examples_from_the_paper_code():
+    assert dars_extra_samples(Fraction(1, 4), 8, 32, "et") == 3
+    assert dars_extra_samples(Fraction(1, 4), 8, 64, "hw") == 8
+    assert dars_extra_samples(Fraction(0), 8, 32, "et") == 24  # 27, capped at n_max - n
+    assert dars_extra_samples(Fraction(0), 8, 64, "hw") == 56
+
+
+@pytest.mark.parametrize("schedule", ["et", "hw"])
+def test_dars_with_std_is_the_least_integer_at_or_above_the_schedule(schedule):
+    for n in (8, 16):
+        for k in range(1, n // 2):
+            a = k / n
+            s = 2 * math.sqrt(a * (1 - a))
+            peak = n if schedule == "et" else 2 * (1 - a) * n
+            want = (peak - n * s) / s
+            got = dars_extra_samples(Fraction(k, n), n, 10**6, schedule, std=True)
+            assert got - 1 < want <= got + 1e-9, (n, k, got, want)
+
+
+def test_dars_ceil_is_exact_at_integers():
+    # et at a = 1/2 - tiny, hw at a = 1/4 give exact integers in rationals (8 for hw); floats may not
+    assert dars_extra_samples(Fraction(1, 4), 8, 100, "hw") == 8
+    assert dars_extra_samples(Fraction(1, 4), 16, 100, "et") == math.ceil(Fraction(16, 3))
+
+
+# --- VCRL's score ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("g", range(2, 17))
+def test_vcrl_normalised_variance(g):
+    for k in range(g + 1):
+        p = normalised_variance([1.0] * k + [0.0] * (g - k))
+        var = k * (g - k) / (g * (g - 1))
+        var_max = g / (4 * (g - 1)) if g % 2 == 0 else (g + 1) / (4 * g)
+        assert p == pytest.approx(var / var_max, abs=1e-12)
+    assert normalised_variance([1.0] * (g // 2) + [0.0] * (g - g // 2)) == pytest.approx(1.0)
+    assert normalised_variance([0.0] * g) == 0.0 == normalised_variance([1.0] * g)
+
+
+# --- rounds of a step, on a scripted backend ------------------------------------------------------------------
+
+
+class KeyedBackend(RolloutBackend):
+    """Each sample's one token is a hash of its (seed, key): deterministic, and different per stream."""
+
+    name = "keyed"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    def run(self, requests, sampling, version, seed, on_segment, stop=None):
+        self.requests += len(requests)
+        for i, r in enumerate(requests):
+            on_segment(Segment(i, [(r.seed * 31 + r.key * 17) % 1009], [-1.0], "stop", version))
+        return {}
+
+
+class RowView:
+    """Rows 0-3 are always wrong, rows 4-7 always right, the rest right on an odd token."""
+
+    def prompt_ids(self, row: int) -> list[int]:
+        return [1, 2, row]
+
+    def example(self, row: int) -> int:
+        return row
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return [str(t[0]) for t in ids]
+
+    def scores(self, texts: list[str], examples: list) -> list[float]:
+        return [float(0 if r < 4 else 1 if r < 8 else int(t) % 2) for t, r in zip(texts, examples, strict=True)]
+
+
+def step_once(method: str, *extra: str, k: int = 4, version: int = 0, rows_: int = 40):
+    cfg = load_config(None, [f"sampling.method={method}", "rollout.n=4", f"rollout.prompts_per_step={k}", *extra])
+    ctx = SourceContext(list(range(rows_)), cfg.rollout.n, 0, cfg)
+    source = make_group_source(cfg.sampling, ctx, cfg.rollout.partial)
+    backend = KeyedBackend()
+    layer = RolloutLayer(backend, RowView(), cfg.rollout, cfg.sampling.max_extra_rounds)
+    return layer.collect_step(source, k, version, 7), source, backend
+
+
+@pytest.mark.parametrize("method", ["fresh", "dars", "vcrl"])
+@pytest.mark.parametrize("cap", [0, 1, 3])
+def test_dynamic_sampling_refill_respects_its_cap_and_never_repeats_a_sample(method, cap):
+    got, source, backend = step_once(method, "sampling.dynamic=true", f"sampling.max_extra_rounds={cap}")
+    assert got.sampling["rounds"] <= 1 + cap
+    samples = [s for g in got.groups for s in g.samples]
+    streams = [(s.seed, s.key) for s in samples]
+    assert len(streams) == len(set(streams))
+    assert backend.requests == got.sampling["generated_samples"]
+    assert len(got.groups) == 4  # a full batch: signal groups first, dropped ones fill the rest (counted)
+    flat = sum(len({s.reward for s in g.samples}) == 1 for g in got.groups)
+    assert flat == source.metrics()["sampling/dynamic_filled_groups"]
+
+
+def test_dynamic_sampling_trades_rounds_for_signal():
+    plain, _, _ = step_once("fresh", "sampling.max_extra_rounds=4")
+    dynamic, _, _ = step_once("fresh", "sampling.dynamic=true", "sampling.max_extra_rounds=4")
+    assert plain.sampling["rounds"] == 1
+    assert dynamic.sampling["zero_variance_frac"] <= plain.sampling["zero_variance_frac"]
+    assert dynamic.sampling["generated_samples"] >= plain.sampling["generated_samples"]
+
+
+def test_dars_enlarges_hard_groups_on_their_own_group_id():
+    got, source, _ = step_once("dars", "sampling.dars_keep_degenerate=true", k=8, rows_=8)
+    sizes = {g.prompt_id: len(g.samples) for g in got.groups}
+    extra = dars_extra_samples(Fraction(0), 4, 32, "et", std=True)  # algo.adv_estimator=grpo: with std
+    assert extra == 3 and all(sizes[r] == 4 + extra for r in range(4))  # all wrong
+    assert all(sizes[r] == 4 for r in range(4, 8))  # all right: no extras
+    for g in got.groups:
+        assert {s.group_id for s in g.samples} == {g.group_id}
+        assert [s.sample_index for s in g.samples] == list(range(len(g.samples)))
+    m = source.metrics()
+    assert m["sampling/dars_extra_samples"] == 4 * extra and m["sampling/dars_hard_prompts"] == 4
+
+
+def test_dars_drops_degenerate_groups_unless_asked():
+    got, _, _ = step_once("dars", k=8, rows_=40)
+    assert all(len({s.reward for s in g.samples}) > 1 for g in got.groups) or got.sampling["trained_groups"] == 8
+
+
+def test_vcrl_banks_high_variance_prompts_and_replays_them():
+    cfg = load_config(None, ["sampling.method=vcrl", "rollout.n=4", "sampling.max_extra_rounds=0"])
+    source = make_group_source(cfg.sampling, SourceContext(list(range(40)), 4, 0, cfg), cfg.rollout.partial)
+    layer = RolloutLayer(KeyedBackend(), RowView(), cfg.rollout, 0)
+    first = layer.collect_step(source, 4, 0, 7)
+    banked = {g.prompt_id for g in first.groups if normalised_variance([s.reward for s in g.samples]) >= 0.3}
+    assert set(source.inner.bank) == banked
+    assert len(banked) >= 2, "the scripted rewards give some groups variance"
+    top = sorted(banked, key=lambda r: (-source.inner.bank[r][0], r))[:2]  # replay_fraction 0.5 of 4 groups
+    layer.backend.push_weights(1)
+    second = layer.collect_step(source, 4, 1, 7)
+    assert [g.prompt_id for g in second.groups][:2] == top
+    assert source.metrics()["sampling/vcrl_replay_frac"] == 0.5
+    assert len({g.prompt_id for g in second.groups}) == len(second.groups)  # a prompt once a step
+
+
+def test_refilling_sources_refuse_partial_rollouts():
+    cfg = load_config(None, ["sampling.method=dars"])
+    with pytest.raises(ConfigError, match="rollout.partial.enable=true does not support"):
+        make_group_source(cfg.sampling, SourceContext([0, 1], 8, 0, cfg), PartialConfig(enable=True))
+
+
+def test_bad_sampling_values_name_their_key():
+    for bad, key in [("sampling.vcrl_kappa=2", "vcrl_kappa"), ("sampling.dars_schedule=x", "dars_schedule")]:
+        with pytest.raises(ConfigError, match=rf"sampling.{key}"):
+            load_config(None, [bad])
+
+
+def test_old_rollout_source_key_reads_as_sampling_method():
+    assert load_config(None, ["rollout.source=dars"]).sampling.method == "dars"
+
+
+# --- through the trainer ------------------------------------------------------------------------------------
+
+
+@register_group_source("second_round_twice")
+class SecondRoundTwice(GroupSource):
+    """A user source that asks for one more round of the same rows: refill is called, groups are new."""
+
+    refills = True
+
+    def choose(self, k, version):
+        self.calls = getattr(self, "calls", 0)
+        return [0] * k
+
+    def refill(self, scored, k, version):
+        self.calls += 1
+        return self.plan(k, version) if len(scored) < 2 * k else []
+
+
+def test_a_user_source_refill_is_called_and_its_groups_trained(tmp_path):
+    trainer = make_trainer(tiny_cfg(tmp_path, "sampling.method=second_round_twice", "trainer.steps=1"))
+    batch, metrics = trainer.rollout(1)
+    assert trainer.source.inner.calls == 2 and metrics["sampling/rounds"] == 2
+    assert len(batch.completions) == 16  # two rounds of 2 groups x 4
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ("sampling.method=dars", "sampling.dars_keep_degenerate=true"),
+        ("sampling.method=vcrl", "sampling.dynamic=true", "sampling.vcrl_kappa=0.5"),
+    ],
+)
+def test_sampling_sources_resume_exactly(tmp_path, extra):
+    extra = (*extra, "trainer.save_every=1", "trainer.steps=3")
+    straight = make_trainer(tiny_cfg(tmp_path, *extra, name="straight"))
+    straight.train()
+    killed = make_trainer(tiny_cfg(tmp_path, *extra, name="killed"))
+    killed.train(until_step=2)
+    state = killed.source.state_dict()
+    killed.close()
+    resumed = make_trainer(tiny_cfg(tmp_path, *extra, name="killed"), run_dir=tmp_path / "killed", resume=True)
+    assert resumed.source.state_dict() == state
+    resumed.train()
+    assert straight.source.state_dict() == resumed.source.state_dict()
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    logged = [r for r in rows(tmp_path / "straight") if "sampling/rounds" in r]
+    assert len(logged) == 3 and all("sampling/zero_variance_frac" in r for r in logged)
+
+
+def test_sampling_sees_plain_values_only():
+    """The sources never touch the engine: a sampling object is not needed to plan."""
+    assert Sampling().temperature == 1.0 and RolloutConfig().n == 8
