@@ -116,11 +116,15 @@ class RowView:
         return [str(t[0]) for t in ids]
 
     def scores(self, texts: list[str], examples: list) -> list[float]:
-        return [float(0 if r < 4 else 1 if r < 8 else int(t) % 2) for t, r in zip(texts, examples, strict=True)]
+        return [
+            float(0 if r < 4 else 1 if r < 8 else int(t) % 2) for t, r in zip(texts, examples, strict=True)
+        ]
 
 
 def step_once(method: str, *extra: str, k: int = 4, version: int = 0, rows_: int = 40):
-    cfg = load_config(None, [f"sampling.method={method}", "rollout.n=4", f"rollout.prompts_per_step={k}", *extra])
+    cfg = load_config(
+        None, [f"sampling.method={method}", "rollout.n=4", f"rollout.prompts_per_step={k}", *extra]
+    )
     ctx = SourceContext(list(range(rows_)), cfg.rollout.n, 0, cfg)
     source = make_group_source(cfg.sampling, ctx, cfg.rollout.partial)
     backend = KeyedBackend()
@@ -164,8 +168,11 @@ def test_dars_enlarges_hard_groups_on_their_own_group_id():
 
 
 def test_dars_drops_degenerate_groups_unless_asked():
-    got, _, _ = step_once("dars", k=8, rows_=40)
-    assert all(len({s.reward for s in g.samples}) > 1 for g in got.groups) or got.sampling["trained_groups"] == 8
+    got, _, _ = step_once("dars", k=12, rows_=12)  # rows 0-3 all wrong, 4-7 all right, 8-11 mixed
+    trained = {g.prompt_id for g in got.groups}
+    assert trained and trained <= set(range(8, 12))
+    assert all(len({s.reward for s in g.samples}) > 1 for g in got.groups)
+    assert got.sampling["dropped_groups"] == 12 - len(trained)
 
 
 def test_vcrl_banks_high_variance_prompts_and_replays_them():
@@ -240,7 +247,9 @@ def test_sampling_sources_resume_exactly(tmp_path, extra):
     killed.train(until_step=2)
     state = killed.source.state_dict()
     killed.close()
-    resumed = make_trainer(tiny_cfg(tmp_path, *extra, name="killed"), run_dir=tmp_path / "killed", resume=True)
+    resumed = make_trainer(
+        tiny_cfg(tmp_path, *extra, name="killed"), run_dir=tmp_path / "killed", resume=True
+    )
     assert resumed.source.state_dict() == state
     resumed.train()
     assert straight.source.state_dict() == resumed.source.state_dict()
