@@ -300,3 +300,15 @@ def test_every_config_field_has_help():
 
     assert all(f.metadata.get("help") for f in fields(ShapingConfig))
     assert ShapingConfig().method == "none"
+
+
+@pytest.mark.parametrize("judge", ["rule", "embedding", "llm"])
+def test_uniqueness_runs_through_the_trainer(tmp_path, judge):
+    from tests.test_trainer import make_trainer, rows, tiny_cfg
+
+    extra = ("shaping.method=uniqueness", f"shaping.judge={judge}", "shaping.judge_max_new_tokens=8")
+    trainer = make_trainer(tiny_cfg(tmp_path, *extra, "trainer.steps=1"))
+    trainer.train()
+    (row,) = [r for r in rows(tmp_path / "run") if "reward/mean" in r]
+    assert {"shaping/clusters_per_group", "shaping/adv_scale_min", "shaping/adv_scale_max"} <= row.keys()
+    assert 0 < row["shaping/adv_scale_min"] <= row["shaping/adv_scale_max"] <= 1

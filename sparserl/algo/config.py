@@ -182,6 +182,18 @@ class AlgoConfig:
         default=None,
         metadata={"help": "Dual clip: for A < 0 the per-token loss is capped at -c * A (c > 1, e.g. 3.0)."},
     )
+    overlong_buffer: int = field(
+        default=0,
+        metadata={
+            "help": "DAPO's overlong reward shaping: a completion longer than its cap minus this many tokens "
+            "loses (length - (cap - buffer)) / buffer x overlong_penalty of reward, growing linearly to the "
+            "full penalty at the cap. 0: off."
+        },
+    )
+    overlong_penalty: float = field(
+        default=1.0,
+        metadata={"help": "DAPO's overlong shaping: the penalty at the cap (verl's penalty_factor)."},
+    )
     loss_agg_mode: str = field(
         default="seq-mean-token-mean",
         metadata={
@@ -237,6 +249,11 @@ class AlgoConfig:
                     f"algo.correction_mode='none' ignores {', '.join('algo.' + k for k in on)}; "
                     "set algo.correction_mode='decoupled' (or 'bypass') or unset them"
                 )
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(
+                f"algo.overlong_buffer={self.overlong_buffer} and algo.overlong_penalty={self.overlong_penalty} "
+                "must be >= 0"
+            )
         if self.loss_token_norm is not None and self.loss_token_norm < 1:
             raise ValueError(f"algo.loss_token_norm={self.loss_token_norm} must be >= 1")
         for name in self.adv_transforms:

@@ -43,6 +43,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     # GSPO: sequence-level ratio, the paper's clip range (v2, section 5.1) and no KL to the reference.
     "gspo": {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "kl_coef": 0.0},
+    # DAPO's loss: clip-higher (eps_high 0.28), token-level aggregation, no KL. Its dynamic sampling is
+    # sampling.dynamic=true and its overlong shaping algo.overlong_buffer (tokens; the paper: 4096 of 20480).
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "loss_agg_mode": "token-mean", "kl_coef": 0.0},
     # REINFORCE++: raw rewards whitened over the batch; -baseline: group mean subtracted first.
     "reinforce++": {"adv_estimator": "reinforce", "adv_transforms": ["batch_whiten"]},
     "reinforce++-baseline": {"adv_estimator": "drgrpo", "adv_transforms": ["batch_whiten"]},

@@ -15,6 +15,7 @@ from sparserl.config.distill import DistillConfig
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.config.sampling import SamplingConfig
+from sparserl.config.shaping import ShapingConfig
 from sparserl.engine.kv_config import KVConfig
 from sparserl.tasks import TaskConfig
 from sparserl.tasks.config import GENERATED_TASKS
@@ -399,6 +400,12 @@ class TrainConfig:
     algo: AlgoSection = field(
         default_factory=AlgoSection.from_preset,
         metadata={"help": "Advantages, corrections and loss (a preset, then key-by-key overrides)."},
+    )
+    shaping: ShapingConfig = field(
+        default_factory=ShapingConfig,
+        metadata={
+            "help": "Advantage shaping after algo.adv_transforms: uniqueness-aware weights (docs/uniqueness.md)."
+        },
     )
     optim: OptimConfig = field(default_factory=OptimConfig, metadata={"help": "Optimizer and schedule."})
     trainer: TrainerConfig = field(

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from sparserl.algo import advantages_from_config, make_adv_transforms
+from sparserl.algo.reward_shaping import overlong_penalty
 from sparserl.config import TrainConfig, save_config
 from sparserl.engine.padding import right_pad
 from sparserl.engine.weights import drop_packed
@@ -34,6 +35,7 @@ from sparserl.rollout import (
 )
 from sparserl.rollout.records import SampleRecord
 from sparserl.trainer import distill as _distill  # noqa: F401 - registers the DistillSparse add-on
+from sparserl.trainer import judges as _judges  # noqa: F401 - registers the model-backed uniqueness judges
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
 from sparserl.trainer.addons import dense_logprobs_needed, make_addons, records_held
 from sparserl.trainer.checkpoint import (
@@ -141,7 +143,7 @@ class Trainer:
         self.source = make_group_source(
             cfg.sampling, SourceContext(self.train_rows, cfg.rollout.n, seed, cfg), cfg.rollout.partial
         )
-        self.adv_transforms = make_adv_transforms(cfg.algo, None, self._judge_resources())
+        self.adv_transforms = make_adv_transforms(cfg.algo, cfg.shaping, self._judge_resources())
         recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
         backend = make_backend(cfg.rollout.backend, self.engine, cfg.rollout, recording)
         self.rollouts = RolloutLayer(backend, self.train_view, cfg.rollout, cfg.sampling.max_extra_rounds)
@@ -238,7 +240,8 @@ class Trainer:
         drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
         samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
-        batch = self._batch(samples)
+        rewards, penalty = self._rewards(samples)
+        batch = self._batch(samples, rewards)
         batch.held = [seg.held for seg in got.recorded] if self.rollouts.backend.recording.held else None
         t2 = time.perf_counter()
         with self.policy.autocast():
@@ -247,6 +250,8 @@ class Trainer:
         metrics.update(sample_metrics(samples, batch.advantages))
         metrics.update({f"sampling/{k}": v for k, v in got.sampling.items()})
         metrics.update(self.source.metrics())
+        if cfg.algo.overlong_buffer:
+            metrics["reward/overlong_penalty"] = float(penalty.mean())
         metrics.update({f"shaping/{k}": v for t in self.adv_transforms for k, v in t.metrics().items()})
         metrics.update({"time/rollout": t1 - t0, "time/score": t2 - t1})
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
@@ -255,13 +260,22 @@ class Trainer:
         )
         return batch, metrics
 
-    def _batch(self, samples: list[SampleRecord]) -> Batch:
+    def _rewards(self, samples: list[SampleRecord]) -> tuple[Tensor, Tensor]:
+        """The rewards the advantages take: the task's, plus DAPO's overlong penalty (zero when off)."""
+        raw = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        lengths = torch.tensor([len(s.tokens) for s in samples])
+        caps = torch.tensor([s.max_new_tokens or self.cfg.rollout.max_new_tokens for s in samples])
+        penalty = overlong_penalty(
+            lengths, caps, self.cfg.algo.overlong_buffer, self.cfg.algo.overlong_penalty
+        )
+        return raw + penalty, penalty
+
+    def _batch(self, samples: list[SampleRecord], rewards: Tensor) -> Batch:
         """The learner's batch: padded tokens and masks, advantages over group ids, and the dense pi_old and
         reference log-probs where they are needed (pi_old taken from the learner's own pass when it can)."""
         cfg = self.cfg
         completions = [list(s.tokens) for s in samples]
         prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         group_index = [s.group_id for s in samples]
         texts = [s.text or "" for s in samples]
         advantages = advantages_from_config(rewards, group_index, cfg.algo, texts, self.adv_transforms)
