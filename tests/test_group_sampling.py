@@ -262,3 +262,15 @@ def test_sampling_sources_resume_exactly(tmp_path, extra):
 def test_sampling_sees_plain_values_only():
     """The sources never touch the engine: a sampling object is not needed to plan."""
     assert Sampling().temperature == 1.0 and RolloutConfig().n == 8
+
+
+def test_a_token_budget_ends_the_run_as_its_last_step_would(tmp_path):
+    """2 groups x 4 samples of at most 12 tokens: at most 96 tokens a step, so 150 takes two steps or more."""
+    trainer = make_trainer(tiny_cfg(tmp_path, "sampling.token_budget=150", "trainer.steps=10"))
+    summary = trainer.train()
+    logged = [r for r in rows(tmp_path / "run") if "sampling/generated_tokens_total" in r]
+    totals = [r["sampling/generated_tokens_total"] for r in logged]
+    per_step = [r["sampling/generated_tokens"] for r in logged]
+    assert totals == [sum(per_step[: i + 1]) for i in range(len(per_step))]
+    assert totals[-1] >= 150 > totals[-2] and trainer.state.step == len(totals) < 10
+    assert summary and (tmp_path / "run" / "final").is_dir()  # ended as at trainer.steps

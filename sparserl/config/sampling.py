@@ -38,6 +38,15 @@ class SamplingConfig:
             "rollout cost of a step is at most (1 + this) x a plain step's."
         },
     )
+    token_budget: int = field(
+        default=0,
+        metadata={
+            "help": "End the run once its steps have drawn this many tokens in all (every round, trained or not: "
+            "sampling/generated_tokens_total), to compare methods at an equal rollout budget; the run then "
+            "ends as at trainer.steps (final evaluation, export, summary). trainer.steps still bounds it and "
+            "sets the lr schedule's horizon. 0: no budget."
+        },
+    )
     dars_schedule: str = field(
         default="et",
         metadata={
@@ -85,6 +94,8 @@ class SamplingConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.token_budget < 0:
+            raise ConfigError(f"sampling.token_budget={self.token_budget} must be >= 0")
         if self.max_extra_rounds < 0:
             raise ConfigError(f"sampling.max_extra_rounds={self.max_extra_rounds} must be >= 0")
         if self.dars_schedule not in DARS_SCHEDULES:

@@ -61,6 +61,7 @@ from sparserl.trainer.summary import accumulate, run_summary
 from sparserl.trainer.update import Batch, Learner
 
 SUMMARY_FILE = "summary.json"
+TOKENS_SPENT = "sampling/generated_tokens_total"  # cumulative, in the checkpoint: sampling.token_budget
 EXPORT_DIR = "final"
 
 
@@ -238,6 +239,8 @@ class Trainer:
             self.source, cfg.rollout.prompts_per_step, version, self.state.engine_seed
         )
         drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
+        spent = self.state.counters.get(TOKENS_SPENT, 0.0) + got.sampling["generated_tokens"]
+        self.state.counters[TOKENS_SPENT] = spent
         samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
         rewards, penalty = self._rewards(samples)
@@ -346,6 +349,12 @@ class Trainer:
             parts=parts,
         )
 
+    def finished(self) -> bool:
+        """trainer.steps done, or sampling.token_budget drawn."""
+        budget = self.cfg.sampling.token_budget
+        spent = self.state.counters.get(TOKENS_SPENT, 0.0)
+        return self.state.step >= self.cfg.trainer.steps or (budget > 0 and spent >= budget)
+
     def train(self, until_step: int | None = None) -> dict[str, Any]:
         """Run from the current step to trainer.steps (or stop after `until_step`, as a kill would); returns
         the summary (also written to RUN_DIR/summary.json when the run completes)."""
@@ -369,7 +378,7 @@ class Trainer:
                 hist["eval_sparse_before"] = before.get("eval/sparse/reward")
                 sinks.log(0, before)
                 self.held_out.print_samples(progress, "before training")
-            while self.state.step < stop:
+            while self.state.step < stop and not self.finished():
                 if self.stop_check is not None:
                     self.stop_check()
                 step = self.state.step + 1
@@ -379,7 +388,7 @@ class Trainer:
                 metrics.update(self.learn(step, batch))
                 metrics["time/train"] = time.perf_counter() - t1
                 self.state.step = step
-                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and step < total:
+                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and not self.finished():
                     metrics.update(self.evaluate(step))
                 metrics["time/step"] = time.perf_counter() - t0
                 metrics["time/step_cpu"] = time.process_time() - cpu0
@@ -387,15 +396,15 @@ class Trainer:
                 accumulate(self.state.history, metrics)
                 sinks.log(step, metrics)
                 progress.update(step, metrics)
-                if step == total or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+                if self.finished() or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
                     self.save()
             summary: dict[str, Any] = {}
-            if self.state.step >= total:
+            if self.finished():
                 if cfg.trainer.eval_prompts > 0:
-                    after = self.evaluate(total)
+                    after = self.evaluate(self.state.step)
                     hist["eval_after"] = after.get("eval/dense/reward")
                     hist["eval_sparse_after"] = after.get("eval/sparse/reward")
-                    sinks.log(total, after)
+                    sinks.log(self.state.step, after)
                     self.held_out.print_samples(progress, "after training")
                 hist["export"] = str(self.policy.export(self.run_dir / EXPORT_DIR))
                 summary = run_summary(self, time.perf_counter() - started)
