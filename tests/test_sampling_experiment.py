@@ -1,0 +1,61 @@
+"""Issue 37's experiment report (experiments/sampling.py) on hand-made parts: pass@k curves, AUC and the goals'
+decision rules, so a committed result can only come from the rules written before the runs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+
+import sampling as X  # noqa: E402
+
+
+def test_pass_curve_is_the_unbiased_estimator_for_every_k():
+    part = {"samples": 4, "correct": [0, 4, 1]}
+    curve = X.pass_curve(part)
+    assert curve[0] == pytest.approx((0 + 1 + 0.25) / 3)
+    assert curve[-1] == pytest.approx((0 + 1 + 1) / 3)  # k = n: any correct sample counts
+    assert curve == sorted(curve)
+
+
+def test_ratio_goals_follow_their_direction_and_pairing():
+    runs = {
+        "grpo-seed0": {"sampling/solved_prompt_frac": 0.4, "sampling/zero_variance_frac": 0.6},
+        "dars-seed0": {"sampling/solved_prompt_frac": 0.8},
+        "vcrl-seed0": {"sampling/zero_variance_frac": 0.3},
+        "dars-seed1": {"sampling/solved_prompt_frac": 0.9},  # no GRPO seed 1: not paired, left out
+    }
+    dars = X.goal_value("d", "dars", 1.5, runs)
+    assert dars["value"] == pytest.approx(2.0) and dars["met"] and dars["seeds"] == 1
+    vcrl = X.goal_value("v", "vcrl", 0.5, runs)
+    assert vcrl["value"] == pytest.approx(0.5) and vcrl["met"]
+    assert X.goal_value("x", "dapo_dynamic", 0.5, runs) == {
+        **X.goal_value("x", "dapo_dynamic", 0.5, {}),
+        "seeds": 0,
+    }
+
+
+def test_uniqueness_goal_needs_both_auc_and_pass1():
+    def runs(d_auc, d_p1):
+        return {
+            **{f"grpo-seed{s}": {"auc": 0.5, "pass@1": 0.2} for s in X.SEEDS},
+            **{f"uniqueness-seed{s}": {"auc": 0.5 + d_auc, "pass@1": 0.2 + d_p1} for s in X.SEEDS},
+        }
+
+    assert X.goal_value("u", "uniqueness", 0.0, runs(0.01, -0.005))["met"]
+    assert not X.goal_value("u", "uniqueness", 0.0, runs(0.01, -0.02))["met"]  # pass@1 2 points lower
+    assert not X.goal_value("u", "uniqueness", 0.0, runs(-0.01, 0.0))["met"]
+    assert X.goal_value("u", "uniqueness", 0.0, runs(0.01, 0.0))["auc_diff"]["df"] == 2
+
+
+def test_rules_are_written_before_the_runs_with_every_goal_unmeasured(tmp_path, monkeypatch):
+    monkeypatch.setattr(X, "RESULTS", tmp_path / "sampling.json")
+    X.write_rules()
+    import json
+
+    saved = json.loads((tmp_path / "sampling.json").read_text())
+    assert set(saved["goals"]) == set(X.GOALS) and not any(g["met"] for g in saved["goals"].values())
+    assert saved["rules"] == X.RULES
