@@ -35,6 +35,11 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             f"engine.compile=true does not run block-sparse attention (kv.method={cfg.kv.method!r}): the "
             "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
         )
+    if cfg.rollout.spec.enable and (cfg.trainer.log_acceptance or cfg.distill.enable):
+        raise ConfigError(
+            "rollout.spec.enable=true starts samples from verified drafts, whose earlier distributions and held "
+            "positions were never recorded: it cannot run with trainer.log_acceptance or distill.enable"
+        )
     if cfg.trainer.log_acceptance and cfg.rollout.partial.enable:
         raise ConfigError(
             "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "

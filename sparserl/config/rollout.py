@@ -72,6 +72,56 @@ class PartialConfig:
             raise ConfigError(f"rollout.partial.max_staleness={self.max_staleness} must be >= 0")
 
 
+SPEC_PREFIX_LOGPS = ("verifier", "cached")
+
+
+@dataclass
+class SpecConfig:
+    """SPEC-RL: a returning prompt's previous responses are drafts, verified under the current policy; each
+    keeps its prefix up to the first rejected token and samples on from there."""
+
+    enable: bool = field(
+        default=False,
+        metadata={
+            "help": "Reuse each prompt's previous responses when it returns (a later epoch): verify each "
+            "teacher-forced under the current policy, keep the prefix up to the first token rejected by "
+            "u <= min(1, e^lenience p_now / p_then) (fresh uniforms each step), sample on from the cut. A "
+            "response accepted whole (its end included) is not generated again."
+        },
+    )
+    lenience: float = field(
+        default=0.0,
+        metadata={
+            "help": "lambda >= 0: the acceptance test multiplies p_now / p_then by e^lambda (SPEC-RL's bias)."
+        },
+    )
+    prefix_logp: str = field(
+        default="verifier",
+        metadata={
+            "help": "Sampler log-prob recorded for accepted tokens: 'verifier' (the current policy's, so the "
+            "corrections see ratio 1, as SPEC-RL) or 'cached' (the policy's that drew them: the corrections "
+            "treat them as off-policy tokens)."
+        },
+    )
+    max_cached_tokens: int = field(
+        default=2_000_000,
+        metadata={
+            "help": "Bound on the cache of previous responses (tokens in all, ~12 bytes each with their "
+            "log-probs; part of every checkpoint): the prompts cached longest ago leave first."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lenience < math.inf:
+            raise ConfigError(f"rollout.spec.lenience={self.lenience} must be a finite number >= 0")
+        if self.prefix_logp not in SPEC_PREFIX_LOGPS:
+            raise ConfigError(
+                f"rollout.spec.prefix_logp={self.prefix_logp!r}: choose one of {', '.join(SPEC_PREFIX_LOGPS)}"
+            )
+        if self.max_cached_tokens < 0:
+            raise ConfigError(f"rollout.spec.max_cached_tokens={self.max_cached_tokens} must be >= 0")
+
+
 @dataclass
 class RolloutConfig:
     """How many completions are sampled per step, and how."""
@@ -123,6 +173,10 @@ class RolloutConfig:
     )
     partial: PartialConfig = field(
         default_factory=PartialConfig, metadata={"help": "APRIL active partial rollouts."}
+    )
+    spec: SpecConfig = field(
+        default_factory=SpecConfig,
+        metadata={"help": "SPEC-RL: previous responses reused as verified drafts."},
     )
     backend: str = field(
         default="local",

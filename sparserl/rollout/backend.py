@@ -14,11 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.held import HeldRecord, HeldRecorder
 from sparserl.engine.rollout import run_stats
 from sparserl.engine.sampling import DistributionRecorder
+from sparserl.engine.scoring import score
 from sparserl.registry import Registry
 from sparserl.rollout.scheduler import Scheduler
 
@@ -96,6 +99,15 @@ class RolloutBackend:
         with `check_version`; returns the run's metrics (throughput, KV memory, scheduling)."""
         raise NotImplementedError
 
+    def score(
+        self, prompts: list[list[int]], completions: list[list[int]], temperature: float
+    ) -> list[list[float]]:
+        """Teacher-forced log-probs of each completion under the weights held now, dense, one sequence at a
+        time so that a sequence's numbers do not depend on its batch mates (SPEC-RL's verification)."""
+        raise NotImplementedError(
+            f"rollout backend {self.name!r} cannot score completions teacher-forced, which rollout.spec needs"
+        )
+
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         """Refuse at start-up a setting (a KV memory cap) that cannot run one sequence of this prompt length."""
 
@@ -120,6 +132,17 @@ class LocalBackend(RolloutBackend):
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         self.scheduler.check_fits(prompt_length, max_new_tokens)
+
+    def score(
+        self, prompts: list[list[int]], completions: list[list[int]], temperature: float
+    ) -> list[list[float]]:
+        model, dtype = self.engine.model, self.engine.decoder.dtype
+        device = model.get_input_embeddings().weight.device.type
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            return [
+                score(model, [p], [c], temperature)[0].tolist()
+                for p, c in zip(prompts, completions, strict=True)
+            ]
 
     def run(
         self,

@@ -18,9 +18,12 @@ from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import Request, Sampling
 from sparserl.rollout.backend import RolloutBackend, Segment
 from sparserl.rollout.records import GroupRecord, SampleRecord
+from sparserl.rollout.reuse import accepted_length, verification_uniforms
 from sparserl.rollout.rewards import RewardWorker
-from sparserl.rollout.sources import GroupPlan, GroupSource
+from sparserl.rollout.sources import Draft, GroupPlan, GroupSource
 from sparserl.rollout.task_view import TaskView
+
+SPEC_COUNTS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_whole_drafts")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class RolloutLayer:
             )
         self.backend, self.task, self.cfg = backend, task, cfg
         self.max_extra_rounds = max_extra_rounds  # sampling.max_extra_rounds: rounds after a step's first
+        self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)  # this step's draft verifications (SPEC-RL)
         self.state = RolloutState()
         self.rewards = RewardWorker(cfg.async_rewards)
 
@@ -71,8 +75,9 @@ class RolloutLayer:
         self.rewards.close()
         self.backend.close()
 
-    def _group(self, plan: GroupPlan) -> GroupRecord:
-        """The plan's record: the group it resumes, or a new one with its own id and streams."""
+    def _group(self, plan: GroupPlan, version: int) -> GroupRecord:
+        """The plan's record: the group it resumes or extends, or a new one with its own id and streams (its
+        samples started from their verified drafts, when the plan has drafts)."""
         if plan.resume is not None:
             return plan.resume
         if plan.extends is not None:  # more samples for a group already drawn (DARS's second round)
@@ -95,7 +100,31 @@ class RolloutLayer:
             SampleRecord(plan.row, gid, j, plan.seed, key, max_new_tokens=cap)
             for j, (key, cap) in enumerate(zip(plan.keys, caps, strict=True))
         ]
-        return GroupRecord(gid, plan.row, samples)
+        g = GroupRecord(gid, plan.row, samples)
+        if plan.drafts is not None:
+            self._start_from_drafts(g, plan.drafts, version)
+        return g
+
+    def _start_from_drafts(self, g: GroupRecord, drafts: list[Draft | None], version: int) -> None:
+        """SPEC-RL: verify each draft under the weights held now (rollout/reuse.py), start its sample from the
+        accepted prefix (drawn by no one now: `reused_prefix`), finished if the whole draft and its end were."""
+        spec, prompt = self.cfg.spec, self.task.prompt_ids(g.prompt_id)
+        todo = [(s, d) for s, d in zip(g.samples, drafts, strict=True) if d is not None and d.tokens]
+        now = self.backend.score([prompt] * len(todo), [d.tokens for _, d in todo], self.cfg.temperature)
+        for (s, d), logp_now in zip(todo, now, strict=True):
+            cap = s.max_new_tokens or self.cfg.max_new_tokens
+            uniforms = verification_uniforms(s.seed, s.key, len(d.tokens))
+            cut = min(cap, accepted_length(logp_now, d.logps, uniforms, spec.lenience))
+            s.extend(d.tokens[:cut], (logp_now if spec.prefix_logp == "verifier" else d.logps)[:cut], version)
+            s.reused_prefix = cut
+            whole = cut == len(d.tokens) and d.finish is not None
+            if whole or cut == cap:
+                s.finish_reason = d.finish if whole else "length"
+            counts = self.spec_counts
+            counts["spec_drafts"] += 1
+            counts["spec_draft_tokens"] += len(d.tokens)
+            counts["spec_accepted_tokens"] += cut
+            counts["spec_whole_drafts"] += s.finished
 
     def _request(self, s: SampleRecord) -> Request:
         cap = s.max_new_tokens or self.cfg.max_new_tokens
@@ -105,6 +134,7 @@ class RolloutLayer:
         """One step: the source's plans for `k` groups, then after each round its refills (at most
         `max_extra_rounds` more rounds, none with partial rollouts), its choice of the groups to train on;
         the groups go back to it (`observe`). `Collected.sampling` says what the rounds cost and gave."""
+        self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
         first = self.collect(version, seed, source.plan(k, version))
         scored, rounds = list(first.groups), [first]
         first_flat = _zero_variance_frac(first.groups)  # before a later round extends these groups
@@ -113,11 +143,18 @@ class RolloutLayer:
             rounds.append(more)
             scored += [g for g in more.groups if all(g is not h for h in scored)]
         trained = source.select(scored, k)
+        if source.needs_scores:
+            self._score_samples(trained)
         source.observe(trained, first.leftover)
         segments = {i: seg for r in rounds for i, seg in r.by_sample.items()}
         recorded = [segments[id(s)] for g in trained for s in g.samples] if segments else []
         metrics = {**first.metrics, **_staleness(trained, version)}
         sampling = round_metrics(scored, trained, first_flat, len(rounds), version)
+        if self.spec_counts["spec_drafts"]:
+            c = self.spec_counts
+            sampling["spec_accepted_frac"] = c["spec_accepted_tokens"] / max(1, c["spec_draft_tokens"])
+            sampling["spec_whole_frac"] = c["spec_whole_drafts"] / c["spec_drafts"]
+            sampling["spec_reused_tokens"] = float(c["spec_accepted_tokens"])
         return Collected(trained, first.leftover, metrics, recorded, sampling=sampling)
 
     def collect(
@@ -128,7 +165,11 @@ class RolloutLayer:
         are kept (rollout.prompts_per_step by default; with partial rollouts decoding stops there)."""
         cfg, target = self.cfg, self.cfg.prompts_per_step if target is None else target
         self.backend.check_version(version)
-        groups = list({id(g): g for g in map(self._group, plans)}.values())  # two plans may extend one group
+        # two plans may extend one group
+        groups = list({id(g): g for g in (self._group(p, version) for p in plans)}.values())
+        for g in groups:
+            if g.finished and not g.complete:  # every sample a draft accepted whole: scored without decoding
+                self._submit(g)
         pending = [(g, s) for g in groups for s in g.samples if not s.finished]
         requests = [self._request(s) for _, s in pending]
         finished_groups = sum(g.finished for g in groups)
@@ -166,6 +207,14 @@ class RolloutLayer:
         metrics["reward_wait_s"] = reward_wait  # scoring left after decoding ended (the rest overlapped it)
         segments = [recorded[id(s)] for g in complete for s in g.samples] if recorded else []
         return Collected(complete, leftover, metrics, segments, by_sample=recorded)
+
+    def _score_samples(self, groups: list[GroupRecord]) -> None:
+        """Each sample's teacher-forced log-probs under the weights that drew it (for a source's cache)."""
+        samples = [s for g in groups for s in g.samples if s.tokens]
+        prompts = [self.task.prompt_ids(s.prompt_id) for s in samples]
+        logps = self.backend.score(prompts, [s.tokens for s in samples], self.cfg.temperature)
+        for s, lp in zip(samples, logps, strict=True):
+            s.scored_logps = lp
 
     def _submit(self, g: GroupRecord) -> None:
         """Score the group's samples not scored yet (all of them, but for a group a later round extended)."""
@@ -208,12 +257,14 @@ def round_metrics(
     and of the trained ones, the fraction of the step's prompts with a sample of reward > 0, reward per
     drawn token, and the groups scored but not trained."""
     drawn = [s for g in scored for s in g.samples]
-    tokens = sum(v == version for s in drawn for v in s.versions)
+    tokens = sum(v == version for s in drawn for v in s.versions[s.reused_prefix :])
     solved = {g.prompt_id for g in scored if any(s.reward > 0 for s in g.samples)}
     return {
         "rounds": float(rounds),
         "generated_tokens": float(tokens),
-        "generated_samples": float(sum(bool(s.versions) and s.versions[-1] == version for s in drawn)),
+        "generated_samples": float(
+            sum(len(s.versions) > s.reused_prefix and s.versions[-1] == version for s in drawn)
+        ),
         "zero_variance_frac_first_round": first_flat,
         "zero_variance_frac": _zero_variance_frac(trained),
         "solved_prompt_frac": len(solved) / max(1, len({g.prompt_id for g in scored})),

@@ -17,7 +17,8 @@ class SampleRecord:
     Per token: `tokens`, `sampler_logps` (log p of the distribution it was drawn from, sparse KV included),
     `versions` (the policy version that drew it) and `loss_mask` (1 = trained). Per sample: its prompt
     (`prompt_id`, the task row), `group_id`, `sample_index` within the group, the (`seed`, `key`) of its random
-    stream, `finish_reason` (None while unfinished), and once scored its decoded `text` and `reward`.
+    stream, `finish_reason` (None while unfinished), and once scored its decoded `text` and `reward`; the
+    number of leading tokens reused from a verified draft (SPEC-RL's `reused_prefix`).
     """
 
     prompt_id: int
@@ -31,6 +32,8 @@ class SampleRecord:
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     max_new_tokens: int | None = None  # this sample's cap when its plan gave one, else rollout.max_new_tokens
+    reused_prefix: int = 0  # leading tokens taken from a verified draft (SPEC-RL), not drawn by this sample
+    scored_logps: list[float] | None = None  # the backend's teacher-forced log-probs, when a source asks
     text: str | None = None
     reward: float | None = None
 

@@ -10,9 +10,10 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from sparserl.config.rollout import PartialConfig
+from sparserl.config.rollout import PartialConfig, SpecConfig
 from sparserl.config.sampling import SamplingConfig
 from sparserl.rollout.records import GroupRecord
+from sparserl.rollout.reuse import SpecReuse
 from sparserl.rollout.sources import (
     EXTENSION_SHIFT,
     GROUP_SOURCES,
@@ -275,6 +276,10 @@ class DynamicSampling(GroupSource):
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         self.inner.observe(groups, leftover)
 
+    @property
+    def needs_scores(self) -> bool:
+        return self.inner.needs_scores
+
     def metrics(self) -> dict[str, float]:
         return {**{f"sampling/{k}": v for k, v in self.step.items()}, **self.inner.metrics()}
 
@@ -285,8 +290,12 @@ class DynamicSampling(GroupSource):
         self.inner.load_state_dict(state)
 
 
-def make_group_source(sampling: SamplingConfig, ctx: SourceContext, partial: PartialConfig) -> LeftoverBuffer:
-    """The registered source `sampling.method` (with dynamic sampling around it when asked), behind the
-    leftover buffer (APRIL's, when partial rollouts are on)."""
+def make_group_source(
+    sampling: SamplingConfig, ctx: SourceContext, partial: PartialConfig, spec: SpecConfig | None = None
+) -> LeftoverBuffer:
+    """The registered source `sampling.method`, with dynamic sampling and then SPEC-RL's reuse around it when
+    asked, behind the leftover buffer (APRIL's, when partial rollouts are on)."""
     source = GROUP_SOURCES.lookup(sampling.method)(ctx)
-    return LeftoverBuffer(DynamicSampling(source) if sampling.dynamic else source, partial)
+    source = DynamicSampling(source) if sampling.dynamic else source
+    source = SpecReuse(source, spec) if spec is not None and spec.enable else source
+    return LeftoverBuffer(source, partial)

@@ -29,12 +29,23 @@ EXTENSION_SHIFT = 48
 
 
 @dataclass
+class Draft:
+    """A previous response offered for reuse (SPEC-RL): its tokens, the log-probs the verifier gave them under
+    the weights that drew them, and how it ended."""
+
+    tokens: list[int]
+    logps: list[float]
+    finish: str | None
+
+
+@dataclass
 class GroupPlan:
     """One group to run: task row `row`, samples drawing from (`seed`, `keys[j]`); `prefixes[j]`, when given,
     are completion tokens sample j starts from; `max_new_tokens[j]` caps sample j (for good) instead of
     `rollout.max_new_tokens`; `resume` continues a group already partly drawn (APRIL's leftovers); `extends`
     adds the samples to a group of this step instead of starting a new one (its advantages then take the
-    enlarged group: DARS's second round)."""
+    enlarged group: DARS's second round); `drafts[j]`, when given, is a previous response sample j verifies
+    and continues from its first rejected token (SPEC-RL)."""
 
     row: int
     seed: int
@@ -43,6 +54,7 @@ class GroupPlan:
     max_new_tokens: list[int] | None = None
     resume: GroupRecord | None = None
     extends: GroupRecord | None = None
+    drafts: list[Draft | None] | None = None
 
     @property
     def n(self) -> int:
@@ -99,6 +111,12 @@ class GroupSource:
     def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
         """The groups to train on, out of every group the step scored (all of them by default)."""
         return scored
+
+    @property
+    def needs_scores(self) -> bool:
+        """True if `observe` needs each trained sample's `scored_logps` (the backend's teacher-forced log-probs
+        under the weights that drew it: SPEC-RL's cache)."""
+        return False
 
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         """The step's trained groups (finished and scored) and the ones it did not train on."""
@@ -177,6 +195,10 @@ class LeftoverBuffer(GroupSource):
 
     def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
         return self.inner.select(scored, k)
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.inner.needs_scores
 
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         self.leftover = [g.to_dict() for g in leftover]

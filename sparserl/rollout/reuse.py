@@ -1,0 +1,98 @@
+"""SPEC-RL: a returning prompt's previous responses are drafts. Each is verified teacher-forced under the current
+policy; its prefix up to the first rejected token is kept and the sample goes on from there on its own stream
+(a draft accepted whole, its end included, is delivered without decoding). The acceptance test is SPEC-RL's,
+with fresh uniforms every step (SPEC-RL's code draws the same ones every call) and no residual resampling at
+the cut (the rejected token is drawn afresh from the current policy, as in SPEC-RL).
+
+`SpecReuse` wraps any group source: it attaches the cached drafts to the plans of prompts it has seen, and
+after each step caches the trained samples with the verifier's log-probs under the weights that drew them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from sparserl.config.rollout import SpecConfig
+from sparserl.engine.sampling import sample_uniforms
+from sparserl.rollout.records import GroupRecord
+from sparserl.rollout.sources import Draft, GroupPlan, GroupSource
+from sparserl.seeds import derive_seed
+
+SPEC_STREAM = 7  # derive_seed purpose: the verification's uniforms, apart from the sampling streams
+
+
+def accepted_length(
+    logp_now: Sequence[float], logp_then: Sequence[float], uniforms: Sequence[float], lenience: float = 0.0
+) -> int:
+    """SPEC-RL's cut: token t is accepted iff u_t <= min(1, e^lenience p_now(y_t) / p_then(y_t)); the prefix
+    before the first rejection is kept. delta >= 0 accepts without looking at u, so unchanged weights and
+    lenience 0 accept every token exactly."""
+    for t, (now, then, u) in enumerate(zip(logp_now, logp_then, uniforms, strict=True)):
+        delta = now - then + lenience
+        if delta < 0 and not (u > 0 and math.log(u) <= delta):
+            return t
+    return len(logp_now)
+
+
+def verification_uniforms(step_seed: int, key: int, length: int) -> list[float]:
+    """The uniforms sample `key` verifies its draft with at the step of `step_seed`: fresh each step."""
+    return sample_uniforms(derive_seed(step_seed, SPEC_STREAM), [key], length)[0].tolist()
+
+
+class SpecReuse(GroupSource):
+    """SPEC-RL around any source: plans of prompts seen before carry their last responses as drafts (one per
+    sample, as many as were cached); the trained groups' samples are cached with their verified log-probs,
+    the prompts cached longest ago leaving first past `max_cached_tokens`."""
+
+    def __init__(self, inner: GroupSource, cfg: SpecConfig) -> None:
+        super().__init__(inner.ctx)
+        self.inner, self.cfg = inner, cfg
+        self.cache: dict[int, list[dict[str, Any]]] = {}  # row -> [{tokens, logps, finish}], oldest row first
+        self.refills = inner.refills
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        plans = self.inner.plan(k, version)
+        for p in plans:
+            cached = self.cache.get(p.row, [])
+            if p.resume is None and p.extends is None and cached:
+                drafts = [Draft(d["tokens"], d["logps"], d["finish"]) for d in cached[: p.n]]
+                p.drafts = drafts + [None] * (p.n - len(drafts))
+        return plans
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        return self.inner.refill(scored, k, version)
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        return self.inner.select(scored, k)
+
+    @property
+    def needs_scores(self) -> bool:
+        return True
+
+    def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
+        for g in groups:
+            self.cache.pop(g.prompt_id, None)  # re-inserted last: the newest
+            self.cache[g.prompt_id] = [
+                {"tokens": list(s.tokens), "logps": list(s.scored_logps or []), "finish": s.finish_reason}
+                for s in g.samples
+                if s.scored_logps is not None and s.tokens
+            ]
+        total = sum(len(d["tokens"]) for ds in self.cache.values() for d in ds)
+        while self.cache and total > self.cfg.max_cached_tokens:
+            oldest = next(iter(self.cache))
+            total -= sum(len(d["tokens"]) for d in self.cache.pop(oldest))
+        self.inner.observe(groups, leftover)
+
+    def metrics(self) -> dict[str, float]:
+        tokens = sum(len(d["tokens"]) for ds in self.cache.values() for d in ds)
+        return {"sampling/spec_cached_prompts": float(len(self.cache)), "sampling/spec_cached_tokens": float(tokens),
+                **self.inner.metrics()}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cache": [[row, ds] for row, ds in self.cache.items()], "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cache = {int(row): ds for row, ds in state["cache"]}
+        self.inner.load_state_dict(state["inner"])

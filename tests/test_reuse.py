@@ -1,0 +1,118 @@
+"""SPEC-RL's reuse: the acceptance rule on hand-made log-probs, fresh uniforms per step, identity under
+unchanged weights (every draft accepted whole, nothing decoded), drafts continued from their cut, exact
+resume with the cache in the checkpoint, and clear refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparserl.config import load_config
+from sparserl.config.errors import ConfigError
+from sparserl.rollout import RolloutBackend
+from sparserl.rollout.reuse import accepted_length, verification_uniforms
+from sparserl.tasks.base import Example
+from tests.test_trainer import ParityTask, Trainer, rows, tiny_cfg, weights
+
+
+def test_equal_logprobs_accept_everything_whatever_the_uniforms():
+    lp = [-0.1, -2.0, -5.0]
+    assert accepted_length(lp, lp, [0.999999, 1e-12, 0.5]) == 3
+
+
+def test_the_first_rejected_token_cuts_the_draft():
+    now, then = [-1.0, -1.0, -3.0, -1.0], [-1.0, -2.0, -1.0, -1.0]
+    # t=0: delta 0 accepts; t=1: delta +1 accepts; t=2: delta -2, accepted iff log u <= -2
+    assert accepted_length(now, then, [0.5, 0.9, math.exp(-2.0) * 0.99, 0.9]) == 4
+    assert accepted_length(now, then, [0.5, 0.9, math.exp(-2.0) * 1.01, 0.0]) == 2
+    # lenience 2 lifts delta to 0 at t=2: accepted whatever u
+    assert accepted_length(now, then, [0.5, 0.9, 0.99, 0.9], lenience=2.0) == 4
+
+
+def test_uniforms_are_fresh_each_step_and_fixed_within_one():
+    a, b = verification_uniforms(11, 5, 8), verification_uniforms(12, 5, 8)
+    assert a == verification_uniforms(11, 5, 8) and a != b
+    assert a != verification_uniforms(11, 6, 8)
+
+
+class TwoPrompts(ParityTask):
+    """Two prompts: with two groups a step, every prompt returns at every step."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> Example:
+        return super().__getitem__(i)
+
+
+def make(tmp_path, *extra, name="run", **kw) -> Trainer:
+    cfg = tiny_cfg(tmp_path, "rollout.spec.enable=true", *extra, name=name)
+    return Trainer(cfg, task=TwoPrompts(), eval_task=TwoPrompts(), **kw)
+
+
+def test_unchanged_weights_accept_every_draft_whole_and_decode_nothing(tmp_path):
+    trainer = make(tmp_path, "optim.lr=0", "optim.weight_decay=0", "trainer.steps=2")
+    first, _ = trainer.rollout(1)
+    trainer.learn(1, first)
+    trainer.state.step = 1
+    second, metrics = trainer.rollout(2)
+    assert metrics["sampling/spec_accepted_frac"] == 1.0 and metrics["sampling/spec_whole_frac"] == 1.0
+    assert metrics["sampling/generated_tokens"] == 0
+    assert sorted(map(tuple, second.completions)) == sorted(map(tuple, first.completions))
+    assert bool(torch.isfinite(second.logp_sampler[second.mask]).all())
+
+
+def test_changed_weights_keep_the_accepted_prefix_and_sample_on(tmp_path):
+    trainer = make(tmp_path, "optim.lr=0.05", "trainer.steps=3")
+    trainer.train(until_step=2)
+    cache = {row: [d["tokens"] for d in ds] for row, ds in trainer.source.inner.cache.items()}
+    got = trainer.rollouts.collect_step(trainer.source, 2, 2, 99)
+    reused = [s.reused_prefix for g in got.groups for s in g.samples]
+    for g in got.groups:
+        for j, s in enumerate(g.samples):
+            draft = cache[g.prompt_id][j]
+            assert s.reused_prefix <= len(draft) and s.tokens[: s.reused_prefix] == draft[: s.reused_prefix]
+    assert got.sampling["spec_reused_tokens"] == sum(reused)
+    assert got.sampling["generated_tokens"] == sum(
+        len(s.tokens) - s.reused_prefix for g in got.groups for s in g.samples
+    )
+
+
+def test_resume_is_exact_with_the_cache_in_the_checkpoint(tmp_path):
+    extra = ("optim.lr=0.01", "trainer.steps=3", "trainer.save_every=1")
+    straight = make(tmp_path, *extra, name="straight")
+    straight.train()
+    killed = make(tmp_path, *extra, name="killed")
+    killed.train(until_step=2)
+    cache = killed.source.state_dict()
+    killed.close()
+    resumed = make(tmp_path, *extra, name="killed", run_dir=tmp_path / "killed", resume=True)
+    assert resumed.source.state_dict() == cache
+    resumed.train()
+    assert straight.source.state_dict() == resumed.source.state_dict()
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any("sampling/spec_accepted_frac" in r for r in rows(tmp_path / "straight"))
+
+
+def test_the_cache_is_bounded_oldest_prompt_first(tmp_path):
+    trainer = make(tmp_path, "rollout.spec.max_cached_tokens=20", "trainer.steps=1")
+    trainer.train()
+    cache = trainer.source.inner.cache
+    assert sum(len(d["tokens"]) for ds in cache.values() for d in ds) <= 20
+
+
+def test_a_backend_that_cannot_score_says_so():
+    with pytest.raises(
+        NotImplementedError, match="cannot score completions teacher-forced, which rollout.spec"
+    ):
+        RolloutBackend().score([[1]], [[2]], 1.0)
+
+
+def test_spec_refuses_what_needs_whole_samples():
+    with pytest.raises(ConfigError, match="rollout.spec.enable=true starts samples from verified drafts"):
+        load_config(None, ["rollout.spec.enable=true", "trainer.log_acceptance=true"])
+    with pytest.raises(ConfigError, match="rollout.spec.lenience=-1"):
+        load_config(None, ["rollout.spec.lenience=-1"])
