@@ -99,7 +99,9 @@ def test_unknown_key_lists_valid_keys(tmp_path: Path) -> None:
         match=r"run\.yaml:5: unknown config key 'optim\.learning_rate'.*valid keys under 'optim': lr, betas",
     ):
         load_config(p)
-    with pytest.raises(ConfigError, match="valid keys at the top level: model, task, rollout, sampling, kv, algo"):
+    with pytest.raises(
+        ConfigError, match="valid keys at the top level: model, task, rollout, sampling, kv, algo"
+    ):
         load_config(write(tmp_path, "optimizer:\n  lr: 1\n"))
 
 
