@@ -116,3 +116,27 @@ def test_spec_refuses_what_needs_whole_samples():
         load_config(None, ["rollout.spec.enable=true", "trainer.log_acceptance=true"])
     with pytest.raises(ConfigError, match="rollout.spec.lenience=-1"):
         load_config(None, ["rollout.spec.lenience=-1"])
+
+
+def test_a_plan_with_given_prefixes_samples_on_from_them(tmp_path):
+    """A user source starting every sample from given tokens: they are kept whole, scored by the verifier,
+    and the sample draws on from there on its own stream."""
+    from sparserl.rollout import FreshPrompts, register_group_source
+    from sparserl.rollout.sources import Draft
+
+    @register_group_source("hinted")
+    class Hinted(FreshPrompts):
+        def plan(self, k, version):
+            plans = super().plan(k, version)
+            for p in plans:
+                p.drafts = [Draft.prefix([5, 6, 7])] * p.n
+            return plans
+
+    trainer = Trainer(tiny_cfg(tmp_path, "sampling.method=hinted", "trainer.steps=1"), task=ParityTask())
+    got = trainer.rollouts.collect_step(trainer.source, 2, 0, 3)
+    for s in (s for g in got.groups for s in g.samples):
+        assert s.tokens[:3] == [5, 6, 7] and s.reused_prefix == 3 and len(s.tokens) > 3
+        assert all(math.isfinite(x) and x <= 0 for x in s.sampler_logps)
+    assert "spec_accepted_frac" not in got.sampling and got.sampling["generated_tokens"] == sum(
+        len(s.tokens) - 3 for g in got.groups for s in g.samples
+    )

@@ -88,11 +88,6 @@ class RolloutLayer:
                 for j, key in enumerate(plan.keys)
             ]
             return g
-        if plan.prefixes is not None:
-            raise NotImplementedError(
-                "GroupPlan.prefixes: starting samples from given tokens needs those tokens' sampler log-probs, "
-                "which lands with SPEC-RL's verification; a group source can resume a GroupRecord instead"
-            )
         gid = self.state.next_group_id
         self.state.next_group_id += 1
         caps = plan.max_new_tokens or [None] * plan.n
@@ -106,25 +101,31 @@ class RolloutLayer:
         return g
 
     def _start_from_drafts(self, g: GroupRecord, drafts: list[Draft | None], version: int) -> None:
-        """SPEC-RL: verify each draft under the weights held now (rollout/reuse.py), start its sample from the
-        accepted prefix (drawn by no one now: `reused_prefix`), finished if the whole draft and its end were."""
+        """Start samples from their drafts: a SPEC-RL draft verified under the weights held now
+        (rollout/reuse.py) from its accepted prefix, a given prefix whole (neither drawn now: `reused_prefix`);
+        finished if the whole draft and its end were."""
         spec, prompt = self.cfg.spec, self.task.prompt_ids(g.prompt_id)
         todo = [(s, d) for s, d in zip(g.samples, drafts, strict=True) if d is not None and d.tokens]
         now = self.backend.score([prompt] * len(todo), [d.tokens for _, d in todo], self.cfg.temperature)
         for (s, d), logp_now in zip(todo, now, strict=True):
             cap = s.max_new_tokens or self.cfg.max_new_tokens
-            uniforms = verification_uniforms(s.seed, s.key, len(d.tokens))
-            cut = min(cap, accepted_length(logp_now, d.logps, uniforms, spec.lenience))
-            s.extend(d.tokens[:cut], (logp_now if spec.prefix_logp == "verifier" else d.logps)[:cut], version)
+            if d.logps is None:  # a given prefix: kept whole, scored by the verifier
+                cut, then = min(cap, len(d.tokens)), logp_now
+            else:
+                uniforms = verification_uniforms(s.seed, s.key, len(d.tokens))
+                cut = min(cap, accepted_length(logp_now, d.logps, uniforms, spec.lenience))
+                then = logp_now if spec.prefix_logp == "verifier" else d.logps
+            s.extend(d.tokens[:cut], then[:cut], version)
             s.reused_prefix = cut
             whole = cut == len(d.tokens) and d.finish is not None
             if whole or cut == cap:
                 s.finish_reason = d.finish if whole else "length"
-            counts = self.spec_counts
-            counts["spec_drafts"] += 1
-            counts["spec_draft_tokens"] += len(d.tokens)
-            counts["spec_accepted_tokens"] += cut
-            counts["spec_whole_drafts"] += s.finished
+            if d.logps is not None:
+                counts = self.spec_counts
+                counts["spec_drafts"] += 1
+                counts["spec_draft_tokens"] += len(d.tokens)
+                counts["spec_accepted_tokens"] += cut
+                counts["spec_whole_drafts"] += s.finished
 
     def _request(self, s: SampleRecord) -> Request:
         cap = s.max_new_tokens or self.cfg.max_new_tokens

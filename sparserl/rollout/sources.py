@@ -1,6 +1,6 @@
 """Group sources: which groups a step runs. One small class per method behind one short interface.
 
-`plan(k, version)` -> `GroupPlan`s (a task row, one stream key per sample, optionally given prefixes);
+`plan(k, version)` -> `GroupPlan`s (a task row, one stream key per sample, optionally drafts to start from);
 `observe(groups, leftover)` gets the step's groups back (the trained ones finished and scored, the rest
 unfinished or unused), so a source can learn from rewards; `state_dict()` / `load_state_dict()` make it part
 of the checkpoint. Built-in: `fresh` (rows from a seeded permutation per epoch); every source sits behind the
@@ -30,27 +30,32 @@ EXTENSION_SHIFT = 48
 
 @dataclass
 class Draft:
-    """A previous response offered for reuse (SPEC-RL): its tokens, the log-probs the verifier gave them under
-    the weights that drew them, and how it ended."""
+    """Tokens a sample starts from. A previous response offered for reuse (SPEC-RL) carries the log-probs the
+    verifier gave them under the weights that drew them and how it ended, and keeps its prefix up to the first
+    rejected token; a given prefix (`logps` None) is kept whole and sampled on from."""
 
     tokens: list[int]
-    logps: list[float]
-    finish: str | None
+    logps: list[float] | None = None
+    finish: str | None = None
+
+    @classmethod
+    def prefix(cls, tokens: list[int]) -> Draft:
+        """Completion tokens to start from, as they are (their sampler log-probs: the verifier's now)."""
+        return cls(list(tokens))
 
 
 @dataclass
 class GroupPlan:
-    """One group to run: task row `row`, samples drawing from (`seed`, `keys[j]`); `prefixes[j]`, when given,
-    are completion tokens sample j starts from; `max_new_tokens[j]` caps sample j (for good) instead of
+    """One group to run: task row `row`, samples drawing from (`seed`, `keys[j]`); `max_new_tokens[j]` caps sample j (for good) instead of
     `rollout.max_new_tokens`; `resume` continues a group already partly drawn (APRIL's leftovers); `extends`
     adds the samples to a group of this step instead of starting a new one (its advantages then take the
-    enlarged group: DARS's second round); `drafts[j]`, when given, is a previous response sample j verifies
-    and continues from its first rejected token (SPEC-RL)."""
+    enlarged group: DARS's second round); `drafts[j]`, when given, are tokens sample j starts from: a given
+    prefix (`Draft.prefix`), or a previous response it verifies and continues from its first rejected token
+    (SPEC-RL)."""
 
     row: int
     seed: int
     keys: list[int]
-    prefixes: list[list[int]] | None = None
     max_new_tokens: list[int] | None = None
     resume: GroupRecord | None = None
     extends: GroupRecord | None = None
@@ -74,7 +79,7 @@ class SourceContext:
 
 class GroupSource:
     """Base class: `choose(k, version)` picks k task rows; `plan` turns them into groups of `ctx.n` samples
-    with unique streams. Override `plan` for variable group sizes or prefixes, `refill` for more rounds in a
+    with unique streams. Override `plan` for variable group sizes or drafts, `refill` for more rounds in a
     step (after seeing the scored groups), `select` to train on some of them, `observe` to learn from
     rewards, `state_dict`/`load_state_dict` for state that must survive a resume."""
 
