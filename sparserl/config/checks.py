@@ -35,6 +35,7 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             f"engine.compile=true does not run block-sparse attention (kv.method={cfg.kv.method!r}): the "
             "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
         )
+    check_distributed(cfg)
     if cfg.rollout.spec.enable and (cfg.trainer.log_acceptance or cfg.distill.enable):
         raise ConfigError(
             "rollout.spec.enable=true starts samples from verified drafts, whose earlier distributions and held "
@@ -96,4 +97,23 @@ def check_distill(cfg: TrainConfig) -> None:
             "distill.enable=true needs each sample decoded in one go: a resumed or preempted sample is "
             "re-prefilled densely, which the sparse replay cannot reproduce; unset rollout.partial.enable "
             "and rollout.kv_memory_cap"
+        )
+
+
+def check_distributed(cfg: TrainConfig) -> None:
+    """Rollout workers replace the in-process backend, and return tokens and log-probs of whole samples."""
+    if not cfg.distributed.rollout_workers:
+        return
+    if cfg.rollout.backend != "local":
+        raise ConfigError(
+            f"distributed.rollout_workers={cfg.distributed.rollout_workers} runs the 'ray' backend, but "
+            f"rollout.backend={cfg.rollout.backend!r} asks for another: set one of them"
+        )
+    asks = [k for k, on in (("trainer.log_acceptance", cfg.trainer.log_acceptance),
+                            ("distill.enable", cfg.distill.enable),
+                            ("rollout.partial.enable", cfg.rollout.partial.enable)) if on]  # fmt: skip
+    if asks:
+        raise ConfigError(
+            f"distributed.rollout_workers > 0 cannot run with {', '.join(asks)} yet: the workers return whole "
+            "samples' tokens and log-probs only (no recorded distributions or held positions, no early stop)"
         )

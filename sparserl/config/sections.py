@@ -12,6 +12,7 @@ from typing import Any
 from sparserl.algo import PRESETS, AlgoConfig
 from sparserl.config.checks import cross_section_checks
 from sparserl.config.distill import DistillConfig
+from sparserl.config.distributed import DistributedConfig
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.config.sampling import SamplingConfig
@@ -418,6 +419,10 @@ class TrainConfig:
     distill: DistillConfig = field(
         default_factory=DistillConfig,
         metadata={"help": "DistillSparse: a LoRA adapter on the sparse rollout path only (docs/distill.md)."},
+    )
+    distributed: DistributedConfig = field(
+        default_factory=DistributedConfig,
+        metadata={"help": "Rollout workers on Ray (docs/distributed.md)."},
     )
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 provenance), asynchronous rewards and APRIL partial rollouts (layer), and the sources that choose prompts and
 group sizes by their rewards (DARS, VCRL, DAPO's dynamic sampling)."""
 
+from sparserl.rollout import ray_backend as _ray_backend  # noqa: F401 - registers 'ray' (imports Ray only when built)
 from sparserl.rollout.backend import (
     BACKENDS,
     LocalBackend,

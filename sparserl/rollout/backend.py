@@ -75,6 +75,12 @@ class RolloutBackend:
         self.version = 0
         self.recording = recording or Recording()
 
+    @classmethod
+    def from_config(cls, engine: Any, cfg: Any, recording: Recording | None = None) -> RolloutBackend:
+        """Built from the run's TrainConfig (the local backend reads cfg.rollout; the Ray one also
+        cfg.distributed)."""
+        return cls(engine, cfg.rollout, recording)
+
     def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
         """Hold the weights of policy `version` (`state`: the tensors that changed; None when shared)."""
         self.version = version
@@ -178,6 +184,7 @@ class LocalBackend(RolloutBackend):
         return {**run_stats(run), **sched.as_metrics()}
 
 
-def make_backend(name: str, engine, cfg: RolloutConfig, recording: Recording | None = None) -> RolloutBackend:
-    """The registered backend `name` over `engine`."""
-    return BACKENDS.lookup(name)(engine, cfg, recording)
+def make_backend(engine, cfg: Any, recording: Recording | None = None) -> RolloutBackend:
+    """The run's backend over `engine`: 'ray' with distributed.rollout_workers > 0, else rollout.backend."""
+    name = "ray" if cfg.distributed.rollout_workers else cfg.rollout.backend
+    return BACKENDS.lookup(name).from_config(engine, cfg, recording)

@@ -149,7 +149,7 @@ class Trainer:
         )
         self.adv_transforms = make_adv_transforms(cfg.algo, cfg.shaping, self._judge_resources())
         recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
-        backend = make_backend(cfg.rollout.backend, self.engine, cfg.rollout, recording)
+        backend = make_backend(self.engine, cfg, recording)
         self.rollouts = RolloutLayer(backend, self.train_view, cfg.rollout, cfg.sampling.max_extra_rounds)
         # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
         longest = max(len(self.train_view.prompt_ids(r)) for r in self.train_rows[:64])

@@ -1,0 +1,219 @@
+"""The `ray` rollout backend: rollout workers as Ray actors (`distributed.rollout_workers`).
+
+Each worker holds its own copy of the model and a local backend (engine + scheduler). The trainer is the single
+controller: `run` splits the requests into one contiguous share per worker (a group's samples stay together,
+so its prompt is prefilled once), gathers each share's plain `Segment`s as it finishes (`ray.wait`), and hands
+them to the layer. Weights travel after every optimizer phase through the object store with their version (the
+trainable tensors only: with LoRA, the adapter); a worker asked to run at a version it does not hold refuses. A
+worker that dies mid-run (its process killed) is replaced, sent the current weights, and its share runs again
+on it: its segments had not been handed over, so no sample is lost or duplicated, and none is stale.
+
+Ray is imported when the backend is built, never when sparserl is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sparserl.engine.decoding import Request, Sampling
+from sparserl.rollout.backend import LocalBackend, Recording, RolloutBackend, Segment, register_backend
+
+
+class RolloutWorker:
+    """One Ray actor's state: a model copy, its engine and a local backend; `run` returns plain values."""
+
+    def __init__(
+        self, model: Any, tokenizer: Any, engine_args: dict[str, Any], rollout_cfg: Any, threads: int
+    ):
+        from sparserl.engine import RolloutEngine
+
+        torch.set_num_threads(threads)
+        self.backend = LocalBackend(RolloutEngine(model, tokenizer, **engine_args), rollout_cfg)
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def push(self, version: int, state: dict[str, torch.Tensor]) -> int:
+        """Load the trainable tensors of policy `version` (in place) and hold that version."""
+        params = dict(self.backend.engine.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in state.items():
+                params[name].copy_(tensor)
+        self.backend.push_weights(version)
+        return version
+
+    def run(self, requests: list[Request], sampling: Sampling, version: int, seed: int) -> tuple[list, dict]:
+        self.backend.check_version(version)
+        segments: list[Segment] = []
+        metrics = self.backend.run(requests, sampling, version, seed, segments.append)
+        return segments, metrics
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
+        return self.backend.score(prompts, completions, temperature)
+
+
+@register_backend("ray")
+class RayBackend(RolloutBackend):
+    """`distributed.rollout_workers` Ray actors, each a `RolloutWorker`; see the module docstring."""
+
+    def __init__(self, engine: Any, rollout_cfg: Any, distributed: Any, recording: Recording | None = None):
+        super().__init__(recording)
+        if self.recording.any or rollout_cfg.partial.enable:
+            raise ValueError(
+                "distributed.rollout_workers > 0 runs whole shares on the workers and returns tokens and log-probs "
+                "only: it cannot record distributions or held positions (trainer.log_acceptance, distill.enable) "
+                "or stop a step early (rollout.partial.enable) yet"
+            )
+        import ray
+
+        self.ray, self.cfg, self.rollout_cfg, self.engine = ray, distributed, rollout_cfg, engine
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            init_ray(ray, distributed)
+        self.restarts, self.workers = 0, []
+        try:
+            self.model_ref = ray.put(engine.model)
+            self.workers = [self._start_worker() for _ in range(distributed.rollout_workers)]
+            self.wait_ready(self.workers)
+        except BaseException:
+            self.close()  # no worker left holding resources, no local Ray left running
+            raise
+
+    @classmethod
+    def from_config(cls, engine: Any, cfg: Any, recording: Recording | None = None) -> RayBackend:
+        return cls(engine, cfg.rollout, cfg.distributed, recording)
+
+    def _start_worker(self) -> Any:
+        c, engine = self.cfg, self.engine
+        actor = self.ray.remote(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker)(RolloutWorker)
+        args = {"kv": engine.kv, "dtype": engine.decoder.dtype, "compile": engine.compiled_step is not None}
+        threads = max(1, int(c.cpus_per_worker))
+        return actor.remote(self.model_ref, engine.tokenizer, args, self.rollout_cfg, threads)
+
+    def wait_ready(self, workers: list[Any]) -> None:
+        """Every worker started within `start_timeout_s`, or an error naming what was asked and what is free."""
+        ray, c = self.ray, self.cfg
+        pending = [w.ready.remote() for w in workers]
+        done, waiting = ray.wait(pending, num_returns=len(pending), timeout=c.start_timeout_s)
+        if waiting:
+            raise RuntimeError(
+                f"{len(waiting)} of {len(pending)} rollout workers did not start within {c.start_timeout_s:g} s: "
+                f"each asks for {c.cpus_per_worker:g} CPUs and {c.gpus_per_worker:g} GPUs; free in the Ray "
+                f"cluster: {ray.available_resources()} (lower distributed.rollout_workers or the per-worker "
+                "resources)"
+            )
+        ray.get(done)
+
+    def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
+        """The trainable tensors (the adapter with LoRA) to every worker, through the object store."""
+        tensors = state or trainable_state(self.engine.model)
+        ref = self.ray.put(tensors)
+        self.ray.get([w.push.remote(version, ref) for w in self.workers])
+        self.state_ref, self.version = ref, version
+
+    def run(
+        self,
+        requests: list[Request],
+        sampling: Sampling,
+        version: int,
+        seed: int,
+        on_segment: Callable[[Segment], None],
+        stop: Callable[[], bool] | None = None,
+    ) -> dict[str, float]:
+        shares = split(len(requests), len(self.workers))
+        todo = {self._submit(i, requests, shares[i], sampling, version, seed): i for i in range(len(shares))}
+        metrics: list[dict] = []
+        while todo:
+            (ref,), _ = self.ray.wait(list(todo), num_returns=1)
+            i = todo.pop(ref)
+            try:
+                segments, m = self.ray.get(ref)
+            except self.ray.exceptions.RayActorError:  # the worker died: replace it, run its share again
+                self._replace(i)
+                todo[self._submit(i, requests, shares[i], sampling, version, seed)] = i
+                continue
+            start = shares[i].start
+            for seg in segments:
+                seg.index += start
+                on_segment(seg)
+            metrics.append(m)
+        return merge_metrics(metrics, self.restarts)
+
+    def _submit(
+        self, i: int, requests: list[Request], share: range, sampling: Sampling, version: int, seed: int
+    ):
+        return self.workers[i].run.remote([requests[j] for j in share], sampling, version, seed)
+
+    def _replace(self, i: int) -> None:
+        self.workers[i] = self._start_worker()
+        self.wait_ready([self.workers[i]])
+        if self.version:  # a new worker holds version 0's weights (the model copied at start)
+            self.ray.get(self.workers[i].push.remote(self.version, self.state_ref))
+        self.restarts += 1
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
+        return self.ray.get(self.workers[0].score.remote(prompts, completions, temperature))
+
+    def close(self) -> None:
+        for w in self.workers:
+            self.ray.kill(w)
+        self.workers = []
+        if self.started_ray:
+            self.ray.shutdown()
+            self.started_ray = False
+
+
+def init_ray(ray: Any, cfg: Any) -> None:
+    """A local Ray (empty `ray_address`) or the cluster at the address; an unreachable one is named."""
+    try:
+        if cfg.ray_address:
+            ray.init(address=cfg.ray_address, logging_level="ERROR", log_to_driver=False)
+        else:
+            need = cfg.rollout_workers * cfg.cpus_per_worker
+            ray.init(num_cpus=max(need, 1), include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                     object_store_memory=512 * 2**20)  # fmt: skip
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = (
+            f"the Ray cluster at distributed.ray_address={cfg.ray_address!r}" if cfg.ray_address else "Ray"
+        )
+        raise RuntimeError(f"could not start or reach {where}: {e}") from None
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the optimizer changes (all of them without LoRA, the adapter with it), detached on the CPU."""
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def split(count: int, parts: int) -> list[range]:
+    """`count` requests in `parts` contiguous shares, the first ones one longer (empty shares left out)."""
+    size, extra = divmod(count, parts)
+    shares, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        if end > start:
+            shares.append(range(start, end))
+        start = end
+    return shares
+
+
+def merge_metrics(metrics: list[dict], restarts: int) -> dict[str, float]:
+    """The workers' run metrics as one run's: counts and throughputs summed, peaks and times (the workers run
+    side by side) the largest, the rest averaged."""
+    out: dict[str, float] = {"worker_restarts": float(restarts)}
+    for key in {k for m in metrics for k, v in m.items() if isinstance(v, int | float)}:
+        values = [float(m[key]) for m in metrics if isinstance(m.get(key), int | float)]
+        if key in SUMMED_METRICS or key.startswith("peak") or key.endswith(("_max", "_s")):
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+SUMMED_METRICS = {
+    "preemptions", "cap_truncated", "admissions", "decode_steps", "generated_tokens", "tokens_per_s",
+    "compression_events",
+}  # fmt: skip
