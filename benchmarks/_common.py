@@ -192,6 +192,15 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+def update_result(path: str | Path, section: str, payload: dict[str, Any], goals: dict[str, Any]) -> Path:
+    """A results file several benchmarks share: replace `section` and these goals, keep the others'."""
+    path = Path(path)
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    merged = {"goals": {**old.get("goals", {}), **goals}, **{k: v for k, v in old.items() if k != "goals"}}
+    merged[section] = payload
+    return write_json(path, merged)
+
+
 def mib(n: float) -> float:
     return n / 2**20
 

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import update_result
+
 from sparserl.signals import stoppable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,8 +76,12 @@ def main() -> dict:
             runs[arm].append(time_rollout(trainer, plans))
     med = {arm: statistics.median(r["tokens_per_s"] for r in rs) for arm, rs in runs.items()}
     pushes = {
-        "full_float32_s": statistics.median(time_push(trainers["ray_1_worker"], torch.float32) for _ in range(3)),
-        "full_bfloat16_s": statistics.median(time_push(trainers["ray_1_worker"], torch.bfloat16) for _ in range(3)),
+        "full_float32_s": statistics.median(
+            time_push(trainers["ray_1_worker"], torch.float32) for _ in range(3)
+        ),
+        "full_bfloat16_s": statistics.median(
+            time_push(trainers["ray_1_worker"], torch.bfloat16) for _ in range(3)
+        ),
     }
     for t in trainers.values():
         t.close()
@@ -95,10 +101,10 @@ def main() -> dict:
             "value": pushes["lora_adapter_s"], "target": 0.3, "met": pushes["lora_adapter_s"] <= 0.3,
             "command": COMMAND},
     }  # fmt: skip
-    result = {"goals": goals, "tokens_per_s_median": med, "runs": runs, "push_s": pushes,
-              "batch": "8 prompts x 8 samples, 64 new tokens, dense, SmolLM2-135M fp32", "cpu_threads": 1}  # fmt: skip
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    result = {"tokens_per_s_median": med, "runs": runs, "push_s": pushes, "cpu_threads": 1,
+              "batch": "8 prompts x 8 samples, 64 new tokens, dense, SmolLM2-135M fp32"}  # fmt: skip
+    update_result(OUT, "throughput", result, goals)
+    print(json.dumps({"goals": goals, **result}, indent=1))
     ray.shutdown()
     return result
 

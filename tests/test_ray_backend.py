@@ -69,7 +69,7 @@ def test_a_killed_worker_is_replaced_and_no_sample_is_lost_or_duplicated(tmp_pat
         first, _ = trainer.rollout(1)
         trainer.learn(1, first)
         trainer.state.step = 1
-        os.kill(ray.get(trainer.rollouts.backend.workers[1].ready.remote()), signal.SIGKILL)
+        os.kill(trainer.rollouts.backend.pids[1], signal.SIGKILL)
         second, metrics = trainer.rollout(2)
     finally:
         trainer.close()

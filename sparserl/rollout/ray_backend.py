@@ -74,11 +74,11 @@ class RayBackend(RolloutBackend):
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             init_ray(ray, distributed)
-        self.restarts, self.workers = 0, []
+        self.restarts, self.workers, self.pids = 0, [], []
         try:
             self.model_ref = ray.put(engine.model)
             self.workers = [self._start_worker() for _ in range(distributed.rollout_workers)]
-            self.wait_ready(self.workers)
+            self.pids = self.wait_ready(self.workers)  # each worker's process (the fault tests kill them)
         except BaseException:
             self.close()  # no worker left holding resources, no local Ray left running
             raise
@@ -94,8 +94,9 @@ class RayBackend(RolloutBackend):
         threads = max(1, int(c.cpus_per_worker))
         return actor.remote(self.model_ref, engine.tokenizer, args, self.rollout_cfg, threads)
 
-    def wait_ready(self, workers: list[Any]) -> None:
-        """Every worker started within `start_timeout_s`, or an error naming what was asked and what is free."""
+    def wait_ready(self, workers: list[Any]) -> list[int]:
+        """Every worker started within `start_timeout_s` (their process ids), or an error naming what was asked
+        and what is free."""
         ray, c = self.ray, self.cfg
         pending = [w.ready.remote() for w in workers]
         done, waiting = ray.wait(pending, num_returns=len(pending), timeout=c.start_timeout_s)
@@ -106,7 +107,7 @@ class RayBackend(RolloutBackend):
                 f"cluster: {ray.available_resources()} (lower distributed.rollout_workers or the per-worker "
                 "resources)"
             )
-        ray.get(done)
+        return ray.get(pending)
 
     def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
         """The trainable tensors (the adapter with LoRA) to every worker, through the object store."""
@@ -150,7 +151,7 @@ class RayBackend(RolloutBackend):
 
     def _replace(self, i: int) -> None:
         self.workers[i] = self._start_worker()
-        self.wait_ready([self.workers[i]])
+        (self.pids[i],) = self.wait_ready([self.workers[i]])
         if self.version:  # a new worker holds version 0's weights (the model copied at start)
             self.ray.get(self.workers[i].push.remote(self.version, self.state_ref))
         self.restarts += 1
