@@ -101,7 +101,13 @@ def check_distill(cfg: TrainConfig) -> None:
 
 
 def check_distributed(cfg: TrainConfig) -> None:
-    """Rollout workers replace the in-process backend, and return tokens and log-probs of whole samples."""
+    """Rollout workers replace the in-process backend, and return tokens and log-probs of whole samples; a
+    swarm's drawn groups are trained at the step that draws them."""
+    if cfg.distributed.swarm.shared_groups and cfg.rollout.partial.enable:
+        raise ConfigError(
+            "distributed.swarm.shared_groups > 0 with rollout.partial.enable=true: APRIL's stop counts "
+            "rollout.prompts_per_step groups and would leave the drawn ones for later; turn one of them off"
+        )
     if not cfg.distributed.rollout_workers:
         return
     if cfg.rollout.backend != "local":

@@ -1,11 +1,59 @@
-"""The distributed section: rollout workers as Ray actors (the `ray` rollout backend). Without these keys nothing
-about Ray is imported or started."""
+"""The distributed section: rollout workers as Ray actors (the `ray` rollout backend) and SAPO's swarm of trainers
+sharing rollouts. Without these keys nothing about Ray is imported or started."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from sparserl.config.errors import ConfigError
+
+SWARM_CORRECTIONS = ("ratio1", "sender_logp")
+
+
+@dataclass
+class SwarmConfig:
+    """SAPO: trainers (nodes) that share finished rollouts through a pool, never weights."""
+
+    enable: bool = field(
+        default=False,
+        metadata={
+            "help": "Publish this node's trained groups (prompt row, tokens, text, sampler log-probs) to the "
+            "swarm's pool, a Ray actor, and train each step on rollout.prompts_per_step local groups plus "
+            "swarm.shared_groups groups drawn from the other nodes (rewards recomputed here). Nodes must run "
+            "the same task."
+        },
+    )
+    node: int = field(default=0, metadata={"help": "This node's id in the swarm (distinct per node)."})
+    pool: str = field(
+        default="sparserl-swarm",
+        metadata={"help": "Name of the pool actor: nodes on one Ray cluster sharing this name form a swarm."},
+    )
+    shared_groups: int = field(
+        default=0, metadata={"help": "J: groups drawn each step from the other nodes (0: only publish)."}
+    )
+    window: int = field(
+        default=64,
+        metadata={"help": "Groups are drawn from the other nodes' latest this-many published groups."},
+    )
+    correction: str = field(
+        default="ratio1",
+        metadata={
+            "help": "Sampler log-prob recorded for shared tokens: 'ratio1' (this node's current policy, so the "
+            "corrections see ratio 1: SAPO's on-policy treatment) or 'sender_logp' (the sender's sampler "
+            "log-probs, where its tokenizer is this node's, so the corrections weigh them as off-policy tokens; "
+            "otherwise ratio1, counted)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.shared_groups < 0 or self.window < 1:
+            raise ConfigError(
+                f"distributed.swarm.shared_groups={self.shared_groups} must be >= 0 and window={self.window} >= 1"
+            )
+        if self.correction not in SWARM_CORRECTIONS:
+            raise ConfigError(
+                f"distributed.swarm.correction={self.correction!r}: choose one of {', '.join(SWARM_CORRECTIONS)}"
+            )
 
 
 @dataclass
@@ -43,6 +91,11 @@ class DistributedConfig:
             "help": "Seconds to wait for the workers to start; past it the run stops with an error naming the "
             "resources asked for and those free (never a silent wait)."
         },
+    )
+
+    swarm: SwarmConfig = field(
+        default_factory=SwarmConfig,
+        metadata={"help": "SAPO: rollouts shared between trainers (docs/distributed.md)."},
     )
 
     def __post_init__(self) -> None:

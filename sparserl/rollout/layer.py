@@ -101,31 +101,37 @@ class RolloutLayer:
         return g
 
     def _start_from_drafts(self, g: GroupRecord, drafts: list[Draft | None], version: int) -> None:
-        """Start samples from their drafts: a SPEC-RL draft verified under the weights held now
-        (rollout/reuse.py) from its accepted prefix, a given prefix whole (neither drawn now: `reused_prefix`);
-        finished if the whole draft and its end were."""
-        spec, prompt = self.cfg.spec, self.task.prompt_ids(g.prompt_id)
-        todo = [(s, d) for s, d in zip(g.samples, drafts, strict=True) if d is not None and d.tokens]
-        now = self.backend.score([prompt] * len(todo), [d.tokens for _, d in todo], self.cfg.temperature)
-        for (s, d), logp_now in zip(todo, now, strict=True):
-            cap = s.max_new_tokens or self.cfg.max_new_tokens
-            if d.logps is None:  # a given prefix: kept whole, scored by the verifier
-                cut, then = min(cap, len(d.tokens)), logp_now
-            else:
-                uniforms = verification_uniforms(s.seed, s.key, len(d.tokens))
-                cut = min(cap, accepted_length(logp_now, d.logps, uniforms, spec.lenience))
-                then = logp_now if spec.prefix_logp == "verifier" else d.logps
-            s.extend(d.tokens[:cut], then[:cut], version)
-            s.reused_prefix = cut
+        """Start samples from their drafts (sources.Draft says which part is kept and with which sampler
+        log-probs; SPEC-RL's test in rollout/reuse.py): the kept tokens are drawn by no one now
+        (`reused_prefix`); a sample is finished if its whole draft and its end were kept."""
+        todo = [
+            (s, d) for s, d in zip(g.samples, drafts, strict=True) if d is not None and (d.tokens or d.finish)
+        ]
+        scored = [(s, d) for s, d in todo if d.tokens and (d.logps is None or d.verify)]
+        prompt = self.task.prompt_ids(g.prompt_id)
+        now = self.backend.score([prompt] * len(scored), [d.tokens for _, d in scored], self.cfg.temperature)
+        verified = {id(s): lp for (s, _), lp in zip(scored, now, strict=True)}
+        for s, d in todo:
+            cut, logps = self._kept(s, d, verified.get(id(s)))
+            s.extend(d.tokens[:cut], logps[:cut], version)
+            s.reused_prefix, s.prefix_origin = cut, d.origin
             whole = cut == len(d.tokens) and d.finish is not None
-            if whole or cut == cap:
+            if whole or cut == (s.max_new_tokens or self.cfg.max_new_tokens):
                 s.finish_reason = d.finish if whole else "length"
-            if d.logps is not None:
-                counts = self.spec_counts
-                counts["spec_drafts"] += 1
-                counts["spec_draft_tokens"] += len(d.tokens)
-                counts["spec_accepted_tokens"] += cut
-                counts["spec_whole_drafts"] += s.finished
+
+    def _kept(self, s: SampleRecord, d: Draft, logp_now: list[float] | None) -> tuple[int, list[float]]:
+        """How many of the draft's tokens sample `s` keeps, and their sampler log-probs."""
+        cap, spec = s.max_new_tokens or self.cfg.max_new_tokens, self.cfg.spec
+        if d.logps is None or not d.verify:
+            return min(cap, len(d.tokens)), d.logps if d.logps is not None else logp_now or []
+        uniforms = verification_uniforms(s.seed, s.key, len(d.tokens))
+        cut = min(cap, accepted_length(logp_now, d.logps, uniforms, spec.lenience))
+        c = self.spec_counts
+        c["spec_drafts"] += 1
+        c["spec_draft_tokens"] += len(d.tokens)
+        c["spec_accepted_tokens"] += cut
+        c["spec_whole_drafts"] += cut == len(d.tokens) and d.finish is not None
+        return cut, logp_now if spec.prefix_logp == "verifier" else d.logps
 
     def _request(self, s: SampleRecord) -> Request:
         cap = s.max_new_tokens or self.cfg.max_new_tokens
@@ -163,11 +169,14 @@ class RolloutLayer:
     ) -> Collected:
         """Run the plans' unfinished samples with the weights of policy `version` (each sample on its own
         stream; `seed` seeds stateful eviction, e.g. random, for the run); at most `target` complete groups
-        are kept (rollout.prompts_per_step by default; with partial rollouts decoding stops there)."""
-        cfg, target = self.cfg, self.cfg.prompts_per_step if target is None else target
+        are kept (by default every group, or rollout.prompts_per_step with partial rollouts, where decoding
+        stops once that many are complete)."""
+        cfg = self.cfg
         self.backend.check_version(version)
         # two plans may extend one group
         groups = list({id(g): g for g in (self._group(p, version) for p in plans)}.values())
+        if target is None:  # APRIL trains prompts_per_step of its over-provisioned groups; otherwise all
+            target = cfg.prompts_per_step if cfg.partial.enable else len(groups)
         for g in groups:
             if g.finished and not g.complete:  # every sample a draft accepted whole: scored without decoding
                 self._submit(g)

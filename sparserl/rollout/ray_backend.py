@@ -168,15 +168,18 @@ class RayBackend(RolloutBackend):
             self.started_ray = False
 
 
+NAMESPACE = "sparserl"  # the runs' actors (a swarm's pool) are found by name within it
+
+
 def init_ray(ray: Any, cfg: Any) -> None:
     """A local Ray (empty `ray_address`) or the cluster at the address; an unreachable one is named."""
     try:
         if cfg.ray_address:
-            ray.init(address=cfg.ray_address, logging_level="ERROR", log_to_driver=False)
+            ray.init(address=cfg.ray_address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
         else:
             need = cfg.rollout_workers * cfg.cpus_per_worker
-            ray.init(num_cpus=max(need, 1), include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                     object_store_memory=512 * 2**20)  # fmt: skip
+            ray.init(num_cpus=max(need, 1), namespace=NAMESPACE, include_dashboard=False, logging_level="ERROR",
+                     log_to_driver=False, object_store_memory=512 * 2**20)  # fmt: skip
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = (
             f"the Ray cluster at distributed.ray_address={cfg.ray_address!r}" if cfg.ray_address else "Ray"

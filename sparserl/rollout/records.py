@@ -32,7 +32,10 @@ class SampleRecord:
     loss_mask: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     max_new_tokens: int | None = None  # this sample's cap when its plan gave one, else rollout.max_new_tokens
-    reused_prefix: int = 0  # leading tokens taken from a verified draft (SPEC-RL), not drawn by this sample
+    reused_prefix: int = (
+        0  # leading tokens taken from a draft (SPEC-RL, a given prefix, SAPO), not drawn here
+    )
+    prefix_origin: str | None = None  # where they came from: 'reused' (SPEC-RL), 'given', 'external' (SAPO)
     scored_logps: list[float] | None = None  # the backend's teacher-forced log-probs, when a source asks
     text: str | None = None
     reward: float | None = None

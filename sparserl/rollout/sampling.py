@@ -10,7 +10,6 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from sparserl.config.rollout import PartialConfig, SpecConfig
 from sparserl.config.sampling import SamplingConfig
 from sparserl.rollout.records import GroupRecord
 from sparserl.rollout.reuse import SpecReuse
@@ -290,12 +289,18 @@ class DynamicSampling(GroupSource):
         self.inner.load_state_dict(state)
 
 
-def make_group_source(
-    sampling: SamplingConfig, ctx: SourceContext, partial: PartialConfig, spec: SpecConfig | None = None
-) -> LeftoverBuffer:
-    """The registered source `sampling.method`, with dynamic sampling and then SPEC-RL's reuse around it when
-    asked, behind the leftover buffer (APRIL's, when partial rollouts are on)."""
-    source = GROUP_SOURCES.lookup(sampling.method)(ctx)
-    source = DynamicSampling(source) if sampling.dynamic else source
-    source = SpecReuse(source, spec) if spec is not None and spec.enable else source
-    return LeftoverBuffer(source, partial)
+def make_group_source(ctx: SourceContext) -> LeftoverBuffer:
+    """The run's source (`ctx.cfg`): the registered `sampling.method`, then around it, when asked, dynamic
+    sampling, SPEC-RL's reuse and SAPO's sharing, all behind the leftover buffer (APRIL's with partial
+    rollouts)."""
+    cfg = ctx.cfg
+    source = GROUP_SOURCES.lookup(cfg.sampling.method)(ctx)
+    if cfg.sampling.dynamic:
+        source = DynamicSampling(source)
+    if cfg.rollout.spec.enable:
+        source = SpecReuse(source, cfg.rollout.spec)
+    if cfg.distributed.swarm.enable:
+        from sparserl.rollout.swarm import SwarmSharing  # imports Ray
+
+        source = SwarmSharing(source, cfg, ctx.tokenizer)
+    return LeftoverBuffer(source, cfg.rollout.partial)

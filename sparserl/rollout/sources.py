@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from sparserl.config.errors import ConfigError
@@ -30,18 +30,24 @@ EXTENSION_SHIFT = 48
 
 @dataclass
 class Draft:
-    """Tokens a sample starts from. A previous response offered for reuse (SPEC-RL) carries the log-probs the
-    verifier gave them under the weights that drew them and how it ended, and keeps its prefix up to the first
-    rejected token; a given prefix (`logps` None) is kept whole and sampled on from."""
+    """Tokens a sample starts from, kept by the rollout layer as follows:
+    - `logps` None (a given prefix, `Draft.prefix`; or a shared sample trained with ratio 1): kept whole, its
+      sampler log-probs the verifier's now;
+    - `logps` and `verify` (SPEC-RL: a previous response, `logps` the verifier's under the weights that drew
+      it): kept up to the first rejected token;
+    - `logps` without `verify` (a shared sample with its sender's log-probs): kept whole with them.
+    A draft kept whole with a `finish` is not decoded further. `origin` is recorded on the sample."""
 
     tokens: list[int]
     logps: list[float] | None = None
     finish: str | None = None
+    verify: bool = True
+    origin: str = "reused"
 
     @classmethod
     def prefix(cls, tokens: list[int]) -> Draft:
         """Completion tokens to start from, as they are (their sampler log-probs: the verifier's now)."""
-        return cls(list(tokens))
+        return cls(list(tokens), origin="given")
 
 
 @dataclass
@@ -68,13 +74,13 @@ class GroupPlan:
 
 @dataclass
 class SourceContext:
-    """What a source may read: the usable task rows, samples per prompt, the run's seed and config."""
+    """What a source may read: the usable task rows, samples per prompt, the run's seed, config and tokenizer."""
 
     rows: list[int]
     n: int
     seed: int
     cfg: Any = None  # the TrainConfig (None in unit tests of the layer)
-    extra: dict[str, Any] = field(default_factory=dict)
+    tokenizer: Any = None  # the policy's (SAPO re-tokenises shared texts)
 
 
 class GroupSource:

@@ -142,10 +142,7 @@ class Trainer:
         self.train_rows = self._usable_rows(self.train_view)
         self.held_out = held_out_eval(cfg, self.eval_view, self._usable_rows, self.engine, self.policy)
         self.source = make_group_source(
-            cfg.sampling,
-            SourceContext(self.train_rows, cfg.rollout.n, seed, cfg),
-            cfg.rollout.partial,
-            cfg.rollout.spec,
+            SourceContext(self.train_rows, cfg.rollout.n, seed, cfg, self.tokenizer)
         )
         self.adv_transforms = make_adv_transforms(cfg.algo, cfg.shaping, self._judge_resources())
         recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
