@@ -11,7 +11,7 @@ import torch
 
 from sparserl.config import load_config
 from sparserl.config.errors import ConfigError
-from sparserl.config.rollout import PartialConfig, RolloutConfig
+from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import Sampling
 from sparserl.rollout import (
     GroupSource,
@@ -126,7 +126,7 @@ def step_once(method: str, *extra: str, k: int = 4, version: int = 0, rows_: int
         None, [f"sampling.method={method}", "rollout.n=4", f"rollout.prompts_per_step={k}", *extra]
     )
     ctx = SourceContext(list(range(rows_)), cfg.rollout.n, 0, cfg)
-    source = make_group_source(cfg.sampling, ctx, cfg.rollout.partial)
+    source = make_group_source(ctx)
     backend = KeyedBackend()
     layer = RolloutLayer(backend, RowView(), cfg.rollout, cfg.sampling.max_extra_rounds)
     return layer.collect_step(source, k, version, 7), source, backend
@@ -177,7 +177,7 @@ def test_dars_drops_degenerate_groups_unless_asked():
 
 def test_vcrl_banks_high_variance_prompts_and_replays_them():
     cfg = load_config(None, ["sampling.method=vcrl", "rollout.n=4", "sampling.max_extra_rounds=0"])
-    source = make_group_source(cfg.sampling, SourceContext(list(range(40)), 4, 0, cfg), cfg.rollout.partial)
+    source = make_group_source(SourceContext(list(range(40)), 4, 0, cfg))
     layer = RolloutLayer(KeyedBackend(), RowView(), cfg.rollout, 0)
     first = layer.collect_step(source, 4, 0, 7)
     banked = {g.prompt_id for g in first.groups if normalised_variance([s.reward for s in g.samples]) >= 0.3}
@@ -192,9 +192,9 @@ def test_vcrl_banks_high_variance_prompts_and_replays_them():
 
 
 def test_refilling_sources_refuse_partial_rollouts():
-    cfg = load_config(None, ["sampling.method=dars"])
+    cfg = load_config(None, ["sampling.method=dars", "rollout.partial.enable=true"])
     with pytest.raises(ConfigError, match="rollout.partial.enable=true does not support"):
-        make_group_source(cfg.sampling, SourceContext([0, 1], 8, 0, cfg), PartialConfig(enable=True))
+        make_group_source(SourceContext([0, 1], 8, 0, cfg))
 
 
 def test_bad_sampling_values_name_their_key():

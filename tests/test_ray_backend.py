@@ -20,10 +20,14 @@ from tests.test_trainer import make_trainer, tiny_cfg  # noqa: E402
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             object_store_memory=256 * 2**20)  # fmt: skip
+    from sparserl.rollout.ray_backend import keep_signal_handlers
+
+    with keep_signal_handlers():
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+                 object_store_memory=256 * 2**20)  # fmt: skip
     yield
-    ray.shutdown()
+    with keep_signal_handlers():
+        ray.shutdown()
 
 
 def two_steps(tmp_path, name: str, *extra: str):
@@ -90,5 +94,19 @@ def test_without_distributed_keys_ray_is_never_imported(tmp_path):
         "import sys; from tests.test_trainer import make_trainer, tiny_cfg; from pathlib import Path; "
         f"t = make_trainer(tiny_cfg(Path({str(tmp_path)!r}), 'trainer.steps=1')); t.train(); "
         "assert 'ray' not in sys.modules, 'ray imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_a_run_keeps_its_sigterm_handler_when_it_starts_ray(tmp_path):
+    """`sparserl train` saves the step on SIGTERM; a Ray started by the run must not take that over."""
+    code = (
+        "import signal, sys; from pathlib import Path; from sparserl.signals import StopOnSignal; "
+        "from tests.test_trainer import make_trainer, tiny_cfg\n"
+        "with StopOnSignal() as stop:\n"
+        "    ours = signal.getsignal(signal.SIGTERM)\n"
+        f"    t = make_trainer(tiny_cfg(Path({str(tmp_path)!r}), 'distributed.rollout_workers=1'))\n"
+        "    assert signal.getsignal(signal.SIGTERM) is ours, 'Ray replaced the handler'\n"
+        "    t.close()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))

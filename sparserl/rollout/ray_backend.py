@@ -13,8 +13,11 @@ Ray is imported when the backend is built, never when sparserl is imported.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -171,15 +174,33 @@ class RayBackend(RolloutBackend):
 NAMESPACE = "sparserl"  # the runs' actors (a swarm's pool) are found by name within it
 
 
+@contextlib.contextmanager
+def keep_signal_handlers() -> Iterator[None]:
+    """`ray.init` installs its own SIGTERM handler in the driver and leaves it after shutdown; a run's own (save
+    the step, exit 143: sparserl/signals.py) is put back."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and saved is not None:
+            signal.signal(signal.SIGTERM, saved)
+
+
 def init_ray(ray: Any, cfg: Any) -> None:
-    """A local Ray (empty `ray_address`) or the cluster at the address; an unreachable one is named."""
+    """A local Ray (empty `ray_address`) or the cluster at the address; an unreachable one is named. The
+    process's SIGTERM handler is kept."""
     try:
         if cfg.ray_address:
-            ray.init(address=cfg.ray_address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+            with keep_signal_handlers():
+                ray.init(
+                    address=cfg.ray_address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False
+                )
         else:
             need = cfg.rollout_workers * cfg.cpus_per_worker
-            ray.init(num_cpus=max(need, 1), namespace=NAMESPACE, include_dashboard=False, logging_level="ERROR",
-                     log_to_driver=False, object_store_memory=512 * 2**20)  # fmt: skip
+            with keep_signal_handlers():
+                ray.init(num_cpus=max(need, 1), namespace=NAMESPACE, include_dashboard=False,
+                         logging_level="ERROR", log_to_driver=False, object_store_memory=512 * 2**20)  # fmt: skip
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = (
             f"the Ray cluster at distributed.ray_address={cfg.ray_address!r}" if cfg.ray_address else "Ray"
