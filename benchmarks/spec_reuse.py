@@ -1,7 +1,7 @@
 """SPEC-RL's acceptance on SmolLM2-135M: how much of the previous responses the verifier accepts after one
 optimizer step at several learning rates, against the KL between the two policies on those responses.
 
-    python benchmarks/spec_reuse.py            # -> docs/results/spec_reuse.json (~0.2 CPU-hours at one thread)
+    python benchmarks/spec_reuse.py            # -> docs/results/reuse.json (~0.2 CPU-hours at one thread)
 
 Each arm trains one step (8 prompts x 4 samples, the default config's task and length, dense rollouts, LoRA)
 at learning rate lr, then runs step 2 on the same 8 prompts with `rollout.spec.enable=true`: every sample has
@@ -19,10 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from _common import update_result
+
 from sparserl.signals import stoppable
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "results" / "spec_reuse.json"
+OUT = ROOT / "docs" / "results" / "reuse.json"  # issue 36's results file, section "spec_acceptance"
 COMMAND = "python benchmarks/spec_reuse.py"
 LRS = (0.0, 1e-5, 1e-4, 1e-3)
 PROMPTS = 8
@@ -112,9 +114,9 @@ def main() -> dict:
             "value": rho, "target": 0.0, "met": rho < 0, "command": COMMAND,
         },
     }  # fmt: skip
-    result = {"goals": goals, "arms": arms, "prompts": PROMPTS, "samples_per_prompt": 4, "lrs": list(LRS)}
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    result = {"arms": arms, "prompts": PROMPTS, "samples_per_prompt": 4, "lrs": list(LRS)}
+    update_result(OUT, "spec_acceptance", result, goals)
+    print(json.dumps({"goals": goals, **result}, indent=1))
     return result
 
 
