@@ -12,7 +12,6 @@ and at the policy version asked for (none stale).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import signal
@@ -39,13 +38,24 @@ def samples_of(got) -> tuple[dict[tuple[int, int], tuple[tuple[int, ...], set[in
     return out, duplicated
 
 
-def kill_later(backend, delay: float, rng: random.Random) -> threading.Thread:
-    """SIGKILL one worker's process after `delay` seconds (a worker busy with its share included)."""
+def kill_later(backend, delay: float, rng: random.Random, delivered: list[int]) -> threading.Thread:
+    """SIGKILL one live worker's process after `delay` seconds (a worker busy with its share included);
+    `delivered` gets the pid killed (a worker killed at an earlier trial and not yet replaced is skipped)."""
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
 
     def kill() -> None:
         time.sleep(delay)
-        with contextlib.suppress(ProcessLookupError):  # already gone: counted, the goal then fails
-            os.kill(rng.choice(backend.pids), signal.SIGKILL)
+        live = [pid for pid in backend.pids if alive(pid)]
+        if live:
+            pid = rng.choice(live)
+            os.kill(pid, signal.SIGKILL)
+            delivered.append(pid)
 
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
@@ -79,10 +89,10 @@ def main() -> dict:
             t0 = time.perf_counter()
             reference, _ = samples_of(trainer.rollouts.collect(0, 7, plans))
             duration = time.perf_counter() - t0
-            trials = []
+            trials, delivered = [], []
             for _ in range(args.kills):
                 before = trainer.rollouts.backend.restarts
-                thread = kill_later(trainer.rollouts.backend, rng.uniform(0, duration), rng)
+                thread = kill_later(trainer.rollouts.backend, rng.uniform(0, duration), rng, delivered)
                 got, duplicated = samples_of(trainer.rollouts.collect(0, 7, plans))
                 thread.join()
                 trials.append({
@@ -102,8 +112,9 @@ def main() -> dict:
     during = sum(t["restarted"] > 0 for t in trials)
     goals = {
         "20 random worker kills during rollouts: exact samples, 0 duplicated, 0 stale, 0 lost": {
-            "value": bad, "target": 0, "met": bad == 0 and repaired == args.kills, "command": COMMAND,
-            "workers_replaced": repaired, "trials_with_a_replacement_during_them": during,
+            "value": bad, "target": 0, "met": bad == 0 and repaired == len(delivered) == args.kills,
+            "command": COMMAND, "kills_delivered": len(delivered), "workers_replaced": repaired,
+            "trials_with_a_replacement_during_them": during,
         },
     }  # fmt: skip
     result = {"trials": trials, "reference_seconds": duration, "samples": len(reference)}

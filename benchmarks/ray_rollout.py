@@ -67,7 +67,9 @@ def main() -> dict:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "ray_bench")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    # 3 logical CPUs for the 1- and 2-worker arms' actors to exist side by side; arms run one at a time, so
+    # at most 2 workers (the 2 cores) compute at once
+    ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     trainers = {arm: build(w, False, args.out) for arm, w in ARMS.items()}
     plans = trainers["in_process"].source.plan(8, 0)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
