@@ -9,19 +9,8 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
 from tests.test_trainer import make_trainer, tiny_cfg, weights  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    from sparserl.rollout.ray_backend import keep_signal_handlers
-
-    with keep_signal_handlers():
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-                 object_store_memory=256 * 2**20)  # fmt: skip
-    yield
-    with keep_signal_handlers():
-        ray.shutdown()
 
 
 def node(tmp_path, name: str, pool: str, *extra: str):

@@ -17,7 +17,7 @@ from typing import Any
 from sparserl.config.rollout import SpecConfig
 from sparserl.engine.sampling import sample_uniforms
 from sparserl.rollout.records import GroupRecord
-from sparserl.rollout.sources import Draft, GroupPlan, GroupSource
+from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, WrappedSource
 from sparserl.seeds import derive_seed
 
 SPEC_STREAM = 7  # derive_seed purpose: the verification's uniforms, apart from the sampling streams
@@ -41,16 +41,15 @@ def verification_uniforms(step_seed: int, key: int, length: int) -> list[float]:
     return sample_uniforms(derive_seed(step_seed, SPEC_STREAM), [key], length)[0].tolist()
 
 
-class SpecReuse(GroupSource):
+class SpecReuse(WrappedSource):
     """SPEC-RL around any source: plans of prompts seen before carry their last responses as drafts (one per
     sample, as many as were cached); the trained groups' samples are cached with their verified log-probs,
     the prompts cached longest ago leaving first past `max_cached_tokens`."""
 
     def __init__(self, inner: GroupSource, cfg: SpecConfig) -> None:
-        super().__init__(inner.ctx)
-        self.inner, self.cfg = inner, cfg
+        super().__init__(inner)
+        self.cfg = cfg
         self.cache: dict[int, list[dict[str, Any]]] = {}  # row -> [{tokens, logps, finish}], oldest row first
-        self.refills = inner.refills
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
         plans = self.inner.plan(k, version)
@@ -60,12 +59,6 @@ class SpecReuse(GroupSource):
                 drafts = [Draft(d["tokens"], d["logps"], d["finish"]) for d in cached[: p.n]]
                 p.drafts = drafts + [None] * (p.n - len(drafts))
         return plans
-
-    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
-        return self.inner.refill(scored, k, version)
-
-    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
-        return self.inner.select(scored, k)
 
     @property
     def needs_scores(self) -> bool:

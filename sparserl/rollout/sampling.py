@@ -21,6 +21,7 @@ from sparserl.rollout.sources import (
     GroupSource,
     LeftoverBuffer,
     SourceContext,
+    WrappedSource,
     register_group_source,
 )
 
@@ -239,7 +240,7 @@ class Vcrl(FreshPrompts):
 # ------------------------------------------------------------------------------------------ DAPO dynamic
 
 
-class DynamicSampling(GroupSource):
+class DynamicSampling(WrappedSource):
     """DAPO's dynamic sampling around any source: groups whose rewards are all equal are dropped, and new
     groups (the inner source's `plan`) are run until k groups with a signal are in or the layer's round cap
     is reached; short of k, dropped groups fill the batch (counted in sampling/dynamic_filled_groups)."""
@@ -247,8 +248,7 @@ class DynamicSampling(GroupSource):
     refills = True
 
     def __init__(self, inner: GroupSource) -> None:
-        super().__init__(inner.ctx)
-        self.inner = inner
+        super().__init__(inner)
         self.step = {"dynamic_extra_groups": 0.0, "dynamic_filled_groups": 0.0}
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
@@ -272,21 +272,8 @@ class DynamicSampling(GroupSource):
         self.step["dynamic_filled_groups"] = float(len(fill))
         return kept + fill
 
-    def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
-        self.inner.observe(groups, leftover)
-
-    @property
-    def needs_scores(self) -> bool:
-        return self.inner.needs_scores
-
     def metrics(self) -> dict[str, float]:
         return {**{f"sampling/{k}": v for k, v in self.step.items()}, **self.inner.metrics()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
 
 
 def make_group_source(ctx: SourceContext) -> LeftoverBuffer:

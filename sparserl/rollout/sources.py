@@ -171,20 +171,58 @@ class FreshPrompts(GroupSource):
         self.sampler.position = int(state["position"])
 
 
-class LeftoverBuffer(GroupSource):
+class WrappedSource(GroupSource):
+    """A source around another (`inner`): every call goes to it unless the wrapper overrides it (the leftover
+    buffer, dynamic sampling, SPEC-RL's reuse, SAPO's sharing)."""
+
+    def __init__(self, inner: GroupSource) -> None:
+        super().__init__(inner.ctx)
+        self.inner = inner
+
+    @property
+    def refills(self) -> bool:  # type: ignore[override]
+        return self.inner.refills
+
+    @property
+    def needs_scores(self) -> bool:
+        return self.inner.needs_scores
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        return self.inner.plan(k, version)
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        return self.inner.refill(scored, k, version)
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        return self.inner.select(scored, k)
+
+    def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
+        self.inner.observe(groups, leftover)
+
+    def metrics(self) -> dict[str, float]:
+        return self.inner.metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+class LeftoverBuffer(WrappedSource):
     """Around every source: groups a step started but did not train on (unfinished when APRIL stopped the step,
     or complete beyond its target) come back through `observe` and run first at the next step, oldest first;
     those older than `partial.max_staleness` are dropped. With partial rollouts on it over-provisions the step
     (`partial.over_provision` x k groups, APRIL); the rest come from `inner`."""
 
     def __init__(self, inner: GroupSource, partial: PartialConfig) -> None:
-        super().__init__(inner.ctx)
+        super().__init__(inner)
         if partial.enable and inner.refills:
             raise ConfigError(
                 f"group source {type(inner).__name__} runs more rounds in a step after scoring (sampling.method, "
                 "sampling.dynamic), which rollout.partial.enable=true does not support yet: turn one of them off"
             )
-        self.inner, self.partial = inner, partial
+        self.partial = partial
         self.leftover: list[dict[str, Any]] = []  # GroupRecord.to_dict(), JSON for the checkpoint
         self.dropped_groups = 0
 
@@ -200,16 +238,6 @@ class LeftoverBuffer(GroupSource):
                 plans.append(GroupPlan(g.prompt_id, s0.seed, [s.key for s in g.samples], resume=g))
         self.leftover = []
         return plans + self.inner.plan(max(0, want - len(plans)), version)
-
-    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
-        return self.inner.refill(scored, k, version)
-
-    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
-        return self.inner.select(scored, k)
-
-    @property
-    def needs_scores(self) -> bool:
-        return self.inner.needs_scores
 
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         self.leftover = [g.to_dict() for g in leftover]

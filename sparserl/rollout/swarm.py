@@ -13,7 +13,7 @@ import random
 from typing import Any
 
 from sparserl.rollout.records import GroupRecord
-from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, step_seed
+from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, WrappedSource, step_seed
 
 
 class SwarmPool:
@@ -38,7 +38,7 @@ def tokenizer_id(tokenizer: Any) -> str:
     return f"{getattr(tokenizer, 'name_or_path', '')}:{len(tokenizer)}"
 
 
-class SwarmSharing(GroupSource):
+class SwarmSharing(WrappedSource):
     """Around any source: its plans plus the drawn groups (as plans of kept-whole drafts), and its trained
     local groups published after each step. The pool is external: a resume draws afresh from it."""
 
@@ -47,9 +47,8 @@ class SwarmSharing(GroupSource):
 
         from sparserl.rollout.ray_backend import init_ray
 
-        super().__init__(inner.ctx)
-        self.inner, self.cfg, self.tokenizer = inner, cfg.distributed.swarm, tokenizer
-        self.refills = inner.refills
+        super().__init__(inner)
+        self.cfg, self.tokenizer = cfg.distributed.swarm, tokenizer
         if not ray.is_initialized():
             init_ray(ray, cfg.distributed)
         actor = ray.remote(SwarmPool).options(name=self.cfg.pool, get_if_exists=True, lifetime="detached")
@@ -89,16 +88,6 @@ class SwarmSharing(GroupSource):
         plan.drafts = drafts
         return plan
 
-    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
-        return self.inner.refill(scored, k, version)
-
-    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
-        return self.inner.select(scored, k)
-
-    @property
-    def needs_scores(self) -> bool:
-        return self.inner.needs_scores
-
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         local = [g for g in groups if all(s.prefix_origin != "external" for s in g.samples)]
         shared = [
@@ -114,9 +103,3 @@ class SwarmSharing(GroupSource):
 
     def metrics(self) -> dict[str, float]:
         return {**{f"sampling/{k}": v for k, v in self.step.items()}, **self.inner.metrics()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
