@@ -99,3 +99,14 @@ def test_a_run_keeps_its_sigterm_handler_when_it_starts_ray(tmp_path):
         "    t.close()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_shares_cut_only_between_groups():
+    from sparserl.rollout.ray_backend import split
+
+    groups = [[g] for g in (1, 1, 1, 2, 2, 2, 3, 3, 4, 4, 4, 4)]
+    shares = split(groups, 2)
+    assert [len(s) for s in shares] == [6, 6] and sum(map(len, split(groups, 3))) == 12
+    for share in split(groups, 3):
+        assert share.start == 0 or groups[share.start] != groups[share.start - 1]
+    assert split([[1]] * 5, 2) == [range(0, 5)]  # one group: one worker

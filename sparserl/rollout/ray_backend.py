@@ -128,7 +128,7 @@ class RayBackend(RolloutBackend):
         on_segment: Callable[[Segment], None],
         stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
-        shares = split(len(requests), len(self.workers))
+        shares = split([r.prompt for r in requests], len(self.workers))
         todo = {self._submit(i, requests, shares[i], sampling, version, seed): i for i in range(len(shares))}
         metrics: list[dict] = []
         while todo:
@@ -213,16 +213,18 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def split(count: int, parts: int) -> list[range]:
-    """`count` requests in `parts` contiguous shares, the first ones one longer (empty shares left out)."""
-    size, extra = divmod(count, parts)
-    shares, start = [], 0
-    for i in range(parts):
-        end = start + size + (i < extra)
-        if end > start:
-            shares.append(range(start, end))
-        start = end
-    return shares
+def split(prompts: list[list[int]], parts: int) -> list[range]:
+    """Requests (by their prompts) in up to `parts` contiguous shares of near-equal size, cut only where the
+    prompt changes, so that a group's samples stay on one worker (its prompt prefilled once)."""
+    cuts = [i for i in range(1, len(prompts)) if prompts[i] != prompts[i - 1]]
+    bounds = [0]
+    for j in range(1, parts):
+        target = round(j * len(prompts) / parts)
+        best = min((c for c in cuts if c > bounds[-1]), key=lambda c: abs(c - target), default=None)
+        if best is not None and best < len(prompts):
+            bounds.append(best)
+    bounds.append(len(prompts))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 def merge_metrics(metrics: list[dict], restarts: int) -> dict[str, float]:
