@@ -11,6 +11,7 @@ The surrogate is `cfg.policy_loss` (POLICY_LOSSES: ppo_clip, gspo, cispo); verl'
 rules through `cfg.rollout_rs` (rollout_rs_overrides).
 """
 
+from sparserl.algo import tree as _tree  # noqa: F401 - registers the 'tree' transform
 from sparserl.algo import uniqueness as _uniqueness  # noqa: F401 - registers the 'uniqueness' transform
 from sparserl.algo.acceptance import (
     AcceptanceBin,

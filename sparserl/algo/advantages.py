@@ -129,6 +129,7 @@ class AdvantageTransform:
     `TransformContext`, and may keep state and `metrics()` (logged under shaping/)."""
 
     name: ClassVar[str] = ""
+    needs_tokens: ClassVar[bool] = False  # True: also called with tokens=[completion ids per sample]
 
     def __init__(self, ctx: TransformContext) -> None:
         self.ctx = ctx
@@ -173,11 +174,14 @@ def advantages_from_config(
     cfg: AlgoConfig,
     texts: list[str] | None = None,
     transforms: list[AdvantageTransform] | None = None,
+    tokens: list[list[int]] | None = None,
 ) -> Tensor:
     """`advantages` with the estimator, eps and std choice of `cfg`, then each transform in order (they see
-    the rewards, group ids and the completions' texts); `transforms` defaults to `algo.adv_transforms`."""
+    the rewards, group ids and the completions' texts, and their tokens if they ask: `needs_tokens`);
+    `transforms` defaults to `algo.adv_transforms`."""
     index = torch.as_tensor(group_index, dtype=torch.long)
     adv = advantages(rewards, index, cfg.adv_estimator, cfg.adv_eps, cfg.adv_std_unbiased)
     for transform in make_adv_transforms(cfg) if transforms is None else transforms:
-        adv = transform(adv, rewards, index, texts or [])
+        extra = {"tokens": tokens} if transform.needs_tokens else {}
+        adv = transform(adv, rewards, index, texts or [], **extra)
     return adv

@@ -36,6 +36,11 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
         )
     check_distributed(cfg)
+    if cfg.rollout.tree.enable and cfg.sampling.max_extra_rounds < cfg.rollout.tree.rounds:
+        raise ConfigError(
+            f"rollout.tree.rounds={cfg.rollout.tree.rounds} needs sampling.max_extra_rounds >= it "
+            f"(now {cfg.sampling.max_extra_rounds}): each forking round is a round of the step"
+        )
     if cfg.rollout.spec.enable and (cfg.trainer.log_acceptance or cfg.distill.enable):
         raise ConfigError(
             "rollout.spec.enable=true starts samples from verified drafts, whose earlier distributions and held "

@@ -123,6 +123,33 @@ class SpecConfig:
 
 
 @dataclass
+class TreeConfig:
+    """Tree rollouts (TreeRL's EPTree, the language-model analogue of BranchGRPO): the group's rollout.n samples
+    are roots; each round, every path of the last round forks at its most uncertain tokens."""
+
+    enable: bool = field(
+        default=False,
+        metadata={
+            "help": "Grow each group as a tree: rollout.n roots, then `rounds` rounds in which every path drawn "
+            "in the last round forks at its `forks` most uncertain tokens (highest -log p of the sampled token), "
+            "`children` children each, which keep the path up to there (the parent's sampler log-probs) and "
+            "draw on from that token on their own streams. All paths are leaves of one group; train them with "
+            "GRPO over the leaves or algo.adv_transforms=[tree] (TreeRL's process reward)."
+        },
+    )
+    rounds: int = field(
+        default=1, metadata={"help": "L: forking rounds (each one of sampling.max_extra_rounds)."}
+    )
+    forks: int = field(default=2, metadata={"help": "T: fork points per path per round."})
+    children: int = field(default=2, metadata={"help": "N: children per fork point."})
+
+    def __post_init__(self) -> None:
+        for key in ("rounds", "forks", "children"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"rollout.tree.{key}={getattr(self, key)} must be >= 1")
+
+
+@dataclass
 class RolloutConfig:
     """How many completions are sampled per step, and how."""
 
@@ -178,6 +205,7 @@ class RolloutConfig:
         default_factory=SpecConfig,
         metadata={"help": "SPEC-RL: previous responses reused as verified drafts."},
     )
+    tree: TreeConfig = field(default_factory=TreeConfig, metadata={"help": "Tree rollouts (TreeRL)."})
     backend: str = field(
         default="local",
         metadata={

@@ -80,13 +80,16 @@ class RolloutLayer:
         samples started from their verified drafts, when the plan has drafts)."""
         if plan.resume is not None:
             return plan.resume
-        if plan.extends is not None:  # more samples for a group already drawn (DARS's second round)
+        if plan.extends is not None:  # more samples for a group already drawn (DARS's second round, a tree)
             g = plan.extends
             start = len(g.samples)
-            g.samples += [
+            new = [
                 SampleRecord(plan.row, g.group_id, start + j, plan.seed, key)
                 for j, key in enumerate(plan.keys)
             ]
+            g.samples += new
+            if plan.drafts is not None:
+                self._start_from_drafts(plan.row, new, plan.drafts, version)
             return g
         gid = self.state.next_group_id
         self.state.next_group_id += 1
@@ -95,20 +98,21 @@ class RolloutLayer:
             SampleRecord(plan.row, gid, j, plan.seed, key, max_new_tokens=cap)
             for j, (key, cap) in enumerate(zip(plan.keys, caps, strict=True))
         ]
-        g = GroupRecord(gid, plan.row, samples)
         if plan.drafts is not None:
-            self._start_from_drafts(g, plan.drafts, version)
-        return g
+            self._start_from_drafts(plan.row, samples, plan.drafts, version)
+        return GroupRecord(gid, plan.row, samples)
 
-    def _start_from_drafts(self, g: GroupRecord, drafts: list[Draft | None], version: int) -> None:
+    def _start_from_drafts(
+        self, row: int, samples: list[SampleRecord], drafts: list[Draft | None], version: int
+    ) -> None:
         """Start samples from their drafts (sources.Draft says which part is kept and with which sampler
         log-probs; SPEC-RL's test in rollout/reuse.py): the kept tokens are drawn by no one now
         (`reused_prefix`); a sample is finished if its whole draft and its end were kept."""
         todo = [
-            (s, d) for s, d in zip(g.samples, drafts, strict=True) if d is not None and (d.tokens or d.finish)
+            (s, d) for s, d in zip(samples, drafts, strict=True) if d is not None and (d.tokens or d.finish)
         ]
         scored = [(s, d) for s, d in todo if d.tokens and (d.logps is None or d.verify)]
-        prompt = self.task.prompt_ids(g.prompt_id)
+        prompt = self.task.prompt_ids(row)
         now = self.backend.score([prompt] * len(scored), [d.tokens for _, d in scored], self.cfg.temperature)
         verified = {id(s): lp for (s, _), lp in zip(scored, now, strict=True)}
         for s, d in todo:

@@ -24,6 +24,7 @@ from sparserl.rollout.sources import (
     WrappedSource,
     register_group_source,
 )
+from sparserl.rollout.tree import TreeRollouts
 
 
 def flat(g: GroupRecord) -> bool:
@@ -277,11 +278,13 @@ class DynamicSampling(WrappedSource):
 
 
 def make_group_source(ctx: SourceContext) -> LeftoverBuffer:
-    """The run's source (`ctx.cfg`): the registered `sampling.method`, then around it, when asked, dynamic
-    sampling, SPEC-RL's reuse and SAPO's sharing, all behind the leftover buffer (APRIL's with partial
+    """The run's source (`ctx.cfg`): the registered `sampling.method`, then around it, when asked, tree
+    rollouts, dynamic sampling, SPEC-RL's reuse and SAPO's sharing, all behind the leftover buffer (APRIL's with partial
     rollouts)."""
     cfg = ctx.cfg
     source = GROUP_SOURCES.lookup(cfg.sampling.method)(ctx)
+    if cfg.rollout.tree.enable:
+        source = TreeRollouts(source, cfg.rollout.tree)
     if cfg.sampling.dynamic:
         source = DynamicSampling(source)
     if cfg.rollout.spec.enable:

@@ -1,0 +1,70 @@
+"""Tree rollouts (`rollout.tree`, TreeRL's EPTree; BranchGRPO's language-model analogue): a group's first-round
+samples are the roots; at each forking round, every path drawn in the last round forks at its `forks` most
+uncertain tokens (the highest -log p of the sampled token, as TreeRL's code measures it), into `children`
+children. A child keeps the path's tokens before the fork point with the parent's sampler log-probs (the
+distribution that drew them) and draws from the fork point on, on its own stream, so its first token is drawn
+afresh. Children join the parent's group (one group id per tree: every path is a leaf). Shared prefixes are not
+generated again (`reused_prefix`), but each child re-prefills its prefix: the engine has no fork of a cache yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparserl.rollout.records import GroupRecord, SampleRecord
+from sparserl.rollout.sources import EXTENSION_SHIFT, Draft, GroupPlan, GroupSource, WrappedSource
+
+
+def fork_points(s: SampleRecord, forks: int) -> list[int]:
+    """The `forks` positions of the path's own tokens (after its inherited prefix) with the lowest sampler
+    log-prob, earliest first among equals, in increasing order."""
+    own = range(s.reused_prefix, len(s.tokens))
+    return sorted(sorted(own, key=lambda t: (s.sampler_logps[t], t))[:forks])
+
+
+class TreeRollouts(WrappedSource):
+    """Around any source: its groups grown as trees (see the module docstring)."""
+
+    refills = True
+
+    def __init__(self, inner: GroupSource, cfg: Any) -> None:
+        super().__init__(inner)
+        self.cfg = cfg
+        self.round, self.frontier = 0, {}
+        self.step = {"tree_leaves": 0.0, "tree_forks": 0.0}
+
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        self.round, self.frontier = 0, {}  # group id -> sample indices drawn in the last round
+        self.step = dict.fromkeys(self.step, 0.0)
+        return self.inner.plan(k, version)
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        more = self.inner.refill(scored, k, version)
+        if more or self.round >= self.cfg.rounds:
+            return more
+        self.round += 1
+        plans = [p for g in scored if (p := self._fork(g)) is not None]
+        added = {id(p.extends): p.n for p in plans}
+        self.step["tree_leaves"] = sum(len(g.samples) + added.get(id(g), 0) for g in scored) / max(
+            1, len(scored)
+        )
+        return plans
+
+    def _fork(self, g: GroupRecord) -> GroupPlan | None:
+        """One plan adding the children of every path the last round drew in `g`."""
+        last = self.frontier.get(g.group_id, range(len(g.samples)))
+        drafts = []
+        for s in (g.samples[i] for i in last):
+            for t in fork_points(s, self.cfg.forks):
+                parent = Draft(s.tokens[:t], s.sampler_logps[:t], verify=False, origin="forked")
+                drafts += [parent] * self.cfg.children
+        if not drafts:
+            return None
+        start, first = len(g.samples), g.samples[0]
+        self.frontier[g.group_id] = range(start, start + len(drafts))
+        self.step["tree_forks"] += len(drafts) / self.cfg.children
+        keys = [first.key + (j << EXTENSION_SHIFT) for j in range(start, start + len(drafts))]
+        return GroupPlan(g.prompt_id, first.seed, keys, extends=g, drafts=drafts)
+
+    def metrics(self) -> dict[str, float]:
+        return {**{f"sampling/{k}": v for k, v in self.step.items()}, **self.inner.metrics()}

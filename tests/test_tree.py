@@ -1,0 +1,108 @@
+"""Tree rollouts and TreeRL's advantages: the estimator on a hand-built tree, trees grown on a scripted backend
+(sizes, shared prefixes, fork points, fresh streams), and a tiny-model run with the tree transform."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparserl.algo.tree import tree_advantages
+from sparserl.config import load_config
+from sparserl.config.errors import ConfigError
+from sparserl.rollout import RolloutBackend, RolloutLayer, Segment, SourceContext, make_group_source
+from sparserl.rollout.records import SampleRecord
+from sparserl.rollout.tree import fork_points
+from tests.test_trainer import make_trainer, rows, tiny_cfg
+
+
+def test_tree_advantages_on_a_hand_built_tree():
+    """Depth 2, 4 leaves, rewards [1, 0, 0, 0]: V(root) = 1/4, V([1, 2]) = 1/2, V([1, 3]) = 0; a token's
+    advantage is (V - V_root) + (V - V_parent segment)."""
+    tokens = [[1, 2, 4], [1, 2, 5], [1, 3, 6], [1, 3, 7]]
+    got = tree_advantages(torch.tensor([1.0, 0, 0, 0]), torch.zeros(4, dtype=torch.long), tokens)
+    want = [[0, 0.5, 1.25], [0, 0.5, -0.75], [0, -0.5, -0.25], [0, -0.5, -0.25]]
+    torch.testing.assert_close(got, torch.tensor(want), rtol=0, atol=1e-7)
+    flat = tree_advantages(torch.ones(4), torch.zeros(4, dtype=torch.long), tokens)
+    assert torch.equal(flat, torch.zeros(4, 3))  # constant rewards: no signal anywhere
+
+
+def test_independent_samples_get_twice_their_grpo_baseline_everywhere():
+    tokens = [[1, 9], [2], [3, 8, 7]]
+    got = tree_advantages(torch.tensor([1.0, 0.0, 0.5]), torch.zeros(3, dtype=torch.long), tokens)
+    assert got[0].tolist() == [1.0, 1.0, 0.0] and got[1].tolist() == [-1.0, 0.0, 0.0]  # past the end: 0
+    assert torch.allclose(got[2], torch.zeros(3))  # reward 0.5 = the mean
+
+
+def test_fork_points_are_the_paths_most_uncertain_own_tokens():
+    s = SampleRecord(0, 0, 0, 0, 0, tokens=[1, 2, 3, 4, 5], sampler_logps=[-9.0, -0.1, -3.0, -0.2, -3.0])
+    assert fork_points(s, 2) == [0, 2]
+    s.reused_prefix = 1  # an inherited prefix is not the path's own
+    assert fork_points(s, 2) == [2, 4]
+
+
+class KeyedBackend(RolloutBackend):
+    """Four tokens per sample from its (seed, key), decreasing log-probs; the prefix is kept."""
+
+    name = "keyed_tree"
+
+    def run(self, requests, sampling, version, seed, on_segment, stop=None):
+        for i, r in enumerate(requests):
+            need = 6 - len(r.prefix)
+            tokens = [(r.key * 7 + t * 13 + r.seed) % 101 + 1 for t in range(need)]
+            on_segment(Segment(i, tokens, [-0.1 * (t + 1) for t in range(need)], "length", version))
+        return {}
+
+    def score(self, prompts, completions, temperature):
+        return [[-0.5] * len(c) for c in completions]
+
+
+class View:
+    def prompt_ids(self, row):
+        return [1, row]
+
+    def example(self, row):
+        return row
+
+    def decode(self, ids):
+        return [" ".join(map(str, t)) for t in ids]
+
+    def scores(self, texts, examples):
+        return [float(len(t) % 2) for t in texts]
+
+
+def test_trees_grow_by_their_closed_form_and_share_prefixes():
+    cfg = load_config(None, ["rollout.tree.enable=true", "rollout.n=3", "rollout.tree.forks=2",
+                             "rollout.tree.children=2", "rollout.tree.rounds=2", "rollout.max_new_tokens=6"])  # fmt: skip
+    source = make_group_source(SourceContext(list(range(10)), 3, 0, cfg))
+    layer = RolloutLayer(KeyedBackend(), View(), cfg.rollout, cfg.sampling.max_extra_rounds)
+    got = layer.collect_step(source, 2, 0, 5)
+    for g in got.groups:
+        # roots M = 3; round 1: M x T x N = 12 children; round 2: N x min(T, own tokens) per child
+        second = sum(2 * min(2, 6 - c.reused_prefix) for c in g.samples[3:15])
+        assert len(g.samples) == 3 + 12 + second and second == 36  # forks at 4 and 5: 2 or 1 own tokens left
+        assert len({s.key for s in g.samples}) == len(g.samples)  # every path its own stream
+        roots = g.samples[:3]
+        for child in g.samples[3:15]:
+            parent = roots[(child.sample_index - 3) // 4]
+            assert child.tokens[: child.reused_prefix] == parent.tokens[: child.reused_prefix]
+            assert child.sampler_logps[: child.reused_prefix] == parent.sampler_logps[: child.reused_prefix]
+            assert child.prefix_origin == "forked" and child.reused_prefix in fork_points(parent, 2)
+    drawn = got.sampling["generated_tokens"]
+    assert drawn == sum(len(s.tokens) - s.reused_prefix for g in got.groups for s in g.samples) < 2 * 63 * 6
+
+
+def test_a_tree_run_trains_with_the_tree_transform(tmp_path):
+    extra = ("rollout.tree.enable=true", "rollout.n=2", "rollout.tree.forks=1", "algo.adv_transforms=[tree]",
+             "trainer.steps=2", "optim.mini_batch_size=0")  # fmt: skip
+    trainer = make_trainer(tiny_cfg(tmp_path, *extra))
+    trainer.train()
+    logged = [r for r in rows(tmp_path / "run") if "sampling/tree_leaves" in r]
+    assert len(logged) == 2 and all(r["sampling/tree_leaves"] == 2 + 2 * 1 * 2 for r in logged)
+    assert all(r["adv/abs_mean"] == r["adv/abs_mean"] for r in logged)  # finite
+
+
+def test_tree_rounds_need_rounds_of_the_step():
+    with pytest.raises(ConfigError, match="rollout.tree.rounds=3 needs sampling.max_extra_rounds >= it"):
+        load_config(
+            None, ["rollout.tree.enable=true", "rollout.tree.rounds=3", "sampling.max_extra_rounds=2"]
+        )
