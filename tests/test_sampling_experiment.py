@@ -51,11 +51,17 @@ def test_uniqueness_goal_needs_both_auc_and_pass1():
     assert X.goal_value("u", "uniqueness", 0.0, runs(0.01, 0.0))["auc_diff"]["df"] == 2
 
 
-def test_rules_are_written_before_the_runs_with_every_goal_unmeasured(tmp_path, monkeypatch):
-    monkeypatch.setattr(X, "RESULTS", tmp_path / "sampling.json")
-    X.write_rules()
+def test_rules_are_written_before_the_runs_with_every_goal_unmeasured(tmp_path):
+    import dataclasses
     import json
 
-    saved = json.loads((tmp_path / "sampling.json").read_text())
+    import arms
+
+    x = dataclasses.replace(X.EXPERIMENT, results_root=tmp_path)
+    arms.write_rules(x)
+    saved = json.loads(x.results.read_text())
     assert set(saved["goals"]) == set(X.GOALS) and not any(g["met"] for g in saved["goals"].values())
     assert saved["rules"] == X.RULES
+    changed = dataclasses.replace(x, rules={**X.RULES, "dars": "another rule"})
+    with pytest.raises(SystemExit, match="rules are fixed before the runs"):
+        arms.report(changed, X.goals)

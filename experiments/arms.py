@@ -1,0 +1,200 @@
+"""The driver shared by the arms-by-seeds experiments (experiments/sampling.py, reuse.py, ...): train every arm
+and seed from one config (resumable), keep each finished run's curves and each model's held-out evaluation
+(in a process of its own) as committed parts, and write the results file with its rules and goals.
+
+An experiment module defines an `Experiment` and its `goals(per_run)` function and calls `main(experiment,
+goals)`; `python experiments/<name>.py [rules|run|eval|report]` runs the stages (all by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from study import read_metrics, train_arm, write_atomic, write_with_goals
+
+from sparserl.eval.metrics import pass_at_k
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Experiment:
+    """What an experiment runs: `arms` (name -> overrides of `config`) x `seeds`, every run also given
+    `extra`; curves of `curve_keys` kept per step; held-out: `eval_prompts` test prompts x `eval_samples`."""
+
+    name: str
+    config: Path
+    arms: dict[str, list[str]]
+    rules: dict[str, str]
+    goal_targets: dict[str, tuple[str, float]]  # goal name -> (arm it judges, target)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    extra: list[str] = field(default_factory=list)
+    curve_keys: tuple[str, ...] = ("reward/mean", "time/rollout", "time/step_cpu")
+    eval_prompts: int = 64
+    eval_samples: int = 16
+    eval_seed: int = 4321
+    results_root: Path = ROOT / "docs" / "results"
+
+    @property
+    def results(self) -> Path:
+        return self.results_root / f"{self.name}.json"
+
+    @property
+    def parts(self) -> Path:
+        return self.results_root / self.name / "parts"
+
+    @property
+    def runs(self) -> Path:
+        return ROOT / "runs" / self.name
+
+    @property
+    def command(self) -> str:
+        return f"python experiments/{self.name}.py"
+
+    def part(self, kind: str, arm: str, seed: int) -> Path:
+        return self.parts / kind / f"{arm}-seed{seed}.json"
+
+
+def write_rules(x: Experiment) -> None:
+    """The decision rules and unmeasured goals, written (and committed) before any run; goals already in the
+    file (measured by a benchmark) are kept."""
+    old = json.loads(x.results.read_text()) if x.results.is_file() else {}
+    if "rules" in old:
+        return
+    goals = {
+        name: {"value": None, "target": target, "met": False, "command": x.command, "reason": "not run yet"}
+        for name, (_, target) in x.goal_targets.items()
+    }
+    body = {k: v for k, v in old.items() if k != "goals"}
+    write_with_goals(x.results, {**body, "rules": x.rules, "arms": x.arms, "seeds": list(x.seeds)},
+                     {**goals, **old.get("goals", {})})  # fmt: skip
+
+
+def run(x: Experiment) -> None:
+    """Train every arm and seed not trained yet; each finished run's curves become a part."""
+    for seed in x.seeds:
+        for arm, overrides in x.arms.items():
+            if x.part("curves", arm, seed).is_file():
+                continue
+            path = train_arm(
+                x.runs, f"{arm}-seed{seed}", [*overrides, *x.extra, f"trainer.seed={seed}"], [], x.config
+            )
+            rows = [r for r in read_metrics(path) if "reward/mean" in r]
+            curves = {k: [r.get(k) for r in rows] for k in x.curve_keys}
+            write_atomic(
+                x.part("curves", arm, seed), json.dumps({"run": str(path), "curves": curves}, indent=1) + "\n"
+            )
+
+
+def eval_one(x: Experiment, arm: str, seed: int) -> None:
+    """One model's held-out evaluation (in a process of its own); per-prompt correct counts kept."""
+    from sparserl.config import load_config
+    from sparserl.eval.evaluate import evaluate
+    from sparserl.eval.loading import load_eval_model
+    from sparserl.tasks import make_task
+
+    cfg = load_config(x.config)
+    loaded = load_eval_model(str(x.runs / f"{arm}-seed{seed}"))
+    result = evaluate(
+        loaded.model, loaded.tokenizer, make_task(cfg.task, "test"), samples=x.eval_samples,
+        limit=x.eval_prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0, top_p=1.0,
+        seed=x.eval_seed,
+    )  # fmt: skip
+    correct = [sum(r >= 1.0 - 1e-9 for r in ex["dense"]["rewards"]) for ex in result["examples"]]
+    part = {"correct": correct, "samples": x.eval_samples, "dense": result["dense"]}
+    write_atomic(x.part("eval", arm, seed), json.dumps(part, indent=1) + "\n")
+
+
+def evaluate_all(x: Experiment, script: str) -> None:
+    for seed in x.seeds:
+        for arm in x.arms:
+            if x.part("eval", arm, seed).is_file() or not x.part("curves", arm, seed).is_file():
+                continue
+            cmd = [sys.executable, script, "eval-one", arm, str(seed)]
+            print("$", " ".join(cmd), flush=True)
+            if subprocess.run(cmd, cwd=ROOT).returncode:
+                raise SystemExit(f"evaluation of {arm}-seed{seed} failed (its error is above)")
+
+
+def pass_curve(part: dict) -> list[float]:
+    """pass@k for k = 1..n, averaged over prompts (the unbiased estimator from each prompt's n samples)."""
+    n = part["samples"]
+    return [statistics.fmean(pass_at_k(n, c, k) for c in part["correct"]) for k in range(1, n + 1)]
+
+
+def paired(diffs: list[float]) -> dict:
+    """Mean of paired differences with its 95% t interval (df = len - 1)."""
+    from scipy import stats
+
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return {"mean": mean, "n": len(diffs)}
+    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    return {"mean": mean, "ci95": [mean - half, mean + half], "n": len(diffs), "df": len(diffs) - 1}
+
+
+def per_run(x: Experiment) -> dict[str, dict]:
+    """Every finished run's curves (means) and, where evaluated, its pass@k curve, AUC and pass@1."""
+    out = {}
+    for arm in x.arms:
+        for seed in x.seeds:
+            if not x.part("curves", arm, seed).is_file():
+                continue
+            c = json.loads(x.part("curves", arm, seed).read_text())["curves"]
+            entry: dict[str, Any] = {k: statistics.fmean(v) for k, v in c.items() if v and None not in v}
+            entry["steps"], entry["curves"] = len(c["reward/mean"]), c
+            if x.part("eval", arm, seed).is_file():
+                ev = json.loads(x.part("eval", arm, seed).read_text())
+                curve = pass_curve(ev)
+                entry |= {"pass@k": curve, "auc": statistics.fmean(curve), "pass@1": curve[0]}
+            out[f"{arm}-seed{seed}"] = entry
+    return out
+
+
+def report(x: Experiment, goals: Callable[[dict], dict]) -> None:
+    """Goals from the parts present (a goal whose parts are missing stays unmeasured, not met); goals the
+    experiment does not judge (a benchmark's) are kept."""
+    runs = per_run(x)
+    old = json.loads(x.results.read_text()) if x.results.is_file() else {}
+    if old.get("rules", x.rules) != x.rules:
+        raise SystemExit(
+            f"the decision rules in {x.results} differ from {x.command}'s: rules are fixed before the runs they "
+            "judge; restore the committed ones"
+        )
+    body = {k: v for k, v in old.items() if k != "goals"}
+    judged = goals(runs)
+    write_with_goals(x.results, {**body, "rules": x.rules, "arms": x.arms, "seeds": list(x.seeds),
+                                 "per_run": runs}, {**old.get("goals", {}), **judged})  # fmt: skip
+    print(json.dumps(judged, indent=1))
+
+
+def main(x: Experiment, goals: Callable[[dict], dict], script: str) -> int:
+    parser = argparse.ArgumentParser(
+        description=f"{x.name}: arms x seeds, then held-out evaluation and goals"
+    )
+    parser.add_argument(
+        "stage", nargs="?", default="all", choices=["all", "rules", "run", "eval", "report", "eval-one"]
+    )
+    parser.add_argument("rest", nargs="*")
+    args = parser.parse_args()
+    write_rules(x)
+    if args.stage == "eval-one":
+        eval_one(x, args.rest[0], int(args.rest[1]))
+        return 0
+    stages = {
+        "run": lambda: run(x),
+        "eval": lambda: evaluate_all(x, script),
+        "report": lambda: report(x, goals),
+    }
+    for stage, fn in stages.items():
+        if args.stage in ("all", stage):
+            fn()
+    return 0
