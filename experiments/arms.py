@@ -176,7 +176,10 @@ def report(x: Experiment, goals: Callable[[dict], dict]) -> None:
     print(json.dumps(judged, indent=1))
 
 
-def main(x: Experiment, goals: Callable[[dict], dict], script: str) -> int:
+def main(
+    x: Experiment, goals: Callable[[dict], dict], script: str, train: Callable[[Experiment], None] = run
+) -> int:
+    """The stages: rules (always first), `train` (the runs; `run` by default), eval, report."""
     parser = argparse.ArgumentParser(
         description=f"{x.name}: arms x seeds, then held-out evaluation and goals"
     )

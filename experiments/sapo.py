@@ -1,0 +1,111 @@
+"""Issue 35's SAPO experiment: two nodes (independent trainers, each its own policy and seed) on one local Ray
+cluster, SmolLM2-135M arithmetic (experiments/sampling.yaml's task), each training on 4 local + 4 shared groups a
+step against 8 local + 0 shared, the same seeds. Reward curves and each node's held-out accuracy (each model in
+its own process). Needs both cores: the two nodes of a pair run side by side, at one thread each.
+
+    python experiments/sapo.py            # everything not done yet (resumable per node); ~3 CPU-hours
+    python experiments/sapo.py report
+
+No goal of issue 35 is judged here (its goals are the Ray benchmarks'); the comparison is reported paired by
+seed, with the rules written in docs/results/sapo.json before any run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from arms import Experiment, main, paired
+from study import read_metrics, train_arm, write_atomic
+
+from sparserl.signals import stoppable
+
+STEPS = 30
+MODES = {"shared": ["rollout.prompts_per_step=4", "distributed.swarm.shared_groups=4"],
+         "local": ["rollout.prompts_per_step=8", "distributed.swarm.shared_groups=0"]}  # fmt: skip
+ARMS = {
+    f"{mode}_node{node}": [*o, f"distributed.swarm.node={node}"]
+    for mode, o in MODES.items()
+    for node in (0, 1)
+}
+RULES = {
+    "setting": f"experiments/sampling.yaml's task and model, {STEPS} steps, 8 samples a prompt; node 1 runs at "
+    "trainer.seed + 100; per seed and mode the two nodes run side by side on one local Ray (one thread each) "
+    "sharing a pool named after the mode and seed; 'shared': 4 local + 4 drawn groups a step (SAPO's best "
+    "split), 'local': 8 local, nothing drawn (still published)",
+    "held_out": "64 test-split prompts x 16 samples, temperature 1.0, seed 4321, dense; each model in its own process",
+    "comparison": "per node, paired by seed (df = 2): held-out pass@1 and mean training reward, shared - local, "
+    "with the paired 95% t interval; reported, not judged (no target in the issue)",
+    "budget": "under 4 CPU-hours: 12 runs x ~12 CPU-min + 12 evaluations x ~4 CPU-min (estimate)",
+}
+
+
+def run_pairs(x: Experiment) -> None:
+    """Each (mode, seed): both nodes side by side on one Ray cluster; a finished node is not run again."""
+    import ray
+
+    for seed in x.seeds:
+        for mode in MODES:
+            names = [f"{mode}_node{n}" for n in (0, 1)]
+            if all(x.part("curves", a, seed).is_file() for a in names):
+                continue
+            ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", namespace="sparserl")
+            address = ray.get_runtime_context().gcs_address
+            common = ["distributed.swarm.enable=true", f"distributed.ray_address={address}",
+                      f"distributed.swarm.pool=sapo-{mode}-{seed}", f"trainer.steps={STEPS}"]  # fmt: skip
+            jobs = [(a, [*x.arms[a], *common, f"trainer.seed={seed + 100 * n}"]) for n, a in enumerate(names)]
+            with ThreadPoolExecutor(2) as pool:
+                futures = [
+                    pool.submit(train_arm, x.runs, f"{a}-seed{seed}", o, [], x.config) for a, o in jobs
+                ]
+                runs = [f.result() for f in futures]
+            ray.shutdown()
+            for (a, _), path in zip(jobs, runs, strict=True):
+                rows = [r for r in read_metrics(path) if "reward/mean" in r]
+                curves = {k: [r.get(k) for r in rows] for k in x.curve_keys}
+                write_atomic(
+                    x.part("curves", a, seed), json.dumps({"run": str(path), "curves": curves}) + "\n"
+                )
+
+
+def comparison(runs: dict) -> dict:
+    out = {}
+    for node in (0, 1):
+        for key in ("pass@1", "reward/mean"):
+            diffs = [runs[f"shared_node{node}-seed{s}"][key] - runs[f"local_node{node}-seed{s}"][key]
+                     for s in EXPERIMENT.seeds
+                     if key in runs.get(f"shared_node{node}-seed{s}", {})
+                     and key in runs.get(f"local_node{node}-seed{s}", {})]  # fmt: skip
+            if diffs:
+                out[f"node{node} {key}: shared - local"] = paired(diffs)
+    return out
+
+
+def goals(runs: dict) -> dict:
+    """None judged; the comparison is written beside the runs."""
+    comp = comparison(runs)
+    path = EXPERIMENT.results_root / "sapo" / "comparison.json"
+    write_atomic(path, json.dumps(comp, indent=1) + "\n")
+    print(json.dumps(comp, indent=1))
+    return {}
+
+
+EXPERIMENT = Experiment(
+    name="sapo",
+    config=Path(__file__).resolve().parent / "sampling.yaml",
+    arms=ARMS,
+    rules=RULES,
+    goal_targets={},
+    curve_keys=("reward/mean", "sampling/swarm_external_groups", "time/step"),
+)
+
+
+@stoppable("experiments/sapo.py", "the pair being trained; finished nodes are kept, re-run to go on")
+def run_experiment() -> int:
+    return main(EXPERIMENT, goals, __file__, train=run_pairs)  # the nodes of a pair run side by side
+
+
+if __name__ == "__main__":
+    sys.exit(run_experiment())
