@@ -274,3 +274,43 @@ def test_a_token_budget_ends_the_run_as_its_last_step_would(tmp_path):
     assert totals == [sum(per_step[: i + 1]) for i in range(len(per_step))]
     assert totals[-1] >= 150 > totals[-2] and trainer.state.step == len(totals) < 10
     assert summary and (tmp_path / "run" / "final").is_dir()  # ended as at trainer.steps
+
+
+def test_dynamic_sampling_around_dars_extends_each_group_once():
+    got, source, _ = step_once(
+        "dars", "sampling.dynamic=true", "sampling.dars_keep_degenerate=true", k=4, rows_=8
+    )
+    extra = dars_extra_samples(Fraction(0), 4, 32, "et", std=True)
+    assert all(len(g.samples) in (4, 4 + extra) for g in got.groups)  # never a second extension
+
+
+def test_wrappers_share_one_count_of_occurrences_per_step():
+    from sparserl.rollout import FreshPrompts, LeftoverBuffer
+
+    cfg = load_config(None, [])
+    inner = FreshPrompts(SourceContext([0, 1], 2, 0, cfg))
+    outer = LeftoverBuffer(inner, cfg.rollout.partial)
+    a, b = outer.new_group(1, 0), inner.new_group(1, 0)
+    assert not set(a.keys) & set(b.keys)
+
+
+def test_rounds_sum_their_times_and_workers_take_the_longest():
+    from sparserl.rollout.backend import merge_run_metrics
+
+    runs = [{"decode_s": 2.0, "peak_kv_bytes": 5.0, "decode_steps": 3, "kv_fill": 0.5},
+            {"decode_s": 3.0, "peak_kv_bytes": 4.0, "decode_steps": 4, "kv_fill": 0.7}]  # fmt: skip
+    rounds, workers = merge_run_metrics(runs, side_by_side=False), merge_run_metrics(runs, side_by_side=True)
+    assert rounds["decode_s"] == 5.0 and workers["decode_s"] == 3.0
+    assert rounds["peak_kv_bytes"] == workers["peak_kv_bytes"] == 5.0 and rounds["decode_steps"] == 7
+    assert rounds["kv_fill"] == pytest.approx(0.6)
+
+
+def test_settings_that_would_do_nothing_are_refused():
+    with pytest.raises(ConfigError, match="algo.overlong_buffer=100 exceeds rollout.max_new_tokens=64"):
+        load_config(None, ["algo.overlong_buffer=100", "rollout.max_new_tokens=64"])
+    with pytest.raises(ConfigError, match="sampling.dars_n_max=8 leaves no extra samples"):
+        load_config(None, ["sampling.method=dars", "sampling.dars_n_max=8", "rollout.n=8"])
+    with pytest.raises(ConfigError, match="needs sampling.max_extra_rounds >= 2"):
+        load_config(None, ["sampling.method=dars", "rollout.tree.enable=true", "sampling.max_extra_rounds=1"])
+    with pytest.raises(ConfigError, match="rollout.tree.enable starts samples from others"):
+        load_config(None, ["rollout.tree.enable=true", "trainer.log_acceptance=true"])

@@ -112,7 +112,9 @@ def test_a_backend_that_cannot_score_says_so():
 
 
 def test_spec_refuses_what_needs_whole_samples():
-    with pytest.raises(ConfigError, match="rollout.spec.enable=true starts samples from verified drafts"):
+    with pytest.raises(
+        ConfigError, match="rollout.spec.enable starts samples from others .* trainer.log_acceptance"
+    ):
         load_config(None, ["rollout.spec.enable=true", "trainer.log_acceptance=true"])
     with pytest.raises(ConfigError, match="rollout.spec.lenience=-1"):
         load_config(None, ["rollout.spec.lenience=-1"])

@@ -102,7 +102,7 @@ def test_a_tree_run_trains_with_the_tree_transform(tmp_path):
 
 
 def test_tree_rounds_need_rounds_of_the_step():
-    with pytest.raises(ConfigError, match="rollout.tree.rounds=3 needs sampling.max_extra_rounds >= it"):
+    with pytest.raises(ConfigError, match="rollout.tree.rounds=3 needs sampling.max_extra_rounds >= 3"):
         load_config(
             None, ["rollout.tree.enable=true", "rollout.tree.rounds=3", "sampling.max_extra_rounds=2"]
         )

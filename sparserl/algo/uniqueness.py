@@ -239,7 +239,11 @@ class Uniqueness(AdvantageTransform):
             )
         return [ADV_TRANSFORMS.lookup(n)(self.ctx) for n in names]
 
-    def __call__(self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str]) -> Tensor:
+    needs_tokens = True  # mode=reward re-runs the chain, whose members (the tree transform) may need them
+
+    def __call__(
+        self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str], tokens: list | None = None
+    ) -> Tensor:
         if len(texts) != rewards.numel() or adv.shape[0] != rewards.numel():
             raise ValueError(
                 f"uniqueness needs one completion text and one advantage row per reward: {len(texts)} texts, "
@@ -254,15 +258,19 @@ class Uniqueness(AdvantageTransform):
             return adv  # nothing reweighted (alpha=0, or every strategy unique): the input, bit for bit
         if self.mode == "advantage":
             return scale_rows(adv, w)
-        return self._recompute(adv, rewards, index, texts, w)
+        return self._recompute(adv, rewards, index, texts, w, tokens)
 
-    def _recompute(self, adv: Tensor, rewards: Tensor, index: Tensor, texts: list[str], w: Tensor) -> Tensor:
+    def _recompute(
+        self, adv: Tensor, rewards: Tensor, index: Tensor, texts: list[str], w: Tensor, tokens: list | None
+    ) -> Tensor:
         """mode=reward: r' = w * r, then the run's estimator and algo.adv_transforms on r'."""
         algo = self.ctx.algo
         shaped = rewards.detach().double() * w.to(rewards.device)
         new = advantages(shaped, index, algo.adv_estimator, algo.adv_eps, algo.adv_std_unbiased)
         for transform in self.chain:
-            new = transform(new, shaped, index, texts)
+            new = transform(
+                new, shaped, index, texts, **({"tokens": tokens} if transform.needs_tokens else {})
+            )
         if new.shape != adv.shape:
             raise ValueError(
                 f"shaping.mode=reward recomputed advantages of shape {tuple(new.shape)} but got "

@@ -36,15 +36,22 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
         )
     check_distributed(cfg)
-    if cfg.rollout.tree.enable and cfg.sampling.max_extra_rounds < cfg.rollout.tree.rounds:
+    rounds = cfg.rollout.tree.rounds + (cfg.sampling.method == "dars")
+    if cfg.rollout.tree.enable and cfg.sampling.max_extra_rounds < rounds:
         raise ConfigError(
-            f"rollout.tree.rounds={cfg.rollout.tree.rounds} needs sampling.max_extra_rounds >= it "
-            f"(now {cfg.sampling.max_extra_rounds}): each forking round is a round of the step"
+            f"rollout.tree.rounds={cfg.rollout.tree.rounds} needs sampling.max_extra_rounds >= {rounds} "
+            f"(now {cfg.sampling.max_extra_rounds}): each forking round (and DARS's second one) is a round of the step"
         )
-    if cfg.rollout.spec.enable and (cfg.trainer.log_acceptance or cfg.distill.enable):
+    check_recording(cfg)
+    if cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(
-            "rollout.spec.enable=true starts samples from verified drafts, whose earlier distributions and held "
-            "positions were never recorded: it cannot run with trainer.log_acceptance or distill.enable"
+            f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds rollout.max_new_tokens="
+            f"{cfg.rollout.max_new_tokens}: every completion would be penalised"
+        )
+    if cfg.sampling.method == "dars" and cfg.sampling.dars_n_max <= cfg.rollout.n:
+        raise ConfigError(
+            f"sampling.dars_n_max={cfg.sampling.dars_n_max} leaves no extra samples above rollout.n="
+            f"{cfg.rollout.n}: DARS would do nothing"
         )
     if cfg.trainer.log_acceptance and cfg.rollout.partial.enable:
         raise ConfigError(
@@ -127,4 +134,21 @@ def check_distributed(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"distributed.rollout_workers > 0 cannot run with {', '.join(asks)} yet: the workers return whole "
             "samples' tokens and log-probs only (no recorded distributions or held positions, no early stop)"
+        )
+
+
+def check_recording(cfg: TrainConfig) -> None:
+    """Recording the sampler (alpha, DistillSparse's replay) needs every trained sample decoded whole in one
+    round: no drafts, forks, shared samples or later rounds."""
+    if not (cfg.trainer.log_acceptance or cfg.distill.enable):
+        return
+    parts = [k for k, on in (("rollout.spec.enable", cfg.rollout.spec.enable),
+                             ("rollout.tree.enable", cfg.rollout.tree.enable),
+                             ("sampling.dynamic", cfg.sampling.dynamic),
+                             (f"sampling.method={cfg.sampling.method}", cfg.sampling.method in ("dars", "vcrl")),
+                             ("distributed.swarm.shared_groups", cfg.distributed.swarm.shared_groups > 0)) if on]  # fmt: skip
+    if parts:
+        raise ConfigError(
+            f"{', '.join(parts)} starts samples from others or adds rounds to a step, whose distributions and held "
+            "positions are not recorded: it cannot run with trainer.log_acceptance or distill.enable"
         )

@@ -188,3 +188,24 @@ def make_backend(engine, cfg: Any, recording: Recording | None = None) -> Rollou
     """The run's backend over `engine`: 'ray' with distributed.rollout_workers > 0, else rollout.backend."""
     name = "ray" if cfg.distributed.rollout_workers else cfg.rollout.backend
     return BACKENDS.lookup(name).from_config(engine, cfg, recording)
+
+
+SUMMED_METRICS = {
+    "preemptions", "cap_truncated", "admissions", "decode_steps", "generated_tokens", "tokens_per_s",
+    "compression_events",
+}  # fmt: skip
+
+
+def merge_run_metrics(metrics: list[dict[str, Any]], side_by_side: bool) -> dict[str, float]:
+    """Several runs' metrics as one: counts and throughputs summed, peaks the largest, times the largest for
+    runs side by side (workers) and summed for runs one after another (a step's rounds), the rest averaged."""
+    out: dict[str, float] = {}
+    for key in {k for m in metrics for k, v in m.items() if isinstance(v, int | float)}:
+        values = [float(m[key]) for m in metrics if isinstance(m.get(key), int | float)]
+        if key in SUMMED_METRICS or (key.endswith("_s") and not side_by_side):
+            out[key] = sum(values)
+        elif key.startswith("peak") or key.endswith(("_max", "_s")):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out

@@ -16,7 +16,7 @@ import torch
 
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import Request, Sampling
-from sparserl.rollout.backend import RolloutBackend, Segment
+from sparserl.rollout.backend import RolloutBackend, Segment, merge_run_metrics
 from sparserl.rollout.records import GroupRecord, SampleRecord
 from sparserl.rollout.reuse import accepted_length, verification_uniforms
 from sparserl.rollout.rewards import RewardWorker
@@ -158,9 +158,18 @@ class RolloutLayer:
             self._score_samples(trained)
         source.observe(trained, first.leftover)
         segments = {i: seg for r in rounds for i, seg in r.by_sample.items()}
-        recorded = [segments[id(s)] for g in trained for s in g.samples] if segments else []
-        metrics = {**first.metrics, **_staleness(trained, version)}
-        sampling = round_metrics(scored, trained, first_flat, len(rounds), version)
+        recorded = [segments.get(id(s)) for g in trained for s in g.samples] if segments else []
+        if None in recorded:
+            raise ValueError(
+                "recording the sampler (trainer.log_acceptance, distill.enable) needs every trained sample decoded "
+                "whole in one round; this step's source gave samples started from others (a second round, a "
+                "tree, shared or reused samples): turn one of them off"
+            )
+        metrics = {
+            **merge_run_metrics([r.metrics for r in rounds], side_by_side=False),
+            **_staleness(trained, version),
+        }
+        sampling = round_metrics(scored, trained, first_flat, len(rounds), version, first.leftover)
         if self.spec_counts["spec_drafts"]:
             c = self.spec_counts
             sampling["spec_accepted_frac"] = c["spec_accepted_tokens"] / max(1, c["spec_draft_tokens"])
@@ -219,7 +228,9 @@ class RolloutLayer:
                     s.mask_stale(version)
         metrics = {**run_metrics, **_staleness(complete, version)}
         metrics["reward_wait_s"] = reward_wait  # scoring left after decoding ended (the rest overlapped it)
-        segments = [recorded[id(s)] for g in complete for s in g.samples] if recorded else []
+        segments = (
+            [recorded[id(s)] for g in complete for s in g.samples if id(s) in recorded] if recorded else []
+        )
         return Collected(complete, leftover, metrics, segments, by_sample=recorded)
 
     def _score_samples(self, groups: list[GroupRecord]) -> None:
@@ -264,13 +275,18 @@ def _staleness(groups: list[GroupRecord], version: int) -> dict[str, float]:
 
 
 def round_metrics(
-    scored: list[GroupRecord], trained: list[GroupRecord], first_flat: float, rounds: int, version: int
+    scored: list[GroupRecord],
+    trained: list[GroupRecord],
+    first_flat: float,
+    rounds: int,
+    version: int,
+    leftover: list[GroupRecord] = (),
 ) -> dict[str, float]:
     """What a step's rounds cost and gave, the same for every source (logged under sampling/): rounds run,
     tokens and samples drawn now (trained or not), the zero-variance fraction of the first round's groups
     and of the trained ones, the fraction of the step's prompts with a sample of reward > 0, reward per
     drawn token, and the groups scored but not trained."""
-    drawn = [s for g in scored for s in g.samples]
+    drawn = [s for g in [*scored, *leftover] for s in g.samples]  # APRIL's leftovers drew tokens too
     tokens = sum(v == version for s in drawn for v in s.versions[s.reused_prefix :])
     solved = {g.prompt_id for g in scored if any(s.reward > 0 for s in g.samples)}
     return {
@@ -282,7 +298,7 @@ def round_metrics(
         "zero_variance_frac_first_round": first_flat,
         "zero_variance_frac": _zero_variance_frac(trained),
         "solved_prompt_frac": len(solved) / max(1, len({g.prompt_id for g in scored})),
-        "reward_per_token": sum(s.reward for s in drawn) / max(1, tokens),
+        "reward_per_token": sum(s.reward for g in scored for s in g.samples) / max(1, tokens),
         "dropped_groups": float(len(scored) - len(trained)),
         "trained_groups": float(len(trained)),
     }

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from sparserl.engine.decoding import Request, Sampling
-from sparserl.rollout.backend import LocalBackend, Recording, RolloutBackend, Segment, register_backend
+from sparserl.rollout.backend import (
+    LocalBackend,
+    Recording,
+    RolloutBackend,
+    Segment,
+    merge_run_metrics,
+    register_backend,
+)
 
 
 class RolloutWorker:
@@ -77,7 +84,7 @@ class RayBackend(RolloutBackend):
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             init_ray(ray, distributed)
-        self.restarts, self.workers, self.pids = 0, [], []
+        self.restarts, self.workers, self.pids, self.state_ref = 0, [], [], None
         try:
             self.model_ref = ray.put(engine.model)
             self.workers = [self._start_worker() for _ in range(distributed.rollout_workers)]
@@ -114,10 +121,13 @@ class RayBackend(RolloutBackend):
 
     def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
         """The trainable tensors (the adapter with LoRA) to every worker, through the object store."""
-        tensors = state or trainable_state(self.engine.model)
-        ref = self.ray.put(tensors)
-        self.ray.get([w.push.remote(version, ref) for w in self.workers])
-        self.state_ref, self.version = ref, version
+        self.state_ref, self.version = self.ray.put(state or trainable_state(self.engine.model)), version
+        pushes = [w.push.remote(version, self.state_ref) for w in self.workers]
+        for i, push in enumerate(pushes):
+            try:
+                self.ray.get(push)
+            except self.ray.exceptions.RayActorError:  # died since its last share: a new one gets the weights
+                self._replace(i)
 
     def run(
         self,
@@ -145,7 +155,7 @@ class RayBackend(RolloutBackend):
                 seg.index += start
                 on_segment(seg)
             metrics.append(m)
-        return merge_metrics(metrics, self.restarts)
+        return {**merge_run_metrics(metrics, side_by_side=True), "worker_restarts": float(self.restarts)}
 
     def _submit(
         self, i: int, requests: list[Request], share: range, sampling: Sampling, version: int, seed: int
@@ -155,12 +165,17 @@ class RayBackend(RolloutBackend):
     def _replace(self, i: int) -> None:
         self.workers[i] = self._start_worker()
         (self.pids[i],) = self.wait_ready([self.workers[i]])
-        if self.version:  # a new worker holds version 0's weights (the model copied at start)
+        if self.state_ref is not None:  # a new worker holds the weights copied at start: send the last push
             self.ray.get(self.workers[i].push.remote(self.version, self.state_ref))
         self.restarts += 1
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
-        return self.ray.get(self.workers[0].score.remote(prompts, completions, temperature))
+        """On the first worker (replaced, and asked again, if it died)."""
+        try:
+            return self.ray.get(self.workers[0].score.remote(prompts, completions, temperature))
+        except self.ray.exceptions.RayActorError:
+            self._replace(0)
+            return self.ray.get(self.workers[0].score.remote(prompts, completions, temperature))
 
     def close(self) -> None:
         for w in self.workers:
@@ -225,22 +240,3 @@ def split(prompts: list[list[int]], parts: int) -> list[range]:
             bounds.append(best)
     bounds.append(len(prompts))
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
-
-
-def merge_metrics(metrics: list[dict], restarts: int) -> dict[str, float]:
-    """The workers' run metrics as one run's: counts and throughputs summed, peaks and times (the workers run
-    side by side) the largest, the rest averaged."""
-    out: dict[str, float] = {"worker_restarts": float(restarts)}
-    for key in {k for m in metrics for k, v in m.items() if isinstance(v, int | float)}:
-        values = [float(m[key]) for m in metrics if isinstance(m.get(key), int | float)]
-        if key in SUMMED_METRICS or key.startswith("peak") or key.endswith(("_max", "_s")):
-            out[key] = sum(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
-
-
-SUMMED_METRICS = {
-    "preemptions", "cap_truncated", "admissions", "decode_steps", "generated_tokens", "tokens_per_s",
-    "compression_events",
-}  # fmt: skip

@@ -94,8 +94,9 @@ class Dars(FreshPrompts):
         self.step = {"dars_extra_samples": 0.0, "dars_saved": 0.0, "dars_hard_prompts": 0.0}
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
-        self.extended, self.unsolved = set(), set()
-        self.step = dict.fromkeys(self.step, 0.0)
+        if self.new_step(version):
+            self.extended, self.unsolved = set(), set()
+            self.step = dict.fromkeys(self.step, 0.0)
         return super().plan(k, version)
 
     def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
@@ -161,9 +162,10 @@ class Vcrl(FreshPrompts):
         self.step = {"vcrl_replayed": 0.0, "vcrl_groups": 0.0, "vcrl_filled": 0.0, "vcrl_mean_p": 0.0}
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
-        self.bank = {r: e for r, e in self.bank.items() if version - e[1] <= self.cfg.vcrl_max_age}
-        self.seen_groups, self.in_step, self.version = set(), set(), version
-        self.step = dict.fromkeys(self.step, 0.0)
+        if self.new_step(version):
+            self.bank = {r: e for r, e in self.bank.items() if version - e[1] <= self.cfg.vcrl_max_age}
+            self.seen_groups, self.in_step, self.version = set(), set(), version
+            self.step = dict.fromkeys(self.step, 0.0)
         return self._groups(k, math.floor(k * self.cfg.vcrl_replay_fraction), version)
 
     def _groups(self, k: int, replays: int, version: int) -> list[GroupPlan]:
@@ -253,7 +255,8 @@ class DynamicSampling(WrappedSource):
         self.step = {"dynamic_extra_groups": 0.0, "dynamic_filled_groups": 0.0}
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
-        self.step = dict.fromkeys(self.step, 0.0)
+        if self.new_step(version):
+            self.step = dict.fromkeys(self.step, 0.0)
         return self.inner.plan(k, version)
 
     def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:

@@ -105,6 +105,13 @@ class GroupSource:
         weights, not on its batch mates."""
         return [self.new_group(row, version) for row in self.choose(k, version)]
 
+    def new_step(self, version: int) -> bool:
+        """True at the first call for policy `version`: a source resets its per-step state there, not at every
+        `plan` (dynamic sampling plans more groups in a step's later rounds)."""
+        fresh = getattr(self, "_step_version", None) != version
+        self._step_version = version
+        return fresh
+
     def new_group(self, row: int, version: int) -> GroupPlan:
         """A group of `ctx.n` samples of `row` on streams no other group of this step draws."""
         if self._seen[0] != version:
@@ -189,6 +196,9 @@ class WrappedSource(GroupSource):
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
         return self.inner.plan(k, version)
+
+    def new_group(self, row: int, version: int) -> GroupPlan:
+        return self.inner.new_group(row, version)  # one count of occurrences per step, whoever plans
 
     def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
         return self.inner.refill(scored, k, version)

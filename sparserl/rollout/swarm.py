@@ -53,7 +53,7 @@ class SwarmSharing(WrappedSource):
             init_ray(ray, cfg.distributed)
         actor = ray.remote(SwarmPool).options(name=self.cfg.pool, get_if_exists=True, lifetime="detached")
         self.pool, self.ray = actor.remote(), ray
-        self.rows, self.me = set(inner.ctx.rows), tokenizer_id(tokenizer)
+        self.rows, self.me, self.drawn = set(inner.ctx.rows), tokenizer_id(tokenizer), 0
         self.step = {
             "swarm_external_groups": 0.0,
             "swarm_retokenised_groups": 0.0,
@@ -63,13 +63,21 @@ class SwarmSharing(WrappedSource):
     def plan(self, k: int, version: int) -> list[GroupPlan]:
         plans = self.inner.plan(k, version)
         self.step["swarm_external_groups"] = self.step["swarm_retokenised_groups"] = 0.0
+        self.drawn = 0
         if self.cfg.shared_groups:
             seed = step_seed(self.ctx.seed, version) + self.cfg.node
             drawn = self.ray.get(
                 self.pool.draw.remote(self.cfg.node, self.cfg.shared_groups, self.cfg.window, seed)
             )
             plans += [self._external(g, version) for g in drawn if g["row"] in self.rows]
+            self.drawn = int(self.step["swarm_external_groups"])
         return plans
+
+    def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
+        return self.inner.refill(scored, k + self.drawn, version)  # the drawn groups count on top of k
+
+    def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
+        return self.inner.select(scored, k + self.drawn)
 
     def _external(self, g: dict[str, Any], version: int) -> GroupPlan:
         """A drawn group as a plan of kept-whole drafts on fresh streams of its row."""

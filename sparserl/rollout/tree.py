@@ -30,20 +30,24 @@ class TreeRollouts(WrappedSource):
     def __init__(self, inner: GroupSource, cfg: Any) -> None:
         super().__init__(inner)
         self.cfg = cfg
-        self.round, self.frontier = 0, {}
+        self.forked: dict[int, int] = {}
+        self.frontier: dict[int, range] = {}
         self.step = {"tree_leaves": 0.0, "tree_forks": 0.0}
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
-        self.round, self.frontier = 0, {}  # group id -> sample indices drawn in the last round
-        self.step = dict.fromkeys(self.step, 0.0)
+        if self.new_step(version):
+            self.forked, self.frontier = {}, {}  # group id -> forking rounds done, sample indices drawn last
+            self.step = dict.fromkeys(self.step, 0.0)
         return self.inner.plan(k, version)
 
     def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
         more = self.inner.refill(scored, k, version)
-        if more or self.round >= self.cfg.rounds:
+        if more:
             return more
-        self.round += 1
-        plans = [p for g in scored if (p := self._fork(g)) is not None]
+        growing = [g for g in scored if self.forked.get(g.group_id, 0) < self.cfg.rounds]
+        for g in growing:
+            self.forked[g.group_id] = self.forked.get(g.group_id, 0) + 1
+        plans = [p for g in growing if (p := self._fork(g)) is not None]
         added = {id(p.extends): p.n for p in plans}
         self.step["tree_leaves"] = sum(len(g.samples) + added.get(id(g), 0) for g in scored) / max(
             1, len(scored)
