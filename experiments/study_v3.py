@@ -72,11 +72,27 @@ def rung_overrides(rung: list[int]) -> list[str]:
     return [f"task.num_operands={rung[0]}", f"task.max_digits={rung[1]}"]
 
 
+RESCOPE_OPERANDS = 16  # the budget rule's fallback: no budget qualified, raise the operands, re-scope once
+
+
+def scoping_paths() -> list[Path]:
+    """The scoping results in the order the rule takes them: the warm start's rung, then the re-scope."""
+    return [RESULTS / "scoping.json", RESULTS / f"scoping_{RESCOPE_OPERANDS}_operands.json"]
+
+
+def rescoped() -> bool:
+    """True once the first scoping chose no budget: every later stage runs at RESCOPE_OPERANDS operands."""
+    first = read(scoping_paths()[0], {})
+    return bool(first.get("complete")) and first.get("chosen_budget") is None
+
+
 def setting(overrides: list[str] = ()):
     from sparserl.config import load_config
 
     state = read(RESULTS / "warmstart.json", {})
-    return load_config(CONFIG, rung_overrides(state.get("rung", R.LADDER[0])) + list(overrides))
+    rung = rung_overrides(state.get("rung", R.LADDER[0]))
+    more = [f"task.num_operands={RESCOPE_OPERANDS}"] if rescoped() else []
+    return load_config(CONFIG, rung + more + list(overrides))
 
 
 def task_of(cfg, row_set: str):
@@ -242,8 +258,10 @@ def scope(args) -> None:
     from sparserl.engine import KVConfig, score
     from sparserl.models import encode_prompt, load_model
 
-    path, cfg = RESULTS / "scoping.json", setting()
+    path = scoping_paths()[1] if rescoped() else scoping_paths()[0]
+    cfg = setting()
     out = read(path, {"command": "python experiments/study_v3.py scope", "rows": {}})
+    out["operands"] = cfg.task.num_operands
     if out.get("complete"):
         print("scoping done: budget", out["chosen_budget"])
         return
@@ -280,25 +298,31 @@ def scope(args) -> None:
     )
     out["complete"] = True
     write(path, out)
-    print(
-        "chosen budget:",
-        out["chosen_budget"],
-        "(None: raise to 16 operands and re-scope once)\ncommit:",
-        COMMIT,
-    )
+    again = out["chosen_budget"] is None and path == scoping_paths()[0]
+    print("chosen budget:", out["chosen_budget"], f"at {out['operands']} operands")
+    if again:  # the rule's fallback, once: the same measurement at RESCOPE_OPERANDS operands
+        print(f"no budget qualified: re-scoping at {RESCOPE_OPERANDS} operands")
+        scope(args)
+    elif out["chosen_budget"] is None:
+        print("no budget qualified after the re-scope either: by the committed rule the claims are untestable at "
+              "135M; stop here and report (python experiments/study_v3.py report)")  # fmt: skip
+    print("commit:", COMMIT)
 
 
 def budget() -> int:
-    s = read(RESULTS / "scoping.json", {})
+    path = scoping_paths()[1] if rescoped() else scoping_paths()[0]
+    s = read(path, {})
     if not s.get("complete") or s.get("chosen_budget") is None:
-        raise SystemExit("docs/results/study_v3/scoping.json: no budget chosen; run the scope stage")
+        raise SystemExit(f"{path.relative_to(ROOT)}: no budget chosen; run the scope stage (or report, if the "
+                         "re-scope chose none)")  # fmt: skip
     return s["chosen_budget"]
 
 
 def arm_overrides(arm: str, seed: int, lr: float, steps: int = 40) -> list[str]:
     rung = read(RESULTS / "warmstart.json", {}).get("rung", R.LADDER[0])
     b = budget() if "{budget}" in " ".join(ARMS[arm]) else 0
-    return [o.format(budget=b) for o in ARMS[arm]] + rung_overrides(rung) + [
+    more = [f"task.num_operands={RESCOPE_OPERANDS}"] if rescoped() else []
+    return [o.format(budget=b) for o in ARMS[arm]] + rung_overrides(rung) + more + [
         f"trainer.seed={seed}", f"trainer.steps={steps}", "trainer.threads=1", f"optim.lr={lr}"]  # fmt: skip
 
 
