@@ -254,10 +254,8 @@ class DynamicSampling(WrappedSource):
         super().__init__(inner)
         self.step = {"dynamic_extra_groups": 0.0, "dynamic_filled_groups": 0.0}
 
-    def plan(self, k: int, version: int) -> list[GroupPlan]:
-        if self.new_step(version):
-            self.step = dict.fromkeys(self.step, 0.0)
-        return self.inner.plan(k, version)
+    def reset_step(self) -> None:
+        self.step = dict.fromkeys(self.step, 0.0)
 
     def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
         more = self.inner.refill(scored, k, version)

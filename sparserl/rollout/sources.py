@@ -195,7 +195,12 @@ class WrappedSource(GroupSource):
         return self.inner.needs_scores
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
+        if self.new_step(version):
+            self.reset_step()
         return self.inner.plan(k, version)
+
+    def reset_step(self) -> None:
+        """Per-step state back to its start (once per step, at the step's first `plan`)."""
 
     def new_group(self, row: int, version: int) -> GroupPlan:
         return self.inner.new_group(row, version)  # one count of occurrences per step, whoever plans

@@ -34,11 +34,9 @@ class TreeRollouts(WrappedSource):
         self.frontier: dict[int, range] = {}
         self.step = {"tree_leaves": 0.0, "tree_forks": 0.0}
 
-    def plan(self, k: int, version: int) -> list[GroupPlan]:
-        if self.new_step(version):
-            self.forked, self.frontier = {}, {}  # group id -> forking rounds done, sample indices drawn last
-            self.step = dict.fromkeys(self.step, 0.0)
-        return self.inner.plan(k, version)
+    def reset_step(self) -> None:
+        self.forked, self.frontier = {}, {}  # group id -> forking rounds done, sample indices drawn last
+        self.step = dict.fromkeys(self.step, 0.0)
 
     def refill(self, scored: list[GroupRecord], k: int, version: int) -> list[GroupPlan]:
         more = self.inner.refill(scored, k, version)
