@@ -106,8 +106,9 @@ class SpecConfig:
     max_cached_tokens: int = field(
         default=2_000_000,
         metadata={
-            "help": "Bound on the cache of previous responses (tokens in all, ~12 bytes each with their "
-            "log-probs; part of every checkpoint): the prompts cached longest ago leave first."
+            "help": "Bound on the cache of previous responses, in tokens (measured: ~72 bytes a token with its "
+            "log-prob in memory, ~27 in the checkpoint's JSON, of which the cache is a part): the prompts cached "
+            "longest ago leave first."
         },
     )
 
