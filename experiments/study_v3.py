@@ -313,7 +313,7 @@ def budget() -> int:
     path = scoping_paths()[1] if rescoped() else scoping_paths()[0]
     s = read(path, {})
     if not s.get("complete") or s.get("chosen_budget") is None:
-        raise SystemExit(f"{path.relative_to(ROOT)}: no budget chosen; run the scope stage (or report, if the "
+        raise SystemExit(f"{path}: no budget chosen; run the scope stage (or report, if the "
                          "re-scope chose none)")  # fmt: skip
     return s["chosen_budget"]
 

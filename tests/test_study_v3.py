@@ -108,3 +108,23 @@ def test_warmstart_goal_reads_the_best_probe_and_the_done_flag():
     failed = {**state, "done": True, "failed": True}
     assert R.warmstart_goals(failed)["warm start reaches the start level"]["met"] is False
     assert R.warmstart_goals({})["warm start reaches the start level"]["value"] is None
+
+
+def test_no_budget_at_the_first_scoping_moves_every_later_stage_to_16_operands(tmp_path, monkeypatch):
+    """The budget rule's fallback: the first scoping chose none, so setting() and the arms' overrides use
+    RESCOPE_OPERANDS, and the budget is read from the re-scope's file."""
+    import json
+
+    import pytest
+    import study_v3 as S
+
+    monkeypatch.setattr(S, "RESULTS", tmp_path)
+    (tmp_path / "warmstart.json").write_text(json.dumps({"rung": [12, 1]}))
+    assert not S.rescoped() and S.setting().task.num_operands == 12
+    (tmp_path / "scoping.json").write_text(json.dumps({"complete": True, "chosen_budget": None}))
+    assert S.rescoped() and S.setting().task.num_operands == S.RESCOPE_OPERANDS == 16
+    assert "task.num_operands=16" in S.arm_overrides("dense", 0, 5e-5)
+    with pytest.raises(SystemExit, match="scoping_16_operands.json: no budget chosen"):
+        S.budget()
+    (tmp_path / "scoping_16_operands.json").write_text(json.dumps({"complete": True, "chosen_budget": 152}))
+    assert S.budget() == 152
