@@ -1,9 +1,9 @@
 """Issue 36's experiment: rollouts that reuse work against plain GRPO on prompts that return, SmolLM2-135M, 32
-two-digit sums for 6 epochs (experiments/reuse.yaml), 3 seeds each: plain GRPO (4 samples a prompt), SPEC-RL
+sums of 1-2 digit numbers for 6 epochs (experiments/reuse.yaml), 3 seeds each: plain GRPO (4 samples a prompt), SPEC-RL
 (the same with rollout.spec), tree rollouts at the same 4 leaves a prompt (2 roots, one fork point each, one
 child). Reward curves, rollout time per step, held-out accuracy (each model in its own process).
 
-    python experiments/reuse.py            # everything not done yet (resumable); ~1.5 CPU-hours at one thread
+    python experiments/reuse.py            # everything not done yet (resumable); ~4.5 CPU-hours at one thread
     python experiments/reuse.py report     # goals from the committed parts
 
 The decision rules are in docs/results/reuse.json (with the goals the benchmarks measured) before any run.
@@ -37,7 +37,8 @@ RULES = {
     "deviation of GRPO's over the 3 seeds (the issue's rule; it is not an equivalence test, and no claim of "
     "'no difference' is made from it)",
     "tree": "reported only (its goal, tokens per leaf, is measured by benchmarks/tree_tokens.py)",
-    "budget": "under 5 CPU-hours: 9 runs x ~8 CPU-min + 9 evaluations x ~2 CPU-min = ~1.5 CPU-hours (estimate)",
+    "budget": "under 5 CPU-hours: 9 runs x ~27 CPU-min (67 s a step measured on the first steps of a run) + 9 "
+    "evaluations x ~3 CPU-min = ~4.5 CPU-hours (estimate); if it runs over, the tree arm is cut first",
 }
 SPEED = "SPEC-RL: rollout time over epochs 2-6 >= 1.5x lower than plain GRPO"
 QUALITY = "SPEC-RL: final held-out reward within one standard deviation of plain GRPO over 3 seeds"
