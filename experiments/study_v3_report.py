@@ -46,7 +46,7 @@ def per_seed(arm: str, mode: str) -> list[float] | None:
 
 
 def not_met(reason: str) -> dict:
-    return {"value": None, "met": False, "reason": reason}
+    return {"value": None, "met": False, "reason": reason, "command": "python experiments/study_v3.py report"}
 
 
 def goals(budget: int | None, saving: float | None) -> dict:
@@ -109,13 +109,32 @@ def restate_change() -> dict:
     return out
 
 
+UNTESTABLE = (
+    "untestable at 135M by the committed budget rule: no R-KV budget qualified at the warm start's operands "
+    "(scoping.json) nor at 16 operands (scoping_16_operands.json), so no arm was trained"
+)
+
+
+def scoping_result() -> tuple[dict, bool]:
+    """The scoping the budget comes from (the re-scope at 16 operands when the first chose none), and
+    whether the rule has ended the study (neither chose a budget)."""
+    first = load(RESULTS / "scoping.json") or {}
+    if not (first.get("complete") and first.get("chosen_budget") is None):
+        return first, False
+    second = load(RESULTS / "scoping_16_operands.json") or {}
+    return second, bool(second.get("complete")) and second.get("chosen_budget") is None
+
+
 def report() -> dict:
     path = RESULTS / "study_v3.json"
     out = load(path) or {}
-    scoping = load(RESULTS / "scoping.json") or {}
+    scoping, untestable = scoping_result()
     budget = scoping.get("chosen_budget")
     saving = (scoping.get("rows", {}).get(str(budget)) or {}).get("retained_saving") if budget else None
     out["goals"] = goals(budget, saving)
+    out["untestable"] = untestable
+    if untestable:
+        out["goals"] = {k: {"target": t, **not_met(UNTESTABLE)} for k, t in R.GOALS.items()}
     out["budget"], out["restate_share"] = budget, restate_change()
     out["warmstart"] = (load(RESULTS / "warmstart.json") or {}).get("kept")
     out["pilot_lr"] = (load(RESULTS / "pilot.json") or {}).get("lr")
