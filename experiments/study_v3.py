@@ -297,6 +297,7 @@ def scope(args) -> None:
         {int(b): r for b, r in out["rows"].items()}, out["dense"]["reward"]
     )
     out["complete"] = True
+    out = {"goals": scoping_goals(out), **{k: v for k, v in out.items() if k != "goals"}}
     write(path, out)
     again = out["chosen_budget"] is None and path == scoping_paths()[0]
     print("chosen budget:", out["chosen_budget"], f"at {out['operands']} operands")
@@ -307,6 +308,18 @@ def scope(args) -> None:
         print("no budget qualified after the re-scope either: by the committed rule the claims are untestable at "
               "135M; stop here and report (python experiments/study_v3.py report)")  # fmt: skip
     print("commit:", COMMIT)
+
+
+def scoping_goals(out: dict) -> dict:
+    """The scoping's one goal: a budget qualifies by the committed rule (study_v3_rules.RULES['budget'])."""
+    return {
+        "an R-KV budget qualifies by the committed rule": {
+            "value": out["chosen_budget"],
+            "target": R.RULES["budget"]["rule"],
+            "met": out["chosen_budget"] is not None,
+            "command": "python experiments/study_v3.py scope",
+        }
+    }
 
 
 def budget() -> int:
