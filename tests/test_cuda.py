@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_bf16 import BF16_TOL
-from test_compile import same_samples
+from test_compile import COMPILE_TOL, cap_requests, same_samples
 from test_engine import AGREE_TOL, max_gap, prompts_of, score_rollouts
 
-from sparserl.engine import RolloutEngine
+from sparserl.engine import KVConfig, RolloutEngine
+from sparserl.engine.decoding import Sampling
 from sparserl.models import tiny_model
+from sparserl.rollout import Scheduler
 
 pytestmark = [
     pytest.mark.cuda,
@@ -50,6 +52,27 @@ def test_cuda_compiled_step_equals_the_eager_one(tiny_cuda):
     eager = RolloutEngine(model, tok).generate(prompts, n=3, max_new_tokens=20, seed=0)
     compiled = RolloutEngine(model, tok, compile=True).generate(prompts, n=3, max_new_tokens=20, seed=0)
     assert same_samples(eager, compiled) < AGREE_TOL
+
+
+def test_cuda_graphs_evicting_under_a_cap_give_the_eager_samples(tiny_cuda):
+    """The compiled step on a GPU runs as a CUDA graph (mode reduce-overhead) writing the cache in place: R-KV
+    under a memory cap (rows come and go, buckets change, the cut stays eager between replays) gives the eager
+    samples, so no replay read a stale cache or a logits buffer the next replay had overwritten."""
+    model, tok = tiny_cuda
+    kv = KVConfig(method="rkv", budget=12, window=4, interval=4)
+    lengths = [5, 40, 9, 17, 3, 60, 22, 8, 31]
+    eager, graphs = RolloutEngine(model, tok, kv), RolloutEngine(model, tok, kv, compile=True)
+    assert graphs.cuda_graphs
+    eager.eos_ids = graphs.eos_ids = set()
+    static, _, _ = Scheduler(eager).run(cap_requests(lengths), Sampling())
+    run, unfinished, _ = Scheduler(graphs, 6 * 15 * static.bytes_per_position).run(
+        cap_requests(lengths), Sampling()
+    )
+    assert not unfinished and len(graphs.compiled_shapes) >= 2
+    for i in range(len(lengths)):
+        (a, la), (b, lb) = static.completion(i), run.completion(i)
+        assert a == b
+        torch.testing.assert_close(la.cpu(), lb.cpu(), atol=COMPILE_TOL, rtol=0)
 
 
 def test_cuda_training_follows_the_cpu_run(tmp_path, no_tf32):

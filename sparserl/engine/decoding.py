@@ -320,10 +320,12 @@ class DecodeRun:
         feed[:n], pos[:n] = tok, total
         with cache.padded(bucket):
             cache.length[n:] = 0
+            if self.engine.cuda_graphs:
+                mark_static_addresses(cache)
             self.engine.note_compile(bucket, cache.capacity)
             logits = self.engine.compiled_step(feed, pos, cache, cache.capacity)
             self.engine.note_compiled()
-        return logits[:n]
+        return logits[:n].clone() if self.engine.cuda_graphs else logits[:n]
 
     def _compress(self, rows: Tensor, ids: Tensor) -> None:
         """Cut the rows due this step (every `interval` tokens of their own) that hold their budget or more."""
@@ -364,3 +366,13 @@ class DecodeRun:
         """Sample i's tokens generated in this run and their sampler log-probs (its prefix excluded)."""
         a, b = int(self.start_count[i]), int(self.count[i])
         return self.tokens[i, a:b].tolist(), self.logps[i, a:b].float().cpu()
+
+
+def mark_static_addresses(cache: KVCache) -> None:
+    """Tell torch.compile that the cache's tensors keep their addresses from step to step, so that the CUDA graph
+    of the compiled step reads and writes them in place instead of copying them in and out at every replay
+    (`guard=False`: a new address, after a resize, records a new graph rather than recompiling)."""
+    tensors = [*cache.k, *cache.v, *cache.pos, *cache.queries, cache.length, cache.query_count]
+    tensors += [t for per_layer in cache.extras.values() for t in per_layer] + list(cache.row_state.values())
+    for t in tensors:
+        torch._dynamo.mark_static_address(t, guard=False)

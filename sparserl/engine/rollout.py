@@ -156,8 +156,14 @@ class RolloutEngine:
                 "its pages per step (how many, which fill) from the data, shapes a static graph cannot hold "
                 "without reading the whole cache; set engine.compile=false"
             )
-        # static shapes: (rows padded to a bucket, capacity); attention spans the whole capacity
-        self.compiled_step = torch.compile(self._decode_step, dynamic=False) if compile else None
+        # static shapes: (rows padded to a bucket, capacity); attention spans the whole capacity. On a GPU the
+        # compiled step is also captured as a CUDA graph (one launch a step instead of one per kernel): the step
+        # writes the cache in place, so `DecodeRun` marks the cache's tensors as static addresses (the graph
+        # then writes into them; a reallocated cache, another address, records a new graph) and copies the
+        # logits out before the next replay overwrites them
+        self.cuda_graphs = compile and next(model.parameters()).device.type == "cuda"
+        mode = "reduce-overhead" if self.cuda_graphs else None
+        self.compiled_step = torch.compile(self._decode_step, dynamic=False, mode=mode) if compile else None
         if compile:  # every engine's graphs count against one limit (per code object; 8 by default), beyond
             # which dynamo silently runs eagerly: a few buckets x capacities x KV methods x models must fit
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
