@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_trainer import make_trainer, rows, tiny_cfg
 
 from sparserl.algo import acceptance_by_bin, acceptance_exact, acceptance_metrics, acceptance_topk
-from sparserl.algo.acceptance import TOO_FEW_TOKENS
+from sparserl.algo.acceptance import TOO_FEW_TOKENS, bootstrap_quantile_interval
 from sparserl.config import ConfigError
 from sparserl.engine import KVConfig, RolloutEngine, score
 from sparserl.engine.acceptance import measure_acceptance, rollout_acceptance
@@ -153,6 +153,48 @@ def test_metric_names():
         "alpha/exact/frac_below_tau/bin0": bins["exact"][0].frac_below_tau,
         "alpha/tokens/bin1": 5.0,  # too few tokens: only the count
     }
+
+
+def test_bootstrap_interval_resamples_sequences_not_tokens():
+    """Tokens of a sequence share its value here (the extreme of within-sequence correlation): resampling the 40
+    sequences gives a wider P5 interval than treating the same 2000 tokens as 2000 sequences, and a sequence
+    count of 40 per bin; identical values give a point interval."""
+    g = torch.Generator().manual_seed(0)
+    per_sequence = torch.rand(40, generator=g)
+    values, sequences = per_sequence.repeat_interleave(50), torch.arange(40).repeat_interleave(50)
+    low, high = bootstrap_quantile_interval(values, sequences, 0.05, resamples=400)
+    tok_low, tok_high = bootstrap_quantile_interval(values, torch.arange(2000), 0.05, resamples=400)
+    assert low <= tok_low <= tok_high <= high and high - low > 3 * (tok_high - tok_low)
+    assert bootstrap_quantile_interval(torch.full((30,), 0.7), torch.arange(30) % 3, 0.05) == (
+        pytest.approx(0.7),
+        pytest.approx(0.7),
+    )
+    (b,) = acceptance_by_bin(values, torch.zeros(2000, dtype=torch.long), 10, 0.86, sequences=sequences,
+                             resamples=400)  # fmt: skip
+    assert b.sequences == 40 and b.p5_low <= b.p5 <= b.p5_high and (b.p5_low, b.p5_high) == (low, high)
+    (plain,) = acceptance_by_bin(values, torch.zeros(2000, dtype=torch.long), 10, 0.86)
+    assert plain.sequences is None and plain.p5_low is None  # no sequence ids: no interval
+
+
+def test_bootstrap_interval_covers_the_true_quantile_of_correlated_tokens():
+    """40 draws of 30 sequences x 10 tokens, each token its sequence's level U(0, 1) plus N(0, 0.05) noise (true
+    P5 0.045, from 2M tokens): the sequence-level 90% interval covers it in 36 of 40 draws (measured), the
+    token-level one, which ignores the correlation, in 21 (measured); the bounds 32 and 28 fail either kind of
+    mistake. (Independent U(0, 1) tokens, 300 a draw: 33 of 40, the percentile bootstrap's usual slight
+    under-coverage at a tail quantile.)"""
+    g = torch.Generator().manual_seed(4)
+    population = torch.rand(200_000, generator=g)[:, None] + 0.05 * torch.randn(200_000, 10, generator=g)
+    true = torch.quantile(population.flatten()[:1_000_000].double(), 0.05).item()
+    by_sequence = by_token = 0
+    for trial in range(40):
+        level = torch.rand(30, generator=g)
+        values = (level[:, None] + 0.05 * torch.randn(30, 10, generator=g)).flatten()
+        sequences = torch.arange(30).repeat_interleave(10)
+        low, high = bootstrap_quantile_interval(values, sequences, 0.05, resamples=300, seed=trial)
+        by_sequence += low <= true <= high
+        low, high = bootstrap_quantile_interval(values, torch.arange(300), 0.05, resamples=300, seed=trial)
+        by_token += low <= true <= high
+    assert by_sequence >= 32 and by_token <= 28
 
 
 @pytest.mark.parametrize("tau", [0.0, -0.1, 1.5, math.nan, True, "0.9"])

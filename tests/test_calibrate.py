@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from sparserl.eval.calibrate import (
     NO_BUDGET_PASSES,
     PASSES,
     CalibrationSettings,
+    budget_grid,
     calibrate,
     check_schedule,
     choose_schedule,
@@ -245,7 +247,8 @@ def command_args(tmp_path: Path, **change) -> argparse.Namespace:
         model="tiny-llama", data="arithmetic", split="test", prompts=1, offset=0, question_key="",
         answer_key="", method="block_topk", budgets="12,256", schedule=None, n=2, max_new_tokens=24,
         bin_width=64, tau=0.86, estimate="exact", top_logprobs=20, temperature=1.0, top_p=1.0, top_k=0, seed=0,
-        ignore_eos=True, samples_per_call=0, page_size=4, dense_layers="0", window=None, interval=None,
+        ignore_eos=True, samples_per_call=0, resamples=200, resume=False, page_size=4, dense_layers="0",
+        window=None, interval=None,
         out=str(tmp_path / "out"), checkpoint=False, dtype=None, device="cpu", threads=0, quiet=True,
     )  # fmt: skip
     return argparse.Namespace(**(values | change))
@@ -262,14 +265,58 @@ def test_command_calibrates_then_checks_on_other_prompts(tmp_path: Path, capsys:
     assert calibrate_command(command_args(tmp_path, budgets=None, schedule=schedule, offset=5)) == 0
     check = json.loads((out / "check.json").read_text())
     assert check["source"]["prompt_indices"] == [5] and check["schedule"] == saved["schedule"]
-    assert "all bins P5 >= 0.86" in capsys.readouterr().out
-    # both reports carry their goal in the results format, measured from their own table
+    printed = capsys.readouterr().out
+    assert "all bins p5_low >= 0.86" in printed and "schedule  bin" in printed and " [" in printed
+    # both reports carry their goal in the results format, measured from their own table (the lower bounds)
     ((name, goal),) = saved["goals"].items()
-    assert goal["target"] == 1.0 and goal["command"] == saved["command"]
+    assert goal["target"] == 1.0 and goal["command"] == saved["command"] and "lower bound" in name
     assert json.loads((out / "schedule.json").read_text())["goals"] == saved["goals"]
     ((name, goal),) = check["goals"].items()
-    lowest = min(v["p5"] for v in check["verdict"] if v["p5"] is not None)
+    lowest = min(v["p5_low"] for v in check["verdict"] if v["p5_low"] is not None)
     assert goal == {"value": lowest, "target": 0.86, "met": lowest >= 0.86, "command": check["command"]}
+
+
+def test_command_resumes_from_its_finished_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A calibration stopped after its first unit goes on with --resume: the finished unit is read, not sampled
+    again, and the report is the uninterrupted one's; other flags on the same --out are refused."""
+    import sparserl.eval.calibrate as calibration
+
+    args = command_args(tmp_path, prompts=2, budgets="12:20:1.5")  # a grid: 12, 16, 20 (pages of 4)
+    assert calibrate_command(args) == 0
+    whole = json.loads((tmp_path / "out" / "calibration.json").read_text())
+    assert [row["budget"] for row in whole["table"]] == [12, 16, 20]
+    units = sorted(p.name for p in (tmp_path / "out" / "units").glob("*.safetensors"))
+    assert units == [f"{b}-prompt{p}.safetensors" for b in (12, 16, 20) for p in (0, 1)]
+    for name in units[1:]:
+        (tmp_path / "out" / "units" / name).unlink()  # as if stopped after the first unit
+    measured = []
+    real = calibration.measure_unit
+    monkeypatch.setattr(calibration, "measure_unit", lambda *a: measured.append(a[2]) or real(*a))
+    assert calibrate_command(command_args(tmp_path, prompts=2, budgets="12:20:1.5", resume=True)) == 0
+    assert len(measured) == 5  # the five missing units only
+    resumed = json.loads((tmp_path / "out" / "calibration.json").read_text())
+    assert resumed["table"] == [row | {"wall_s": r["wall_s"]} for row, r in zip(whole["table"],
+                                resumed["table"], strict=True)]  # fmt: skip
+    with pytest.raises(UserError, match="--resume: .* holds a calibration with other settings"):
+        calibrate_command(command_args(tmp_path, prompts=2, budgets="12:20:1.5", resume=True, n=3))
+
+
+def test_budget_grid_steps_and_thin_cells_are_flagged():
+    grid = budget_grid(64, 1024, 1.33, 16)
+    assert grid[0] == 64 and grid[-1] == 1024 and all(b % 16 == 0 for b in grid)
+    assert all(1.2 <= b / a <= 1.45 for a, b in itertools.pairwise(grid)), grid
+    with pytest.raises(UserError, match="ratio"):
+        budget_grid(64, 1024, 1.0, 16)
+    model, tok = tiny()
+    report = calibrate(model, tok, prompts(1), [12, COVERING], block_settings(resamples=100))
+    assert report["judged_by"] == "p5_low" and report["interval_level"] == 0.9
+    assert any("fewer than 32 sequences (the fewest: 2)" in w for w in report["warnings"])
+    cells = [b for row in report["table"] for b in row["bins"] if b["p5"] is not None]
+    assert all(b["sequences"] == 2 and b["p5_low"] <= b["p5_high"] for b in cells)
+    covering = [b for b in report["table"][-1]["bins"] if b["p5"] is not None]
+    assert all(b["p5_low"] > 1 - ALPHA_TOL for b in covering)  # every token's alpha is 1: so is every draw
+    plain = calibrate(model, tok, prompts(1), [12, COVERING], block_settings(resamples=0))
+    assert plain["judged_by"] == "p5" and all(b["p5_low"] is None for r in plain["table"] for b in r["bins"])
 
 
 @pytest.mark.parametrize(

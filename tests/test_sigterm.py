@@ -145,7 +145,7 @@ def test_calibrate_stops_with_one_line_and_143(
         time.sleep(1)  # the handler raises here
         pytest.fail("SIGTERM did not stop the calibration")
 
-    monkeypatch.setattr(calibration, "measure_bins", terminated)
+    monkeypatch.setattr(calibration, "measure_unit", terminated)
     assert calibrate_command(command_args(tmp_path)) == 143
     err = capsys.readouterr().err
     assert "sparserl calibrate: stopped by SIGTERM" in err and "Traceback" not in err

@@ -24,6 +24,9 @@ from sparserl.errors import UserError
 
 MIN_BIN_TOKENS = 20  # fewer tokens than this in a bin: no tail statistics ("too few tokens")
 TOO_FEW_TOKENS = "too few tokens"
+MIN_BIN_SEQUENCES = 32  # fewer sequences than this in a bin: its P5 interval is wide (p5_stability), flagged
+INTERVAL_LEVEL = 0.90  # the P5 interval's confidence level
+BOOTSTRAP_RESAMPLES = 1000  # sequence-level bootstrap draws per interval
 
 
 def _same_shape(a: Tensor, b: Tensor, names: str) -> None:
@@ -71,6 +74,9 @@ class AcceptanceBin:
     mean: float | None = None
     frac_below_tau: float | None = None
     note: str = ""
+    sequences: int | None = None  # distinct sequences with a token in the bin (None: not known)
+    p5_low: float | None = None  # the P5's 90% interval, sequence-level bootstrap (None: not computed)
+    p5_high: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         """Plain dict for JSON reports."""
@@ -83,13 +89,58 @@ def check_tau(tau: float, name: str = "tau") -> None:
         raise UserError(f"{name}={tau!r} must be in (0, 1] (the acceptance-rate threshold, e.g. 0.86)")
 
 
+def bootstrap_quantile_interval(
+    values: Tensor,
+    sequences: Tensor,
+    q: float,
+    level: float = INTERVAL_LEVEL,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """The `level` interval of the q-quantile of `values` [N] by a sequence-level bootstrap: each draw resamples
+    the sequences (`sequences` [N], one id per value) with replacement and takes the quantile of all their
+    values, since the tokens of one sequence are correlated and resampling tokens would understate the spread.
+
+    A draw's quantile is the inverted-CDF one (the smallest value whose resampled weight reaches q), computed
+    as a weighted quantile (a token's weight: how often its sequence was drawn) over values sorted once."""
+    if values.numel() == 0 or values.shape != sequences.shape:
+        raise ValueError(f"bootstrap_quantile_interval: need matching non-empty values and sequences, got "
+                         f"{tuple(values.shape)} and {tuple(sequences.shape)}")  # fmt: skip
+    order = values.argsort()
+    sorted_values = values[order].double()
+    _, seq_of_token = torch.unique(sequences[order], return_inverse=True)
+    count = int(seq_of_token.max()) + 1
+    g = torch.Generator().manual_seed(seed)
+    draws = []
+    for start in range(0, resamples, 100):  # 100 draws at a time: [100, N] weights, not [resamples, N]
+        r = min(100, resamples - start)
+        picks = torch.randint(count, (r, count), generator=g)
+        weight = torch.zeros(r, count).scatter_add_(1, picks, torch.ones(r, count))[:, seq_of_token]
+        cumulative = weight.cumsum(1)
+        at = torch.searchsorted(cumulative, q * cumulative[:, -1:]).clamp(max=len(order) - 1)
+        draws.append(sorted_values[at.squeeze(1)])
+    low, high = torch.quantile(torch.cat(draws), torch.tensor([(1 - level) / 2, (1 + level) / 2]).double())
+    return low.item(), high.item()
+
+
 def acceptance_by_bin(
-    alpha: Tensor, positions: Tensor, bin_width: int, tau: float, min_tokens: int = MIN_BIN_TOKENS
+    alpha: Tensor,
+    positions: Tensor,
+    bin_width: int,
+    tau: float,
+    min_tokens: int = MIN_BIN_TOKENS,
+    sequences: Tensor | None = None,
+    resamples: int = 0,
 ) -> list[AcceptanceBin]:
     """Per bin of absolute position (bin i holds positions [i * bin_width, (i + 1) * bin_width)), from bin 0 to
     the last holding a token: its token count and, with at least `min_tokens` tokens, the P5 and P1 of alpha
-    (linear interpolation between order statistics, as numpy's default), its mean and the fraction below tau."""
+    (linear interpolation between order statistics, as numpy's default), its mean and the fraction below tau.
+
+    With `sequences` (the sequence id of each token), also each bin's number of sequences and, with `resamples`
+    > 0 and at least 2 sequences, the P5's 90% interval (`bootstrap_quantile_interval`, seeded by the bin)."""
     _same_shape(alpha, positions, "acceptance_by_bin: alpha and positions")
+    if sequences is not None:
+        _same_shape(alpha, sequences, "acceptance_by_bin: alpha and sequences")
     check_tau(tau)
     if isinstance(bin_width, bool) or not isinstance(bin_width, int) or bin_width < 1:
         raise UserError(
@@ -107,6 +158,8 @@ def acceptance_by_bin(
     for i in range(int(which.max()) + 1):
         values = alpha[which == i]
         out = AcceptanceBin(i, i * bin_width, (i + 1) * bin_width, values.numel())
+        seqs = sequences.reshape(-1)[which == i] if sequences is not None else None
+        out.sequences = None if seqs is None else int(torch.unique(seqs).numel())
         if out.tokens < min_tokens:
             out.note = TOO_FEW_TOKENS
         else:
@@ -115,6 +168,10 @@ def acceptance_by_bin(
             ).tolist()
             out.p5, out.p1, out.mean = p5, p1, values.mean().item()
             out.frac_below_tau = (values < tau).double().mean().item()
+            if seqs is not None and resamples > 0 and out.sequences >= 2:
+                out.p5_low, out.p5_high = bootstrap_quantile_interval(
+                    values, seqs, 0.05, resamples=resamples, seed=i
+                )
         bins.append(out)
     return bins
 

@@ -84,13 +84,16 @@ def cost(args: argparse.Namespace) -> int:
 def _calibrate_epilog() -> str:
     return (
         "Per candidate budget and length bin, the P5 of the acceptance rate alpha (sparse sampler vs dense\n"
-        "policy, per token) over --prompts x --n samples; the schedule takes per bin the smallest budget with\n"
-        "P5 >= --tau, made non-decreasing. --out gets calibration.json (the table, settings, command),\n"
-        "calibration.png (the heatmap) and schedule.json (use it as kv.schedule=OUT/schedule.json). With\n"
+        "policy, per token) over --prompts x --n samples, with its 90% interval (a bootstrap over sequences);\n"
+        "the schedule takes per bin the smallest budget whose lower bound is >= --tau, made non-decreasing.\n"
+        "Use >= 32 sequences per cell (e.g. --prompts 16 --n 4): fewer are flagged. A stopped calibration\n"
+        "goes on with --resume (finished units are kept under OUT/units).\n"
+        "--out gets calibration.json (the table, settings, command), calibration.png (the heatmap) and\n"
+        "schedule.json (use it as kv.schedule=OUT/schedule.json). With\n"
         "--schedule instead of --budgets: check that schedule on other prompts (--offset), writing check.json\n"
         "and check.png.\n\n"
         "examples:\n"
-        "  sparserl calibrate --data long_arithmetic --method block_topk --budgets 64,128,256,512 --n 4 \\\n"
+        "  sparserl calibrate --data long_arithmetic --method block_topk --budgets 64:512:1.33 --prompts 16 --n 4 \\\n"
         "      --max-new-tokens 1024 --ignore-eos --threads 1 --out calibration/\n"
         "  sparserl calibrate --data long_arithmetic --method block_topk --schedule calibration/schedule.json \\\n"
         "      --offset 100 --n 4 --max-new-tokens 1024 --ignore-eos --out calibration/check/\n"
@@ -108,7 +111,12 @@ def _calibrate_epilog() -> str:
     arg("--prompts", type=int, default=4, help="calibration prompts (default 4)"),
     arg("--offset", type=int, default=0, help="index of the first prompt; held-out checks use others"),
     arg("--method", default="block_topk", help="block_topk or an eviction method (rkv, snapkv, h2o, ...)"),
-    arg("--budgets", default=None, help="candidate budgets, comma-separated, e.g. 64,128,256,512"),
+    arg(
+        "--budgets",
+        default=None,
+        help="candidate budgets: comma-separated (64,128,256) or a grid "
+        "LOW:HIGH:RATIO (64:1024:1.33, multiples of the page size, or of 16)",
+    ),
     arg("--schedule", default=None, help="instead of --budgets: check this schedule (file or table)"),
     arg("--n", type=int, default=8, help="samples per prompt (default 8)"),
     arg("--max-new-tokens", type=int, default=1024, help="completion length cap (default 1024)"),
@@ -122,6 +130,16 @@ def _calibrate_epilog() -> str:
     arg("--seed", type=int, default=0, help="sampling seed, the same for every budget"),
     arg("--ignore-eos", action="store_true", help="sample every completion to --max-new-tokens"),
     arg("--samples-per-call", type=int, default=0, help="samples generated at a time; 0: all n"),
+    arg(
+        "--resamples",
+        type=int,
+        default=1000,
+        help="sequence-level bootstrap draws of each P5's 90%% interval; "
+        "the schedule takes the smallest budget whose lower bound >= tau (0: no interval, judged by P5)",
+    ),
+    arg(
+        "--resume", action="store_true", help="go on from the units a stopped calibration into --out finished"
+    ),
     arg("--page-size", type=int, default=16, help="block_topk: tokens per page (default 16)"),
     arg("--dense-layers", default="0,1", help="block_topk: layers that stay dense (default 0,1)"),
     arg("--window", type=int, default=None, help="eviction: always-kept recent positions"),

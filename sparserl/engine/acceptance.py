@@ -26,20 +26,38 @@ from sparserl.engine.scoring import micro_batches, score_distributions
 class TokenAcceptance:
     """Per generated token [N]: its absolute position (prompt length + index in the completion, i.e. the length
     of the prefix it was drawn after), the top-k lower bound of alpha and the exact alpha (None when the sampler
-    did not record full distributions)."""
+    did not record full distributions), and the index of the sample it belongs to."""
 
     positions: Tensor
     topk: Tensor
     exact: Tensor | None
+    sequences: Tensor
 
-    def binned(self, bin_width: int, tau: float) -> dict[str, list[AcceptanceBin]]:
-        """Each estimate's statistics per bin of absolute position (`algo.acceptance_by_bin`)."""
+    def binned(self, bin_width: int, tau: float, resamples: int = 0) -> dict[str, list[AcceptanceBin]]:
+        """Each estimate's statistics per bin of absolute position (`algo.acceptance_by_bin`), with each bin's
+        number of sequences, and with `resamples` > 0 the P5's sequence-level bootstrap interval."""
         estimates = {"topk": self.topk, "exact": self.exact}
         return {
-            name: acceptance_by_bin(alpha, self.positions, bin_width, tau)
+            name: acceptance_by_bin(
+                alpha, self.positions, bin_width, tau, sequences=self.sequences, resamples=resamples
+            )  # fmt: skip
             for name, alpha in estimates.items()
             if alpha is not None
         }
+
+    @staticmethod
+    def concatenated(parts: Sequence[TokenAcceptance]) -> TokenAcceptance:
+        """The tokens of `parts` together, each part's samples numbered after the previous parts'."""
+        offsets = [0]
+        for p in parts[:-1]:
+            offsets.append(offsets[-1] + (int(p.sequences.max()) + 1 if p.sequences.numel() else 0))
+        exact = all(p.exact is not None for p in parts)
+        return TokenAcceptance(
+            torch.cat([p.positions for p in parts]),
+            torch.cat([p.topk for p in parts]),
+            torch.cat([p.exact for p in parts]) if exact else None,
+            torch.cat([p.sequences + o for p, o in zip(parts, offsets, strict=True)]),
+        )
 
 
 def rollout_acceptance(
@@ -66,7 +84,7 @@ def rollout_acceptance(
     k = samples[0].distributions.top_ids.shape[-1]
     exact = all(s.distributions.full_logprobs is not None for s in samples)
     completions = [s.completion_ids for s in samples]
-    positions, topk, full = [], [], []
+    positions, topk, full, sequences = [], [], [], []
     for chunk in micro_batches(prompt_ids, completions, token_budget):
         dense = score_distributions(
             model, [prompt_ids[i] for i in chunk], [completions[i] for i in chunk],
@@ -75,10 +93,13 @@ def rollout_acceptance(
         for i, d in zip(chunk, dense, strict=True):
             sparse = samples[i].distributions
             positions.append(len(prompt_ids[i]) + torch.arange(len(completions[i])))
+            sequences.append(torch.full((len(completions[i]),), i))
             topk.append(acceptance_topk(sparse.top_ids, sparse.top_logprobs, d.top_ids, d.top_logprobs))
             if exact:
                 full.append(acceptance_exact(sparse.full_logprobs, d.full_logprobs))
-    return TokenAcceptance(torch.cat(positions), torch.cat(topk), torch.cat(full) if exact else None)
+    return TokenAcceptance(
+        torch.cat(positions), torch.cat(topk), torch.cat(full) if exact else None, torch.cat(sequences)
+    )
 
 
 def measure_acceptance(
@@ -124,8 +145,4 @@ def measure_acceptance(
             parts.append(
                 rollout_acceptance(model, [prompt] * len(samples), samples, temperature, top_p, top_k)
             )
-    return TokenAcceptance(
-        torch.cat([p.positions for p in parts]),
-        torch.cat([p.topk for p in parts]),
-        torch.cat([p.exact for p in parts]) if exact else None,
-    )
+    return TokenAcceptance.concatenated(parts)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sparserl.config import ConfigError
@@ -14,6 +16,8 @@ from sparserl.errors import UserError
 from sparserl.eval.calibrate import (
     SCHEDULE_JSON,
     CalibrationSettings,
+    ProgressFn,
+    budget_grid,
     calibrate,
     candidate_kv_configs,
     check_schedule,
@@ -21,6 +25,8 @@ from sparserl.eval.calibrate import (
     write_outputs,
 )
 from sparserl.signals import stoppable
+
+UNITS_DIR = "units"  # under --out: the finished (KV policy, prompt) units that --resume reads
 
 
 def command_line(args: argparse.Namespace, name: str = "calibrate") -> str:
@@ -42,6 +48,18 @@ def _int_list(text: str, flag: str) -> list[int]:
         return [int(t) for t in items]
     except ValueError:
         raise ConfigError(f"{flag} {text!r}: expected comma-separated integers, e.g. 64,128,256") from None
+
+
+def _budgets(text: str, multiple: int) -> list[int]:
+    """--budgets: comma-separated budgets, or LOW:HIGH:RATIO for a grid (`budget_grid`, multiples of
+    `multiple`)."""
+    if ":" not in str(text):
+        return _int_list(text, "--budgets")
+    try:
+        low, high, ratio = str(text).split(":")
+        return budget_grid(int(low), int(high), float(ratio), multiple)
+    except ValueError:
+        raise ConfigError(f"--budgets {text!r}: a grid is LOW:HIGH:RATIO, e.g. 64:1024:1.33") from None
 
 
 def _settings_from_flags(args: argparse.Namespace) -> tuple[CalibrationSettings, list[int]]:
@@ -67,19 +85,22 @@ def _settings_from_flags(args: argparse.Namespace) -> tuple[CalibrationSettings,
             settings = CalibrationSettings(
                 args.method, kv_options, args.n, args.max_new_tokens, args.bin_width, args.tau, args.estimate,
                 args.top_logprobs, args.temperature, args.top_p, args.top_k, args.seed, args.ignore_eos,
-                args.samples_per_call,
+                args.samples_per_call, args.resamples,
             )  # fmt: skip
             if args.schedule:
                 settings.kv(schedule=parse_schedule(args.schedule, "--schedule", args.method))
                 return settings, []
-            budgets = _int_list(args.budgets, "--budgets")
+            budgets = _budgets(args.budgets, args.page_size if args.method == "block_topk" else 16)
             candidate_kv_configs(settings, budgets)
             return settings, budgets
     except UserError as e:
         raise ConfigError(str(e)) from None
 
 
-@stoppable("sparserl calibrate", "its outputs were not written (or not all); run the same command again")
+@stoppable(
+    "sparserl calibrate",
+    "its outputs were not written; the units it finished are kept: add --resume to the same command to go on",
+)
 def calibrate_command(args: argparse.Namespace) -> int:
     """`sparserl calibrate`: check the flags, load the model and prompts, calibrate (or, with --schedule,
     check a schedule on these prompts), write the outputs under --out and print the schedule and warnings."""
@@ -129,14 +150,15 @@ def calibrate_command(args: argparse.Namespace) -> int:
     check_prompt_lengths(loaded.model, task, indices, prompt_ids, args.max_new_tokens)
     prompts = list(prompt_ids.values())
 
-    def progress(message: str) -> None:
-        console.print(f"  {message}", highlight=False)
-
     t0 = time.perf_counter()
-    if args.schedule:
-        report = check_schedule(loaded.model, loaded.tokenizer, prompts, args.schedule, settings, progress)
-    else:
-        report = calibrate(loaded.model, loaded.tokenizer, prompts, budgets, settings, progress)
+    store = {"store_dir": out / UNITS_DIR, "resume": args.resume}
+    with progress_bar(console) as progress:
+        if args.schedule:
+            report = check_schedule(
+                loaded.model, loaded.tokenizer, prompts, args.schedule, settings, progress, **store
+            )
+        else:
+            report = calibrate(loaded.model, loaded.tokenizer, prompts, budgets, settings, progress, **store)
     report["command"] = command_line(args)
     report["source"] = {"model": args.model, "model_loaded_from": loaded.path, "data": args.data,
                         "split": args.split, "prompt_indices": indices}  # fmt: skip
@@ -146,8 +168,36 @@ def calibrate_command(args: argparse.Namespace) -> int:
         console.print(f"wrote {path}", highlight=False)
     for warning in report["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}", highlight=False)
+    print_tail(report)
     if args.schedule:
-        print(f"all bins P5 >= {settings.tau}: {report['all_pass']}")
+        print(f"all bins {settings.tail} >= {settings.tau}: {report['all_pass']}")
     else:
         print(f"schedule (kv.schedule={out / SCHEDULE_JSON}): {report['schedule']}")
     return 0
+
+
+@contextmanager
+def progress_bar(console) -> Iterator[ProgressFn]:
+    """A bar over the calibration's (KV policy, prompt) units with the time left, on the console's stream."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("calibrating", total=None)
+
+        def advance(done: int, total: int, unit: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"calibrating ({unit})")
+
+        yield advance
+
+
+def print_tail(report: dict) -> None:
+    """Each row's P5 per bin with its interval: `budget  bin0 0.91 [0.88, 0.93]  bin1 ...`."""
+    for row in report["table"]:
+        cells = [
+            f"bin{b['index']} {b['p5']:.3f}"
+            + (f" [{b['p5_low']:.3f}, {b['p5_high']:.3f}]" if b["p5_low"] is not None else "")
+            for b in row["bins"]
+            if b["p5"] is not None
+        ]
+        print(f"{row['label']:>8}  " + "  ".join(cells))

@@ -13,9 +13,9 @@ from sparserl.algo.acceptance import TOO_FEW_TOKENS
 
 def plot_heatmap(report: dict[str, Any], path: str | Path) -> Path:
     """Draw the report's table as a heatmap PNG: rows = budgets (or the checked schedule), columns = length
-    bins, cells coloured by P5 (0 to 1) and labelled with it, too-few-token cells grey and hatched, the tau
-    contour drawn along the cell edges that separate P5 >= tau from P5 < tau, and the chosen schedule's cells
-    outlined."""
+    bins, cells coloured by P5 (0 to 1) and labelled with it and its 90% interval, too-few-token cells grey and
+    hatched, the tau contour drawn along the cell edges that separate passing cells from failing ones (judged
+    by the report's `judged_by`: the interval's lower bound, or P5), and the chosen schedule's cells outlined."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,19 +25,30 @@ def plot_heatmap(report: dict[str, Any], path: str | Path) -> Path:
     from matplotlib.patches import Patch, Rectangle
 
     s, rows = report["settings"], report["table"]
-    p5 = np.array(
-        [[np.nan if b["p5"] is None else b["p5"] for b in row["bins"]] for row in rows], dtype=float
-    )
+    judged_by = report.get("judged_by", "p5")
+
+    def grid(stat: str) -> np.ndarray:
+        return np.array(
+            [[np.nan if b[stat] is None else b[stat] for b in row["bins"]] for row in rows], float
+        )
+
+    p5, tail = grid("p5"), grid(judged_by)
     n_rows, n_bins = p5.shape
-    measured = ~np.isnan(p5)
-    passes = measured & (np.nan_to_num(p5) >= s["tau"])
+    measured = ~np.isnan(tail)
+    passes = measured & (np.nan_to_num(tail) >= s["tau"])
     fig, ax = plt.subplots(figsize=(2.8 + 0.85 * n_bins, 1.9 + 0.42 * n_rows))
     cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
     norm = TwoSlopeNorm(vmin=0.0, vcenter=min(s["tau"], 0.999), vmax=1.0)  # red below tau, green above
     image = ax.imshow(np.ma.masked_invalid(p5), cmap=cmap, norm=norm, aspect="auto", origin="lower")
     for (r, c), value in np.ndenumerate(p5):
+        cell = rows[r]["bins"][c]
         if measured[r, c]:
-            ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=8)
+            interval = (
+                f"\n[{cell['p5_low']:.2f}, {cell['p5_high']:.2f}]" if cell.get("p5_low") is not None else ""
+            )
+            ax.text(
+                c, r, f"{value:.2f}{interval}", ha="center", va="center", fontsize=8 if not interval else 6
+            )
         else:
             ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch="///", edgecolor="grey", lw=0))
     contour = {"color": "black", "linewidth": 2.5, "zorder": 3}
@@ -62,7 +73,7 @@ def plot_heatmap(report: dict[str, Any], path: str | Path) -> Path:
     bar = fig.colorbar(image, ax=ax, label="P5")
     bar.ax.axhline(s["tau"], color="black", linewidth=2)
     legend = [
-        Line2D([], [], **contour, label=f"P5 = tau ({s['tau']})"),
+        Line2D([], [], **contour, label=f"{'P5' if judged_by == 'p5' else 'lower bound'} = tau ({s['tau']})"),
         Patch(facecolor="lightgrey", hatch="///", edgecolor="grey", label=TOO_FEW_TOKENS),
     ]
     if report.get("schedule_bins"):
