@@ -212,7 +212,7 @@ def test_prompt_prefilled_once_for_its_n_samples(tiny, monkeypatch):
 
 
 def test_shared_prompt_kv_equals_separate_prefills(tiny, monkeypatch):
-    """n=4 samples of one prompt (one prefill, KV copied) vs four copies of the prompt with n=1 (four prefills).
+    """n=4 samples of one prompt (one prefill, its KV held once) vs four copies of the prompt with n=1 (four prefills).
 
     The rows see identical logits either way, so with the same seed the sampler draws the same tokens; the
     logits of every step are compared too, and each completion is re-scored by teacher forcing.

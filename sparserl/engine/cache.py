@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from sparserl.engine.decoder import decode_attention
+
 
 class KVCache:
     """Keys, values and true positions of every held slot, per layer: [rows, kv_heads, capacity, (head_dim)].
@@ -114,6 +116,22 @@ class KVCache:
         w = self.queries[layer].shape[2]
         rows = torch.arange(self.rows, device=q.device)
         self.queries[layer][rows, :, self.query_count % w] = q[:, :, 0]
+
+    def held(self) -> Tensor:
+        """[rows] positions each row's attention holds: its own slots (a shared prefix's too, in a subclass)."""
+        return self.length
+
+    def shared_bytes(self) -> int:
+        """Bytes of keys and values held once for several rows (none here: every row holds its own)."""
+        return 0
+
+    def attention(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """One decode step's attention of `layer`: queries q [rows, Hq, 1, D] over the keys and values the step
+        reads (k, v [rows, Hkv, S, D] under the mask `valid`); returns `decode_attention`'s output and
+        probabilities over those S slots."""
+        return decode_attention(q, k, v, valid, scale)
 
     def view(self, layer: int, span: int) -> tuple[Tensor, Tensor]:
         """Keys and values of the first `span` slots (no copy)."""
@@ -227,7 +245,11 @@ class KVCache:
         n, k = self._rows, rows.numel()
         self.reserve_rows(n + k)
         for name, t in self._store.items():
-            part, axis, dst = src._store[name][rows], self._slot_axis(name), t[n : n + k]
+            dst = t[n : n + k]
+            if name not in src._store:  # state only this cache carries (a shared prefix's id) starts empty
+                dst.zero_()
+                continue
+            part, axis = src._store[name][rows], self._slot_axis(name)
             if axis is None:
                 dst.copy_(part)
             else:

@@ -18,6 +18,7 @@ from torch import Tensor
 from sparserl.engine.cache import KVCache
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
+from sparserl.engine.shared_prefix import SharedPrefixCache, shared_prompts
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
@@ -101,15 +102,17 @@ class DecodeRun:
                 self.tokens[i, : len(r.prefix)] = torch.tensor(r.prefix, device=dev)
         self.start_count = self.count.clone()
         self.limit = torch.tensor([r.max_new_tokens for r in requests], device=dev)
-        self.longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+        fresh = [not r.prefix for r in requests]
+        self.shared = shared_prompts([r.prompt for r in requests], fresh) if engine.share_prompts else set()
+        self.prompt_len = torch.tensor([len(r.prompt) for r in requests], device=dev)
+        self.longest = max(self.own_length(i, whole=True) for i in range(n))
         self.uniforms = torch.cat(
             [sample_uniforms(r.seed, [r.key], steps, dev) for r in requests]
         )  # [n, steps]: each sample's own draws
         self.finish: list[str | None] = [None] * n
-        self.prompt_len = torch.tensor([len(r.prompt) for r in requests], device=dev)
         self.events = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = PositionStats(torch.zeros(n, dtype=torch.long, device=dev))
-        self.cache = KVCache(
+        self.cache = (SharedPrefixCache if self.shared else KVCache)(
             dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, 0, engine.kv.window, dec.dtype,
             dev, extras=engine.evictor.method.extras if engine.evictor else (),
         )  # fmt: skip
@@ -145,31 +148,48 @@ class DecodeRun:
         """Tokens a (re-)admission of sample i prefills: its prompt and the completion tokens it holds."""
         return int(self.prompt_len[i] + self.count[i])
 
+    def shares(self, i: int) -> bool:
+        """Whether an admission of sample i reads its group's prompt held once: a sample of a group (two or
+        more samples of one prompt, `shared_prompts`) with no completion token yet, in a dense cache."""
+        return int(self.count[i]) == 0 and tuple(self.requests[i].prompt) in self.shared
+
+    def own_length(self, i: int, whole: bool = False) -> int:
+        """Positions sample i's own row holds once admitted (`whole`: at its end): its input (prompt +
+        max_new_tokens), less the prompt when it reads its group's shared copy."""
+        total = int(self.prompt_len[i] + self.limit[i]) if whole else self.input_length(i)
+        return total - int(self.prompt_len[i]) * self.shares(i)
+
+    def shared_bytes_after_admit(self, ids: list[int]) -> int:
+        """Bytes of the prompts held once (`SharedPrefixCache`) once `ids` are admitted."""
+        held = self.cache.shared_bytes()
+        new = {tuple(self.requests[i].prompt) for i in ids if self.shares(i)}
+        new = [p for p in new if self.cache.prefix_id(p) is None]
+        return held + sum(len(p) for p in new) * self.bytes_per_position
+
     def bytes_after_admit(self, ids: list[int], whole: bool = False) -> int:
         """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have
         (`whole`: the capacity their whole length needs, prompt + max_new_tokens)."""
-        if whole:
-            need = max(int(self.prompt_len[i] + self.limit[i]) for i in ids)
-        else:
-            need = max(self.input_length(i) + 1 for i in ids)
+        need = max(self.own_length(i, whole) + (not whole) for i in ids)
         capacity = max(self.cache.capacity, self.fit_capacity(need))
         if self.running:  # and what the running rows need at their next step
             capacity = max(capacity, self.fit_capacity(int(self.cache.length[self._rows()].max()) + 1))
-        return (self.running + len(ids)) * capacity * self.bytes_per_position
+        rows = (self.running + len(ids)) * capacity * self.bytes_per_position
+        return rows + self.shared_bytes_after_admit(ids)
 
     def bytes_next_step(self) -> int:
         """KV bytes the running rows hold after the next step (the cache grows when its longest row fills it)."""
         if not self.running:
             return 0
         capacity = max(self.cache.capacity, self.fit_capacity(int(self.cache.length.max()) + 1))
-        return self.running * capacity * self.bytes_per_position
+        return self.running * capacity * self.bytes_per_position + self.cache.shared_bytes()
 
     def held_bytes(self) -> int:
-        """KV bytes charged to the running sequences now (their rows at the current capacity)."""
-        return self.running * self.cache.capacity * self.bytes_per_position
+        """KV bytes charged to the running sequences now (their rows at the current capacity, and the prompts
+        held once for their groups)."""
+        return self.running * self.cache.capacity * self.bytes_per_position + self.cache.shared_bytes()
 
     def held_positions(self) -> int:
-        """Positions the running sequences actually hold (<= rows x capacity)."""
+        """Positions the running sequences' rows actually hold (<= rows x capacity; shared prompts apart)."""
         return int(self.cache.length[self._rows()].sum()) if self.running else 0
 
     def _resize(self, capacity: int, rows: int) -> None:
@@ -178,7 +198,8 @@ class DecodeRun:
         reserve = rows
         if self.kv_memory_cap is not None and capacity:
             unfinished = sum(f is None for f in self.finish)
-            reserve = max(rows, min(unfinished, self.kv_memory_cap // (capacity * self.bytes_per_position)))
+            free = self.kv_memory_cap - self.cache.shared_bytes()
+            reserve = max(rows, min(unfinished, free // (capacity * self.bytes_per_position)))
         before = self.cache.nbytes()
         self.cache.resize(capacity, reserve)
         if self.cache.nbytes() != before:  # the old storage is released only once copied
@@ -196,25 +217,61 @@ class DecodeRun:
         return torch.arange(self.cache.rows, device=self.sample_of_row.device)
 
     def admit(self, ids: list[int]) -> None:
-        """Prefill the given samples (identical inputs once) and add them to the batch."""
+        """Prefill the given samples (identical inputs once) and add them to the batch; samples that read their
+        group's shared prompt (`shares`) get rows of their own tokens only, the prompt prefilled and held once."""
         if not ids:
             return
         t0 = time.perf_counter()
-        engine, dev = self.engine, self.cache.length.device
+        copied = [i for i in ids if not self.shares(i)]
+        readers = [i for i in ids if self.shares(i)]
+        if copied:
+            self._admit_copied(copied)
+        if readers:
+            self._admit_readers(readers)
+        self.timing["prefill_s"] += time.perf_counter() - t0
+
+    def _admit_copied(self, ids: list[int]) -> None:
+        """Rows holding their whole input: prefilled (identical inputs once) and copied into each row."""
+        dev = self.cache.length.device
         inputs: dict[tuple[int, ...], int] = {}
         source = []
         for i in ids:
             seq = tuple(self.requests[i].prompt) + tuple(self.tokens[i, : int(self.count[i])].tolist())
             source.append(inputs.setdefault(seq, len(inputs)))
-        prompts = [list(seq) for seq in inputs]
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        dec = engine.decoder
+        tmp, logits, events = self._prefill([list(seq) for seq in inputs])
+        expand = torch.tensor(source, device=dev)
+        capacity = max(self.cache.capacity, self.fit_capacity(int(tmp.length.max()) + 1))
+        self._resize(capacity, self.cache.rows + len(ids))
+        self.cache.append(tmp, expand)
+        self._joined(ids, logits[expand], events[expand], tmp.nbytes())
+
+    def _admit_readers(self, ids: list[int]) -> None:
+        """Empty rows reading their group's prompt, held once (prefilled now unless a row already reads it)."""
+        prompts = [tuple(self.requests[i].prompt) for i in ids]
+        missing = list(dict.fromkeys(p for p in prompts if self.cache.prefix_id(p) is None))
+        transient = 0
+        if missing:
+            tmp, logits, _ = self._prefill([list(p) for p in missing])
+            for row, prompt in enumerate(missing):
+                self.cache.hold(prompt, tmp, row, logits[row])
+            transient = tmp.nbytes()
+        pids = [self.cache.prefix_id(p) for p in prompts]
+        self._resize(max(self.cache.capacity, self.fit_capacity(1)), self.cache.rows + len(ids))
+        self.cache.append_readers(torch.tensor(pids, device=self.cache.length.device))
+        logits = torch.stack([self.cache.prefixes[p].logits for p in pids])
+        self._joined(ids, logits, torch.zeros_like(self.events[: len(ids)]), transient)
+
+    def _prefill(self, inputs: list[list[int]]) -> tuple[KVCache, Tensor, Tensor]:
+        """Distinct inputs prefilled densely into a small cache, cut to the budget by an evicting method (events:
+        1 where cut) and summarised for block-sparse reads; returns the cache, next-token logits and events."""
+        engine, dev, dec = self.engine, self.cache.length.device, self.engine.decoder
+        lengths = torch.tensor([len(p) for p in inputs], device=dev)
         tmp = KVCache(
-            dec.num_layers, len(prompts), dec.num_kv_heads, dec.num_heads, dec.head_dim, int(lengths.max()),
+            dec.num_layers, len(inputs), dec.num_kv_heads, dec.num_heads, dec.head_dim, int(lengths.max()),
             engine.kv.window, dec.dtype, dev, extras=self.cache._extra_names,
         )  # fmt: skip
-        logits = engine._prefill(prompts, lengths, tmp)
-        events = torch.zeros(len(prompts), dtype=torch.long, device=dev)
+        logits = engine._prefill(inputs, lengths, tmp)
+        events = torch.zeros(len(inputs), dtype=torch.long, device=dev)
         if engine.evictor is not None:
             c0 = time.perf_counter()
             budget = engine.schedule.budget(lengths)
@@ -224,18 +281,18 @@ class DecodeRun:
             self.timing["compress_s"] += time.perf_counter() - c0
         if engine.sparse is not None:
             engine.sparse.start(tmp)
-        expand = torch.tensor(source, device=dev)
-        new = torch.tensor(ids, device=dev)
-        capacity = max(self.cache.capacity, self.fit_capacity(int(tmp.length.max()) + 1))
-        self._resize(capacity, self.cache.rows + len(ids))
-        self.cache.append(tmp, expand)
+        return tmp, logits, events
+
+    def _joined(self, ids: list[int], logits: Tensor, events: Tensor, transient: int) -> None:
+        """Bookkeeping once samples `ids` have their rows (the last ones): logits, events, positions, memory
+        (`transient`: the prefill cache's bytes, alive while it was copied in)."""
+        new = torch.tensor(ids, device=self.sample_of_row.device)
         self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.cache.nbytes() + tmp.nbytes())
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.cache.nbytes() + transient)
         self.sample_of_row = torch.cat([self.sample_of_row, new])
-        self.logits = logits[expand] if self.logits is None else torch.cat([self.logits, logits[expand]])
-        self.events[new] += events[expand]
-        self.positions.start(new, self.cache.length[-len(ids) :])
-        self.timing["prefill_s"] += time.perf_counter() - t0
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        self.events[new] += events
+        self.positions.start(new, self.cache.held()[-len(ids) :])
 
     def truncate(self, i: int) -> None:
         """End running sample i now, as if it had reached its length cap."""
@@ -294,8 +351,9 @@ class DecodeRun:
                 self.logits = engine._decode_step(tok, total, self.cache)
             else:
                 self.logits = self._compiled_step(tok, total)
-            read = engine.sparse.plan.read[rows] if engine.sparse is not None else self.cache.length[rows]
-            self.positions.add(ids, self.cache.length[rows], read, total + 1)
+            held = self.cache.held()[rows]
+            read = engine.sparse.plan.read[rows] if engine.sparse is not None else held
+            self.positions.add(ids, held, read, total + 1)
             self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
             self.peak_transient_bytes = max(self.peak_transient_bytes, self.peak_bytes)
             self.decode_steps += 1

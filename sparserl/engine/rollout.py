@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from sparserl.engine.cache import KVCache
 from sparserl.engine.compression import make_evictor
 from sparserl.engine.context_length import prompt_fits
-from sparserl.engine.decoder import Decoder, decode_attention, prefill_attention
+from sparserl.engine.decoder import Decoder, prefill_attention
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.kv_config import KVConfig
 from sparserl.engine.module_mode import module_mode
@@ -115,7 +115,8 @@ def register_sparse_path(model: nn.Module, switch: Callable[[], AbstractContextM
 class RolloutEngine:
     """Samples n completions per prompt. The KV cache is preallocated and, with an eviction method, bounded.
 
-    A prompt is prefilled once (dense) and its KV copied to its n samples. `dtype` is the compute dtype of the
+    A prompt is prefilled once (dense). With `share_prompts` (default) and a dense eager cache, a group's prompt
+    KV is held once and read by its n samples (`engine/shared_prefix.py`); else it is copied to each. `dtype` is the compute dtype of the
     rollout and its KV cache (default: the weights' own; bfloat16 over float32 weights runs a bfloat16 copy).
     With `compile`, the decode step runs through `torch.compile` with static shapes (the live rows padded to a
     bucket of rows, attention over the whole preallocated capacity: one graph per (bucket, capacity), see
@@ -145,6 +146,7 @@ class RolloutEngine:
         kv: KVConfig | None = None,
         dtype: torch.dtype | None = None,
         compile: bool = False,
+        share_prompts: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -176,6 +178,8 @@ class RolloutEngine:
         self.sparse = (
             make_sparse_attention(self.kv, self.decoder.num_layers) if self.kv.sparse_attention else None
         )
+        # a prompt held once is read by a data-dependent number of row groups: dense, eager decode steps only
+        self.share_prompts = share_prompts and not (self.kv.sparse or compile)
         self.schedule = self.kv.budget_schedule
         self.step_budget: Tensor | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -375,7 +379,7 @@ class RolloutEngine:
             mask = valid
             if self.sparse is not None:
                 k, v, mask = self.sparse.read(cache, layer, qkv.q, k, v, valid)
-            out, probs = decode_attention(qkv.q, k, v, mask, dec.scale)
+            out, probs = cache.attention(layer, qkv.q, k, v, mask, dec.scale)
             if self.evictor is not None:
                 cache.remember_queries(layer, qkv.q)
                 self.evictor.method.observe(cache, layer, probs, span)

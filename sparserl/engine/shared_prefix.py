@@ -1,0 +1,167 @@
+"""A group's prompt KV held once and read by all its rows (BroRL-scale groups: hundreds of samples a prompt).
+
+With a copied prompt every row of a group holds its own copy of the prompt's keys and values: n copies in memory,
+and n reads of them at every decode step. Here the prompt's KV is stored once per group and each row holds only
+its own tokens; a decode step's attention is the softmax over [the shared prompt's keys ++ the row's own keys],
+computed exactly as one softmax over the concatenated scores. The prompt part of a group is one matrix product
+for all its rows (their queries stacked), so the prompt is read once a step, not once a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sparserl.engine.cache import KVCache
+
+PREFIX = "prefix"  # row_state entry: the id of the prefix a row reads (0: none)
+
+
+@dataclass
+class SharedPrefix:
+    """One prompt's keys and values per layer [Hkv, L, D] (RoPE applied, positions 0..L-1) and the next-token
+    logits [V] after it (every row of the group samples its first token from them)."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+    logits: Tensor
+
+    @property
+    def length(self) -> int:
+        return self.k[0].shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+def shared_prompts(prompts: Sequence[Sequence[int]], fresh: Sequence[bool]) -> set[tuple[int, ...]]:
+    """The prompts that two or more fresh requests (no completion tokens yet) start from: a group's."""
+    seen: dict[tuple[int, ...], int] = {}
+    for prompt, new in zip(prompts, fresh, strict=True):
+        if new:
+            seen[tuple(prompt)] = seen.get(tuple(prompt), 0) + 1
+    return {prompt for prompt, count in seen.items() if count >= 2}
+
+
+def _per_head(x: Tensor) -> Tensor:
+    """[m, Hkv, G, X] -> [Hkv, m * G, X]: the queries (or probabilities) of a group's rows stacked per KV head."""
+    m, hkv, g, w = x.shape
+    return x.transpose(0, 1).reshape(hkv, m * g, w)
+
+
+def _per_row(x: Tensor, m: int) -> Tensor:
+    """The inverse of `_per_head`: [Hkv, m * G, X] -> [m, Hkv, G, X]."""
+    hkv, mg, w = x.shape
+    return x.view(hkv, m, mg // m, w).transpose(0, 1)
+
+
+class SharedPrefixCache(KVCache):
+    """A dense `KVCache` whose rows may read a shared prefix before their own slots.
+
+    `hold(tokens, src, row, logits)` keeps one prompt's KV once (by its tokens); `append_readers(ids)` adds rows
+    that read prefixes and hold no slot of their own yet. A row's prefix id is row state, so it moves with the
+    row; a prefix that no live row reads is released. Rows with no prefix (id 0) attend as in `KVCache`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefixes: dict[int, SharedPrefix] = {}
+        self._ids: dict[tuple[int, ...], int] = {}
+        self._next_id = 1
+        self.row_state[PREFIX] = torch.zeros(self.rows, dtype=torch.long, device=self.length.device)
+
+    def _views(self) -> None:
+        super()._views()
+        self._groups: list[tuple[SharedPrefix, Tensor]] | None = None  # the rows moved: regroup when asked
+
+    def prefix_id(self, tokens: Sequence[int]) -> int | None:
+        """The id of the held prefix of these tokens, if any."""
+        return self._ids.get(tuple(tokens))
+
+    def hold(self, tokens: Sequence[int], src: KVCache, row: int, logits: Tensor) -> int:
+        """Keep row `row` of a prefilled `src` (all its slots: a whole prompt) as the prefix `tokens`; its id."""
+        held = self.prefix_id(tokens)
+        if held is not None:
+            return held
+        n, layers = int(src.length[row]), range(self.num_layers)
+        prefix = SharedPrefix(
+            [src.k[i][row, :, :n].clone() for i in layers],
+            [src.v[i][row, :, :n].clone() for i in layers],
+            logits,
+        )
+        pid, self._next_id = self._next_id, self._next_id + 1
+        self.prefixes[pid], self._ids[tuple(tokens)] = prefix, pid
+        return pid
+
+    def append_readers(self, ids: Tensor) -> None:
+        """Add one empty row per entry of `ids` [k], each reading the prefix of that id."""
+        n, k = self.rows, ids.numel()
+        self.reserve_rows(n + k)
+        for t in self._store.values():
+            t[n : n + k] = 0
+        self._store[f"state.{PREFIX}"][n : n + k] = ids
+        self._rows = n + k
+        self._views()
+
+    def retire(self, rows: Tensor) -> Tensor:
+        order = super().retire(rows)
+        read = set(self.row_state[PREFIX].unique().tolist())
+        for pid in [p for p in self.prefixes if p not in read]:
+            del self.prefixes[pid]
+        self._ids = {tokens: pid for tokens, pid in self._ids.items() if pid in self.prefixes}
+        return order
+
+    @property
+    def groups(self) -> list[tuple[SharedPrefix, Tensor]]:
+        """Each held prefix with the rows [m] that read it."""
+        if self._groups is None:
+            ids = self.row_state[PREFIX]
+            self._groups = [
+                (self.prefixes[pid], (ids == pid).nonzero().squeeze(-1))
+                for pid in ids.unique().tolist()
+                if pid
+            ]
+        return self._groups
+
+    def held(self) -> Tensor:
+        held = self.length.clone()
+        for prefix, rows in self.groups:
+            held[rows] += prefix.length
+        return held
+
+    def shared_bytes(self) -> int:
+        return sum(p.nbytes() for p in self.prefixes.values())
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.shared_bytes()
+
+    def attention(
+        self, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Softmax over [each row's prefix keys ++ its own keys], one softmax over the concatenated scores (a
+        shorter prefix padded with -inf); a group's prefix scores and outputs are one matrix product for all its
+        rows. Returns the output and the probabilities over the row's own slots (as `KVCache.attention`)."""
+        groups = self.groups
+        if not groups:
+            return super().attention(layer, q, k, v, valid, scale)
+        n, hq, _, d = q.shape
+        hkv = k.shape[1]
+        qg = q.view(n, hkv, hq // hkv, d) * scale
+        width = max(prefix.length for prefix, _ in groups)
+        scores = qg.new_full((n, hkv, hq // hkv, width + k.shape[2]), float("-inf"))
+        own = torch.matmul(qg, k.transpose(-1, -2))
+        mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
+        scores[..., width:] = own.masked_fill_(~mask, float("-inf"))
+        for prefix, rows in groups:
+            part = torch.matmul(_per_head(qg[rows]), prefix.k[layer].transpose(-1, -2))
+            scores[rows, :, :, : prefix.length] = _per_row(part, rows.numel())
+        p32 = scores.softmax(dim=-1, dtype=torch.float32)
+        probs = p32.to(v.dtype)
+        out = torch.matmul(probs[..., width:], v)
+        for prefix, rows in groups:
+            part = torch.matmul(_per_head(probs[rows, :, :, : prefix.length]), prefix.v[layer])
+            out[rows] += _per_row(part, rows.numel())
+        return out.view(n, hq, 1, d), p32[..., width:]
