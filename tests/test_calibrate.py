@@ -247,7 +247,8 @@ def command_args(tmp_path: Path, **change) -> argparse.Namespace:
         model="tiny-llama", data="arithmetic", split="test", prompts=1, offset=0, question_key="",
         answer_key="", method="block_topk", budgets="12,256", schedule=None, n=2, max_new_tokens=24,
         bin_width=64, tau=0.86, estimate="exact", top_logprobs=20, temperature=1.0, top_p=1.0, top_k=0, seed=0,
-        ignore_eos=True, samples_per_call=0, resamples=200, resume=False, page_size=4, dense_layers="0",
+        ignore_eos=True, samples_per_call=0, resamples=200, resume=False, lengths=None, page_size=4,
+        dense_layers="0",
         window=None, interval=None,
         out=str(tmp_path / "out"), checkpoint=False, dtype=None, device="cpu", threads=0, quiet=True,
     )  # fmt: skip
@@ -350,3 +351,18 @@ def test_cli_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert cli.main(argv) == 0 and (out / "schedule.json").is_file()
     assert cli.main([*argv, "--tau", "1.5"]) == cli.EXIT_USAGE
     assert "tau=1.5 must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_graded_length_prompts_land_near_their_targets(tmp_path: Path):
+    """--lengths scales long_arithmetic's filler so each prompt ends near its target (within 5%), --prompts of
+    each; the report's source says what each prompt is; another task is refused by name."""
+    assert calibrate_command(command_args(tmp_path, data="long_arithmetic", lengths="600,1000", prompts=2,
+                                          bin_width=200, budgets="12,256")) == 0  # fmt: skip
+    source = json.loads((tmp_path / "out" / "calibration.json").read_text())["source"]
+    graded = source["graded_lengths"]
+    assert [(d["target"], d["index"]) for d in graded] == [(600, 0), (600, 1), (1000, 0), (1000, 1)]
+    assert all(abs(d["tokens"] - d["target"]) <= 0.05 * d["target"] for d in graded), graded
+    with pytest.raises(UserError, match="--lengths needs --data long_arithmetic"):
+        calibrate_command(command_args(tmp_path, lengths="600"))
+    with pytest.raises(UserError, match=r"--lengths 100: this task's prompt is \d+ tokens before any filler"):
+        calibrate_command(command_args(tmp_path, data="long_arithmetic", lengths="100"))

@@ -138,6 +138,12 @@ def _calibrate_epilog() -> str:
         "the schedule takes the smallest budget whose lower bound >= tau (0: no interval, judged by P5)",
     ),
     arg(
+        "--lengths",
+        default=None,
+        help="long_arithmetic: prompts of graded length, comma-separated targets in tokens (e.g. "
+        "1024,2048,4096,6144,8192), --prompts of each, each followed by --max-new-tokens",
+    ),
+    arg(
         "--resume", action="store_true", help="go on from the units a stopped calibration into --out finished"
     ),
     arg("--page-size", type=int, default=16, help="block_topk: tokens per page (default 16)"),

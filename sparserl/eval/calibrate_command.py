@@ -116,9 +116,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         check_prompt_count,
         check_samples,
     )
-    from sparserl.eval.evaluate import check_prompt_lengths
     from sparserl.eval.loading import load_eval_model, load_eval_task
-    from sparserl.models import encode_prompt
 
     settings, budgets = _settings_from_flags(args)
     _check_sampling(args.temperature, args.top_p, args.top_k)
@@ -146,9 +144,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--top-logprobs={args.top_logprobs} must be in [1, {vocab}] (the model's vocabulary)"
         )
-    prompt_ids = {i: encode_prompt(loaded.tokenizer, task[i].messages) for i in indices}
-    check_prompt_lengths(loaded.model, task, indices, prompt_ids, args.max_new_tokens)
-    prompts = list(prompt_ids.values())
+    prompts, chosen = _prompts(args, task, loaded, indices)
 
     t0 = time.perf_counter()
     store = {"store_dir": out / UNITS_DIR, "resume": args.resume}
@@ -161,7 +157,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
             report = calibrate(loaded.model, loaded.tokenizer, prompts, budgets, settings, progress, **store)
     report["command"] = command_line(args)
     report["source"] = {"model": args.model, "model_loaded_from": loaded.path, "data": args.data,
-                        "split": args.split, "prompt_indices": indices}  # fmt: skip
+                        "split": args.split, **chosen}  # fmt: skip
     report["wall_s"] = time.perf_counter() - t0
     report["goals"] = report_goals(report)
     for path in write_outputs(report, out):
@@ -174,6 +170,30 @@ def calibrate_command(args: argparse.Namespace) -> int:
     else:
         print(f"schedule (kv.schedule={out / SCHEDULE_JSON}): {report['schedule']}")
     return 0
+
+
+def _prompts(args: argparse.Namespace, task, loaded, indices: list[int]) -> tuple[list[list[int]], dict]:
+    """The calibration prompts (the task's rows `indices`, or with --lengths `--prompts` problems at each
+    target length) and what they are, for the report's `source`; each leaves room for --max-new-tokens."""
+    from sparserl.eval.calibrate_prompts import graded_length_prompts
+    from sparserl.eval.evaluate import check_prompt_lengths
+    from sparserl.models import encode_prompt
+
+    if not args.lengths:
+        prompt_ids = {i: encode_prompt(loaded.tokenizer, task[i].messages) for i in indices}
+        check_prompt_lengths(loaded.model, task, indices, prompt_ids, args.max_new_tokens)
+        return list(prompt_ids.values()), {"prompt_indices": indices}
+    lengths = _int_list(args.lengths, "--lengths")
+    try:
+        prompts, described = graded_length_prompts(task, loaded.tokenizer, lengths, args.prompts, args.offset)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    limit = getattr(loaded.model.config, "max_position_embeddings", None) or float("inf")
+    too_long = sorted({d["target"] for d in described if d["tokens"] + args.max_new_tokens > limit})
+    if too_long:
+        raise ConfigError(f"--lengths {too_long}: prompt + --max-new-tokens {args.max_new_tokens} pass the "
+                          f"model's {limit} positions")  # fmt: skip
+    return prompts, {"prompt_indices": indices, "graded_lengths": described}
 
 
 @contextmanager

@@ -1,0 +1,54 @@
+"""Calibration prompts of graded length (`sparserl calibrate --lengths`): long_arithmetic problems whose filler
+is scaled so that each prompt ends near a target position (1k, 2k, 4k, ... tokens). Each is then followed by a
+short sparse generation, so every length bin gets many sequences at the cost of a few hundred generated tokens
+each, instead of whole 8k-token generations."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from sparserl.errors import UserError
+from sparserl.models import encode_prompt
+from sparserl.tasks import make_task
+
+PROBE_DISTRACTORS = 64  # filler lines of the probe prompt that measures the tokens one line costs
+
+
+def distractors_for(task: Any, tokenizer: Any, length: int, index: int) -> int:
+    """How many filler lines put problem `index`'s prompt at about `length` tokens: the prompt's length without
+    filler plus a line's mean cost (measured on a probe of `PROBE_DISTRACTORS` lines) times the count."""
+
+    def prompt_length(distractors: int) -> int:
+        probe = make_task(replace(task.cfg, num_distractors=distractors), task.split)
+        return len(encode_prompt(tokenizer, probe[index].messages))
+
+    base = prompt_length(0)
+    if length < base:
+        raise UserError(f"--lengths {length}: this task's prompt is {base} tokens before any filler line")
+    per_line = (prompt_length(PROBE_DISTRACTORS) - base) / PROBE_DISTRACTORS
+    return round((length - base) / per_line)
+
+
+def graded_length_prompts(
+    task: Any, tokenizer: Any, lengths: list[int], per_length: int, offset: int = 0
+) -> tuple[list[list[int]], list[dict[str, int]]]:
+    """`per_length` prompts (problems offset, offset + 1, ...) at each target length, and what each is
+    (target, problem index, filler lines, tokens). Only long_arithmetic has filler to scale."""
+    if getattr(task, "name", "") != "long_arithmetic":
+        raise UserError(
+            f"--lengths needs --data long_arithmetic (its filler lines set the prompt length); got "
+            f"{getattr(task, 'name', task)!r}"
+        )
+    if not lengths or min(lengths) < 1:
+        raise UserError(f"--lengths {lengths}: give target prompt lengths in tokens, e.g. 1024,2048,4096")
+    prompts, described = [], []
+    for length in lengths:
+        lines = distractors_for(task, tokenizer, length, offset)
+        scaled = make_task(replace(task.cfg, num_distractors=lines), task.split)
+        for index in range(offset, offset + per_length):
+            prompts.append(encode_prompt(tokenizer, scaled[index].messages))
+            described.append(
+                {"target": length, "index": index, "distractors": lines, "tokens": len(prompts[-1])}
+            )
+    return prompts, described
