@@ -166,7 +166,7 @@ def test_adapter_update_leaves_the_base_bit_identical(tmp_path: Path, lora: bool
         if f".{name}." not in k:
             assert torch.equal(v, after[k]), f"{k} changed in the adapter update"
     assert any(not torch.equal(a, p) for a, p in zip(adapter, addon(trainer).learner.params, strict=True))
-    for key in ("distill/loss", "distill/kl", "distill/grad_norm", "distill/lr", "time/distill"):
+    for key in ("distill/loss", "distill/tv", "distill/grad_norm", "distill/lr", "time/distill"):
         assert key in out, key
     assert any(k.startswith("distill/alpha_p5_before/bin") for k in out)
     assert any(k.startswith("distill/alpha_p5_after/bin") for k in out)
@@ -227,6 +227,10 @@ def test_resume_without_the_adapter_says_how_to_start_one(tmp_path: Path) -> Non
         (["distill.adapter_name=default"], "policy's own LoRA adapter"),
         (["rollout.partial.enable=true"], "decoded in one go"),
         (["distill.lora_r=0"], "distill.lora_r"),
+        (["distill.divergence=reverse_kl"], "distill.divergence='reverse_kl': choose one of tv, forward_kl"),
+        (["distill.tail_weight=top"], "distill.tail_weight='top'"),
+        (["distill.tail_fraction=0"], "distill.tail_fraction=0"),
+        (["distill.lr_scale=5"], "DistillSparse v1's settings"),
     ],
 )
 def test_bad_distill_settings(tmp_path: Path, extra: list[str], match: str) -> None:
@@ -317,27 +321,37 @@ def test_distill_with_eviction_replays_what_each_rollout_held(tmp_path: Path) ->
     trainer.close()
 
 
-def test_the_kl_term_alone_pulls_the_sparse_path_toward_the_dense_policy(tmp_path: Path) -> None:
-    """Zero advantages, distill.kl_coef=1: five adapter updates cut k3-KL(sparse path || dense) on the batch by
-    more than half (measured 0.51 -> 0.064 on the tiny llama)."""
-    cfg = distill_cfg(tmp_path, "distill.kl_coef=1.0", "distill.probe_samples=0")
+def test_distillation_pulls_the_sparse_path_toward_the_dense_policy_whatever_the_rewards(
+    tmp_path: Path,
+) -> None:
+    """Ten adapter updates (distill.lr=1e-3) cut the mean TV = 1 - alpha between the sparse path and the dense
+    policy on the batch by more than 15% (measured 0.0568 -> 0.0429, -24%, on the tiny llama; Adam's first step
+    from the zero-initialised LoRA B overshoots: 0.0592 after one), and the update does not read the rewards: with
+    the advantages replaced, the adapter moves bit for bit the same."""
+    cfg = distill_cfg(tmp_path, "distill.lr=1e-3", "distill.probe_samples=0")
     trainer = make(cfg)
-    for p in trainer.policy.distill_parameters():
-        p.data.normal_(0, 0.05)
     batch, _ = trainer.rollout(1)
-    batch.advantages.zero_()
+    learner = addon(trainer).learner
+    start = [p.detach().clone() for p in learner.params]
 
-    def kl() -> float:
-        with torch.no_grad(), trainer.policy.sparse_path():
-            logp, _ = sparse_completion_logprobs(
-                trainer.policy.module, cfg.kv, batch.prompts, batch.completions
-            )
-        d = logp - batch.logp_old[:, : logp.shape[1]]
-        m = batch.mask[:, : logp.shape[1]]
-        return float(((torch.exp(-d) - 1 + d) * m).sum() / m.sum())
+    def tv() -> float:
+        with torch.no_grad():
+            teacher = learner._teacher(batch.prompts, batch.completions)
+            student = learner._student(batch.prompts, batch.completions, None)
+        m = batch.mask[:, : teacher.shape[1]]
+        gap = 0.5 * (student.exp() - teacher.exp()).abs().sum(-1)
+        return float((gap * m).sum() / m.sum())
 
-    before = kl()
-    for _ in range(5):
-        addon(trainer).learner.update(batch, 1e-3)
-    assert kl() < 0.5 * before
+    before = tv()
+    for _ in range(10):
+        learner.update(batch, 0.0)
+    assert tv() < 0.85 * before, (before, tv())
+    moved = [p.detach().clone() for p in learner.params]
+    for p, s0 in zip(learner.params, start, strict=True):
+        p.data.copy_(s0)
+    learner.optimizer.state.clear()
+    batch.advantages.normal_()
+    for _ in range(10):
+        learner.update(batch, 0.0)
+    assert all(torch.equal(a, p) for a, p in zip(moved, learner.params, strict=True))
     trainer.close()

@@ -1,10 +1,11 @@
 """The distill section: DistillSparse (Sparrow), a LoRA adapter that exists only on the sparse rollout path and is
-trained to close the gap between the sparse sampler and the dense policy."""
+distilled from the dense policy to close the gap between the sparse sampler and it (no reward term)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sparserl.algo.distill import DIVERGENCES, TAIL_WEIGHTS
 from sparserl.config.errors import ConfigError
 
 
@@ -17,8 +18,9 @@ class DistillConfig:
         metadata={
             "help": "DistillSparse: add a LoRA adapter that is on only while sampling sparse (and in its "
             "teacher-forced replay), off in dense scoring, the reference and the policy loss. Each step, after "
-            "the policy update, the adapter alone is trained with PPO on the sparse-forward log-probs plus "
-            "distill.kl_coef x k3-KL to the dense log-probs. Needs sparse rollouts (block_topk, whose reads are "
+            "the policy update, the adapter alone is distilled from the dense policy (as updated) on the step's "
+            "sparse samples: a full-vocabulary divergence per token (distill.divergence), tail-weighted "
+            "(distill.tail_weight); no reward or advantage. Needs sparse rollouts (block_topk, whose reads are "
             "replayed from the queries, or an eviction method, whose held positions are recorded for the replay)."
         },
     )
@@ -32,15 +34,30 @@ class DistillConfig:
         default_factory=lambda: ["all-linear"],
         metadata={"help": "Modules that get the adapter (comma-separated), or 'all-linear'."},
     )
-    lr_scale: float = field(
-        default=5.0,
-        metadata={"help": "Adapter learning rate as a multiple of the policy's (its schedule included)."},
-    )
-    kl_coef: float = field(
-        default=0.001,
+    lr: float = field(
+        default=5e-5,
         metadata={
-            "help": "Weight of the k3-KL of the sparse path to the dense policy on the sampled tokens."
+            "help": "The adapter's learning rate (constant, its own: not tied to the policy's). Choose it by "
+            "held-out P5 on calibration prompts (experiments/distill_sparse.py sweeps it), not by reward."
         },
+    )
+    divergence: str = field(
+        default="tv",
+        metadata={
+            "help": "Per-token divergence between the sparse path and the dense policy over the whole "
+            "vocabulary: tv (total variation = 1 - alpha, what P5 reads) or forward_kl (KL(dense || sparse))."
+        },
+    )
+    tail_weight: str = field(
+        default="tv",
+        metadata={
+            "help": "Token weights: none (all 1), tv (proportional to 1 - alpha, mean 1) or lowest (the "
+            "distill.tail_fraction of lowest-alpha tokens per trainer.acceptance_bin position bin)."
+        },
+    )
+    tail_fraction: float = field(
+        default=0.2,
+        metadata={"help": "With distill.tail_weight=lowest: the fraction of tokens weighted, (0, 1]."},
     )
     probe_samples: int = field(
         default=8,
@@ -65,10 +82,18 @@ class DistillConfig:
             raise ConfigError(f"distill.adapter_name={self.adapter_name!r} must be a Python identifier")
         if not self.lora_targets:
             raise ConfigError("distill.lora_targets is empty: name the modules that get the adapter")
-        if self.lr_scale <= 0 or self.kl_coef < 0:
+        if self.lr <= 0:
+            raise ConfigError(f"distill.lr={self.lr} must be > 0")
+        if self.divergence not in DIVERGENCES:
             raise ConfigError(
-                f"distill.lr_scale={self.lr_scale} must be > 0 and distill.kl_coef={self.kl_coef} >= 0"
+                f"distill.divergence={self.divergence!r}: choose one of {', '.join(DIVERGENCES)}"
             )
+        if self.tail_weight not in TAIL_WEIGHTS:
+            raise ConfigError(
+                f"distill.tail_weight={self.tail_weight!r}: choose one of {', '.join(TAIL_WEIGHTS)}"
+            )
+        if not 0 < self.tail_fraction <= 1:
+            raise ConfigError(f"distill.tail_fraction={self.tail_fraction} must be in (0, 1]")
         if self.probe_samples < 0 or self.probe_every < 1:
             raise ConfigError(
                 f"distill.probe_samples={self.probe_samples} must be >= 0 and "

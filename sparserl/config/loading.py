@@ -100,6 +100,8 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
                 # rollout.source became sampling.method (configs saved before the sampling section)
                 sampling = {"method": section.pop("source"), **(data.get("sampling") or {})}
                 data = {**data, "sampling": sampling}
+            if cls is TrainConfig and key == "distill":
+                _drop_distill_v1(section, where)
             # algo.group_size was always rollout.n (configs saved before group ids carry it): read and dropped
             if (
                 cls is TrainConfig
@@ -118,6 +120,21 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
             raise ConfigError(f"{where(key)}{key}={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
         return _construct(lambda: AlgoSection.from_preset(preset, **kwargs), prefix, where)
     return _construct(lambda: cls(**kwargs), prefix, where)
+
+
+def _drop_distill_v1(section: dict, where: _Where) -> None:
+    """distill.lr_scale and distill.kl_coef were DistillSparse v1's (PPO with the policy's advantages plus a KL):
+    configs saved then still carry them. Dropped when DistillSparse was off; refused when it was on, since v2
+    optimises another objective and its adapter cannot continue v1's."""
+    retired = [k for k in ("lr_scale", "kl_coef") if section.pop(k, None) is not None]
+    if retired and str(section.get("enable", False)).lower() == "true":
+        keys = ", ".join(f"distill.{k}" for k in retired)
+        raise ConfigError(
+            f"{where('distill.' + retired[0])}{keys}: DistillSparse v1's settings (PPO with the policy's "
+            "advantages) are gone; v2 distils the dense policy into the sparse path with distill.lr, "
+            "distill.divergence and distill.tail_weight (docs/distill.md). Remove them; a run trained with v1 "
+            "cannot be resumed with DistillSparse on"
+        )
 
 
 def _construct(make: Any, prefix: str, where: _Where) -> Any:

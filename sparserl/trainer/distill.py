@@ -1,14 +1,14 @@
-"""DistillSparse's half of a step (Sparrow, spec section 6; for eviction methods too). After the policy's own update, with the base frozen
-and the distill adapter on: PPO on the sparse-forward log-probs of the step's samples, anchored at the
-sampler's recorded log-probs (the samples are the sparse path's own), with the rollout's advantages, plus
-distill.kl_coef x k3-KL(sparse path || dense policy) on the sampled tokens. The loss is `algo.policy_loss` with
-those settings; the sparse forward is `engine.sparse_scoring`. Alpha's tail (P5 per bin of absolute position)
-is measured on a fixed probe batch before and after the update, teacher-forced, with the exact alpha.
-`DistillSparse` is the add-on learner the training loop calls through the `AddOn` seam (trainer/addons.py)."""
+"""DistillSparse v2's half of a step (Sparrow, spec section 6; for eviction methods too): on-policy distillation
+of the dense policy into the sparse path, no reward term. After the policy's own update, with the base frozen and
+the distill adapter on only for the student: the student (sparse attention + adapter, teacher-forced on the
+step's own sparse samples by `engine.sparse_scoring`) is pulled towards the teacher, the dense policy as it is
+after this step's update (re-scored, adapter off), by a full-vocabulary divergence per token, tail-weighted
+(`algo.distill`). Alpha's tail (P5 per bin of absolute position) is measured on a fixed probe batch before and
+after the update, teacher-forced, with the exact alpha. `DistillSparse` is the add-on learner the training loop
+calls through the `AddOn` seam (trainer/addons.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -17,14 +17,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sparserl.algo import loss_denominator, policy_loss
 from sparserl.algo.acceptance import acceptance_by_bin, acceptance_exact
+from sparserl.algo.distill import distill_loss
 from sparserl.config import ConfigError, TrainConfig
 from sparserl.engine import score_distributions
 from sparserl.engine.held import HeldRecord
 from sparserl.engine.module_mode import module_mode
+from sparserl.engine.padding import right_pad
 from sparserl.engine.sampling import processed_logprobs
-from sparserl.engine.sparse_scoring import sparse_completion_logits, sparse_completion_logprobs
+from sparserl.engine.sparse_scoring import sparse_completion_logits
 from sparserl.engine.weights import bump_weights_version
 from sparserl.trainer.addons import AddOn, register_addon
 from sparserl.trainer.checkpoint import Checkpoint, Part
@@ -41,13 +42,9 @@ class DistillLearner:
         o = cfg.optim
         fused = all(p.device.type in ("cpu", "cuda") for p in self.params)
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=o.lr * cfg.distill.lr_scale, betas=tuple(o.betas), eps=o.eps,
-            weight_decay=o.weight_decay, fused=fused,
+            self.params, lr=cfg.distill.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+            fused=fused,
         )  # fmt: skip
-        # the policy's clip and aggregation; the KL term is the adapter's own, to the dense policy
-        self.algo = dataclasses.replace(
-            cfg.algo, kl_coef=cfg.distill.kl_coef, kl_estimator="k3", entropy_coef=0.0
-        )
 
     def part(self) -> Part:
         """What a checkpoint keeps of the adapter."""
@@ -58,48 +55,67 @@ class DistillLearner:
         self.optimizer.load_state_dict(part.optimizer)
 
     @contextmanager
-    def _adapter_only(self) -> Iterator[None]:
+    def _adapter_grads(self) -> Iterator[None]:
         """Gradients for the adapter alone (the base and the policy's LoRA frozen), the model in train mode."""
         module = self.policy.module
         mine = {id(p) for p in self.params}
         with grad_flags_kept(module):
             for p in module.parameters():
                 p.requires_grad_(id(p) in mine)
-            with module_mode(module, training=True), self.policy.sparse_path():
+            with module_mode(module, training=True):
                 yield
 
+    def _teacher(self, prompts: list[list[int]], completions: list[list[int]]) -> Tensor:
+        """The dense policy's processed next-token log-probs [B, T, V] at every completion position (adapter
+        off, no grad; padding rows 0), as it is now: after this step's policy update."""
+        r = self.cfg.rollout
+        with torch.no_grad(), self.autocast():
+            dense = score_distributions(
+                self.policy.module, prompts, completions, r.temperature, r.top_p, r.top_k, 1, True
+            )
+        width = max(len(c) for c in completions)
+        out = torch.zeros(len(prompts), width, dense[0].full_logprobs.shape[-1])
+        for i, d in enumerate(dense):
+            out[i, : d.full_logprobs.shape[0]] = d.full_logprobs
+        return out
+
+    def _student(self, prompts, completions, held) -> Tensor:
+        """The sparse path's processed log-probs [B, T, V] (adapter on, differentiable), on the CPU."""
+        r = self.cfg.rollout
+        with self.policy.sparse_path(), self.autocast():
+            logits, _, _ = sparse_completion_logits(
+                self.policy.module, self.cfg.kv, prompts, completions, held
+            )
+        return processed_logprobs(logits.float(), r.temperature, r.top_p, r.top_k).cpu()
+
     def update(self, batch: Batch, policy_lr: float) -> dict[str, float]:
-        """One pass of the adapter over the step's mini-batches (the policy's sizes), one AdamW step each, at
-        distill.lr_scale x the policy's current lr. `batch.logp_old` holds the dense log-probs."""
-        cfg = self.cfg
-        for group in self.optimizer.param_groups:
-            group["lr"] = policy_lr * cfg.distill.lr_scale
+        """One pass of the adapter over the step's mini-batches (the policy's sizes), one AdamW step each at
+        distill.lr (its own, not the policy's: `policy_lr` is not used). The loss per mini-batch is the
+        tail-weighted divergence summed over its tokens, divided by their count."""
+        cfg, d = self.cfg, self.cfg.distill
         n = len(batch.prompts)
         mini = cfg.optim.mini_batch_size or n
 
         def micro_step(micro: Tensor, finite: bool) -> tuple[Tensor, dict[str, float], float]:
             idx = micro.tolist()
+            prompts, completions = [batch.prompts[i] for i in idx], [batch.completions[i] for i in idx]
             held = [batch.held[i] for i in idx] if batch.held is not None else None
-            with self.autocast():
-                logp, _ = sparse_completion_logprobs(
-                    self.policy.module, cfg.kv, [batch.prompts[i] for i in idx],
-                    [batch.completions[i] for i in idx], cfg.rollout.temperature, held,
-                )  # fmt: skip
-            logp = logp.cpu()  # the loss math runs on the batch's CPU tensors, as in the update
-            t = logp.shape[1]
-            mask = batch.mask[micro, :t]
-            loss, m = policy_loss(
-                logp, batch.logp_sampler[micro, :t], batch.advantages_of(micro, t), mask, None, self.algo,
-                logp_ref=batch.logp_old[micro, :t], response_mask=mask, denominator=1.0,
+            teacher = self._teacher(prompts, completions)
+            student = self._student(prompts, completions, held)
+            mask = right_pad(completions, width=teacher.shape[1])[1]
+            positions = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(teacher.shape[1])
+            loss, metrics = distill_loss(
+                student, teacher, positions, mask, d.divergence, d.tail_weight, d.tail_fraction,
+                cfg.trainer.acceptance_bin,
             )  # fmt: skip
-            return loss, m, loss_denominator(mask, self.algo, mask)
+            return loss, metrics, float(mask.sum())
 
-        with self._adapter_only():
+        with self._adapter_grads():
             minibatches = (torch.arange(start, min(start + mini, n)) for start in range(0, n, mini))
             sums, steps, skipped = minibatch_updates(
                 minibatches, cfg.optim.grad_accum, self.optimizer, micro_step, self._step
             )
-        out = {_name(k): v / max(steps, 1) for k, v in sums.items()}
+        out = {k: v / max(steps, 1) for k, v in sums.items()}
         out["distill/lr"] = self.optimizer.param_groups[0]["lr"]
         out["distill/skipped_updates"] = float(skipped)
         return out
@@ -153,7 +169,6 @@ class DistillSparse(AddOn):
     """DistillSparse in the loop: the adapter's update after the policy's, with alpha's tail on a fixed probe
     (drawn from the first step's batch) before and after every `distill.probe_every` steps."""
 
-    needs_dense_logprobs = True  # the KL term is to the dense policy, scored before the update
     records_held = True  # an evicting sampler's replay
 
     def __init__(self, cfg: TrainConfig, policy: Policy) -> None:
@@ -208,9 +223,3 @@ def probe_batch(batch: Batch, size: int) -> dict[str, Any]:
         "completions": [list(batch.completions[i]) for i in picked],
         "held": [batch.held[i].to_dict() for i in picked] if batch.held is not None else None,
     }
-
-
-def _name(key: str) -> str:
-    """actor/<name> of `policy_loss` -> distill/<name>; its KL to the reference is the KL to the dense policy."""
-    name = key.split("/", 1)[1]
-    return "distill/kl" if name == "kl_ref" else f"distill/{name}"
