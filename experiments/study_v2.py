@@ -39,7 +39,7 @@ import statistics
 import sys
 
 import torch
-from distill_sparse import cached, calibration_prompts, read_part_if_done, throughput
+from sparse_parts import cached, calibration_prompts, read_part_if_done, throughput
 from study import train_arm, write_atomic
 from study_v2_recall import recall, step_prompts_reward
 from study_v2_report import report

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from distill_sparse import cached, positions_read, read_part, read_part_if_done
+from sparse_parts import cached, positions_read, read_part, read_part_if_done
 from study import read_metrics, write_atomic
 from study_v2_setup import (
     ARMS,
