@@ -112,9 +112,28 @@ def check_distill(cfg: TrainConfig) -> None:
         )
 
 
+def check_learners(cfg: TrainConfig) -> None:
+    """Learner ranks share each mini-batch's micro-batches evenly and train the policy's weights only."""
+    n = cfg.distributed.learners
+    if n == 1:
+        return
+    if cfg.optim.grad_accum % n:
+        raise ConfigError(
+            f"optim.grad_accum={cfg.optim.grad_accum} must be a multiple of distributed.learners={n}: the "
+            "learners share each mini-batch's micro-batches (the same ones as one learner's, so the update is "
+            "the same), and each needs its equal share"
+        )
+    if cfg.distill.enable:
+        raise ConfigError(
+            f"distill.enable=true with distributed.learners={n} is not implemented: DistillSparse trains its "
+            "adapter in the trainer's process beside one learner; use distributed.learners=1"
+        )
+
+
 def check_distributed(cfg: TrainConfig) -> None:
     """Rollout workers replace the in-process backend, and return tokens and log-probs of whole samples; a
     swarm's drawn groups are trained at the step that draws them."""
+    check_learners(cfg)
     if cfg.distributed.swarm.shared_groups and cfg.rollout.partial.enable:
         raise ConfigError(
             "distributed.swarm.shared_groups > 0 with rollout.partial.enable=true: APRIL's stop counts "

@@ -1,5 +1,5 @@
-"""The distributed section: rollout workers as Ray actors (the `ray` rollout backend) and SAPO's swarm of trainers
-sharing rollouts. Without these keys nothing about Ray is imported or started."""
+"""The distributed section: rollout workers as Ray actors (the `ray` rollout backend), data-parallel learner
+ranks (trainer/learner_group.py) and SAPO's swarm of trainers sharing rollouts. Without these keys nothing about Ray is imported or started."""
 
 from __future__ import annotations
 
@@ -71,8 +71,18 @@ class DistributedConfig:
     learners: int = field(
         default=1,
         metadata={
-            "help": "Data-parallel learner processes. Only 1 is implemented: more is refused with an error."
+            "help": "Data-parallel learners: 1 trains in this process; N > 1 starts N Ray actors at once (a "
+            "placement group), each with a copy of the policy, that share every mini-batch's optim.grad_accum "
+            "micro-batches (a multiple of N) and sum their gradients (torch.distributed: gloo on CPU, nccl on "
+            "GPU) before each step, so the update is the one of 1 learner."
         },
+    )
+    cpus_per_learner: float = field(
+        default=1.0, metadata={"help": "CPUs each learner rank reserves (and the threads its torch uses)."}
+    )
+    gpus_per_learner: float = field(
+        default=0.0,
+        metadata={"help": "GPUs each learner rank reserves; > 0 puts its policy copy on a GPU (nccl)."},
     )
     ray_address: str = field(
         default="",
@@ -101,13 +111,24 @@ class DistributedConfig:
     def __post_init__(self) -> None:
         if self.rollout_workers < 0:
             raise ConfigError(f"distributed.rollout_workers={self.rollout_workers} must be >= 0")
-        if self.learners != 1:
-            raise ConfigError(
-                f"distributed.learners={self.learners}: data-parallel learners are not implemented yet; "
-                "use distributed.learners=1 (rollout workers scale with distributed.rollout_workers)"
-            )
+        if self.learners < 1:
+            raise ConfigError(f"distributed.learners={self.learners} must be >= 1")
         if self.cpus_per_worker <= 0 or self.gpus_per_worker < 0 or self.start_timeout_s <= 0:
             raise ConfigError(
                 f"distributed.cpus_per_worker={self.cpus_per_worker} must be > 0, gpus_per_worker="
                 f"{self.gpus_per_worker} >= 0 and start_timeout_s={self.start_timeout_s} > 0"
             )
+        if self.cpus_per_learner <= 0 or self.gpus_per_learner < 0:
+            raise ConfigError(
+                f"distributed.cpus_per_learner={self.cpus_per_learner} must be > 0 and gpus_per_learner="
+                f"{self.gpus_per_learner} >= 0"
+            )
+
+    @property
+    def learner_ranks(self) -> int:
+        """Learner actors the run starts: none when the one learner trains in the trainer's process."""
+        return self.learners if self.learners > 1 else 0
+
+    def local_ray_cpus(self) -> float:
+        """CPUs a Ray started by the run needs for its actors (rollout workers and learner ranks)."""
+        return self.rollout_workers * self.cpus_per_worker + self.learner_ranks * self.cpus_per_learner

@@ -49,10 +49,7 @@ class RolloutWorker:
 
     def push(self, version: int, state: dict[str, torch.Tensor]) -> int:
         """Load the trainable tensors of policy `version` (in place) and hold that version."""
-        params = dict(self.backend.engine.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in state.items():
-                params[name].copy_(tensor)
+        load_named(self.backend.engine.model, state)
         self.backend.push_weights(version)
         return version
 
@@ -114,7 +111,7 @@ class RayBackend(RolloutBackend):
             raise RuntimeError(
                 f"{len(waiting)} of {len(pending)} rollout workers did not start within {c.start_timeout_s:g} s: "
                 f"each asks for {c.cpus_per_worker:g} CPUs and {c.gpus_per_worker:g} GPUs; free in the Ray "
-                f"cluster: {ray.available_resources()} (lower distributed.rollout_workers or the per-worker "
+                f"cluster: {free_resources(ray)} (lower distributed.rollout_workers or the per-worker "
                 "resources)"
             )
         return ray.get(pending)
@@ -212,9 +209,8 @@ def init_ray(ray: Any, cfg: Any) -> None:
                     address=cfg.ray_address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False
                 )
         else:
-            need = cfg.rollout_workers * cfg.cpus_per_worker
             with keep_signal_handlers():
-                ray.init(num_cpus=max(need, 1), namespace=NAMESPACE, include_dashboard=False,
+                ray.init(num_cpus=max(cfg.local_ray_cpus(), 1), namespace=NAMESPACE, include_dashboard=False,
                          logging_level="ERROR", log_to_driver=False, object_store_memory=512 * 2**20)  # fmt: skip
     except (ConnectionError, RuntimeError, ValueError) as e:
         where = (
@@ -223,9 +219,22 @@ def init_ray(ray: Any, cfg: Any) -> None:
         raise RuntimeError(f"could not start or reach {where}: {e}") from None
 
 
+def free_resources(ray: Any) -> dict[str, float]:
+    """The cluster's free CPUs, GPUs and memory, without the placement groups' internal entries."""
+    return {k: v for k, v in ray.available_resources().items() if "_group_" not in k}
+
+
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors the optimizer changes (all of them without LoRA, the adapter with it), detached on the CPU."""
     return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_named(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` (parameter name -> tensor, as `trainable_state` gives) into the model's parameters in place."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
 
 
 def split(prompts: list[list[int]], parts: int) -> list[range]:

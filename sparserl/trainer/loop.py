@@ -47,6 +47,7 @@ from sparserl.trainer.checkpoint import (
 )
 from sparserl.trainer.data import training_tasks, usable_rows
 from sparserl.trainer.evaluation import held_out_eval
+from sparserl.trainer.learner_group import make_learner
 from sparserl.trainer.logging import (
     MetricSinks,
     ProgressDisplay,
@@ -58,7 +59,7 @@ from sparserl.trainer.logging import (
 from sparserl.trainer.policy import ModelLoader, Policy
 from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, checkpoint_to_resume, new_run_dir
 from sparserl.trainer.summary import accumulate, run_summary
-from sparserl.trainer.update import Batch, Learner
+from sparserl.trainer.update import Batch
 
 SUMMARY_FILE = "summary.json"
 TOKENS_SPENT = "sampling/generated_tokens_total"  # cumulative, in the checkpoint: sampling.token_budget
@@ -132,8 +133,8 @@ class Trainer:
         compiled, why = resolve_compile(cfg.engine.compile, self.policy.module, kv, steps)
         self.notes += [why] if cfg.engine.compile == "auto" and compiled else []
         self.engine = RolloutEngine(self.policy.module, self.tokenizer, kv, dtype, compiled)
-        self.learner = Learner(
-            cfg, self.policy.module, self.policy.trainable_parameters(), autocast=self.policy.autocast
+        self.learner = make_learner(
+            cfg, self.policy.module, self.policy.trainable_parameters(), self.policy.autocast
         )
         self.addons = make_addons(cfg, self.policy)
         self.state = TrainerState()
@@ -174,6 +175,8 @@ class Trainer:
         """Release the run directory (the lock); the Trainer should not be used afterwards."""
         if getattr(self, "rollouts", None) is not None:
             self.rollouts.close()
+        if getattr(self, "learner", None) is not None:
+            self.learner.close()
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -67,6 +67,13 @@ def default_loader(cfg: ModelConfig) -> tuple[Any, Any]:
     return load_model(cfg.spec, dtype=getattr(torch, cfg.weights_dtype))
 
 
+def autocast_for(module: nn.Module, dtype: str) -> contextlib.AbstractContextManager:
+    """Matmuls in `dtype` when it is half precision (autocast casts the float32 master weights, or multiplies
+    the LoRA base as it is), else plain float32, on the module's device (a learner rank's copy runs it too)."""
+    device = module.get_input_embeddings().weight.device.type
+    return torch.autocast(device, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+
+
 class Policy:
     """Model + tokenizer + reference. `module` is what the engine, scorer and learner run (the causal LM with
     LoRA layers injected in place, when LoRA is on)."""
@@ -169,10 +176,8 @@ class Policy:
         return getattr(torch, self.cfg.dtype)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Scoring and the learner's forward: matmuls in the compute dtype when it is half precision (autocast
-        casts the float32 master weights, or multiplies the LoRA base as it is), else plain float32."""
-        device = self.module.get_input_embeddings().weight.device.type
-        return torch.autocast(device, dtype=self.compute_dtype, enabled=self.cfg.dtype != "float32")
+        """Scoring and the learner's forward in `model.dtype` (`autocast_for`)."""
+        return autocast_for(self.module, self.cfg.dtype)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Parameters the policy's optimizer updates (adapters only with LoRA; never the distill adapter)."""

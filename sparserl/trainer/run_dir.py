@@ -34,6 +34,9 @@ RESUMABLE_KEYS = (
     "trainer.acceptance_",
     "logging.",
     "engine.",
+    "distributed.learners",  # the update is 1 learner's (to float round-off) and checkpoints have one format
+    "distributed.cpus_per_learner",
+    "distributed.gpus_per_learner",
     "distill.enable",  # turned on for a run that had none: refused unless distill.fresh_on_resume (loop.py)
     "distill.fresh_on_resume",
     "distill.probe_",

@@ -6,7 +6,7 @@ mini-batch loop that the policy's learner and the add-on learners (DistillSparse
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +76,28 @@ def clipped_step(
     return float(norm)
 
 
+class SingleProcess:
+    """The collective of a learner alone: every micro-batch is its own and what it measured is the whole. The
+    data-parallel ranks (trainer/learner_group.py) use one with the same methods over torch.distributed."""
+
+    def mine(self, micros: list[Tensor]) -> list[Tensor]:
+        """The micro-batches of a mini-batch that this process runs."""
+        return micros
+
+    def agree(self, finite: bool, denominator: float, parts: dict[str, float]) -> tuple[bool, float, dict]:
+        """The whole mini-batch's finite flag, loss denominator and metric sums from this process's share."""
+        return finite, denominator, parts
+
+    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Every process's accumulated gradients summed into `params`' (before the step)."""
+
+    def merge_rows(self, rows: Tensor, owned: Tensor) -> Tensor:
+        """[B, ...] rows, each taken from the one process that `owned` it."""
+        return rows
+
+
+SINGLE_PROCESS = SingleProcess()
+
 # (micro-batch rows, still finite) -> (summed loss, its metrics, its loss denominator), or None: not finite
 MicroStep = Callable[[Tensor, bool], "tuple[Tensor, dict[str, float], float] | None"]
 
@@ -87,19 +109,23 @@ def minibatch_updates(
     micro_step: MicroStep,
     step: Callable[[float, dict[str, float]], bool],
     after_each: Callable[[], None] | None = None,
+    collective: SingleProcess = SINGLE_PROCESS,
 ) -> tuple[dict[str, float], int, int]:
     """One optimizer step per mini-batch: gradients accumulated over its `grad_accum` micro-batches (each loss
     a sum), then `step(denominator, sums)` divides them by the mini-batch's denominator, clips and steps
     (False: skipped). A micro-batch that is not finite skips the whole mini-batch; `micro_step` is still
     called for the rest (told so), as they may have work to do. Metrics in SUMMED add up and are divided by
     the denominator; the others are averaged weighted by micro-batch size. Returns the metric sums over the
-    updates taken, and the counts of updates taken and skipped."""
+    updates taken, and the counts of updates taken and skipped.
+
+    Data-parallel ranks run `collective.mine` of the micro-batches and agree on the flag, the denominator and
+    the metrics, then sum their gradients, before every step: all of them step or skip together."""
     sums: dict[str, float] = {}
     taken = skipped = 0
     for mb in minibatches:
         optimizer.zero_grad(set_to_none=True)
         finite, denominator, parts = True, 0.0, {}
-        for micro in torch.tensor_split(mb, grad_accum):
+        for micro in collective.mine(list(torch.tensor_split(mb, grad_accum))):
             if len(micro) == 0:
                 continue
             out = micro_step(micro, finite)
@@ -111,7 +137,10 @@ def minibatch_updates(
             loss.backward()
             for k, v in metrics.items():
                 parts[k] = parts.get(k, 0.0) + (v if k in SUMMED else v * len(micro) / len(mb))
+        finite, denominator, parts = collective.agree(finite, denominator, parts)
         denominator = max(denominator, 1.0)
+        if finite:
+            collective.sum_gradients([p for group in optimizer.param_groups for p in group["params"]])
         if finite and step(denominator, sums):
             taken += 1
             for k, v in parts.items():
@@ -134,13 +163,16 @@ class Learner:
         module: torch.nn.Module,
         params: list[torch.nn.Parameter],
         autocast: Callable[[], AbstractContextManager] = nullcontext,
+        collective: SingleProcess = SINGLE_PROCESS,
     ) -> None:
-        """`autocast()` wraps each micro-batch's forward (half-precision matmuls over float32 master weights)."""
+        """`autocast()` wraps each micro-batch's forward (half-precision matmuls over float32 master weights);
+        `collective` is a data-parallel rank's share of the work (trainer/learner_group.py)."""
         from transformers import get_scheduler
 
         if not params:
             raise ValueError(f"model {cfg.model.spec!r} has no trainable parameters")
         self.cfg, self.module, self.params, self.autocast = cfg, module, params, autocast
+        self.collective = collective
         o = cfg.optim
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
@@ -209,7 +241,15 @@ class Learner:
         )
         # what the step's correction metrics compare with the sampler: pi_old, or the learner at its first pass
         reference = anchor.clone()
+        # a row's reference is taken at its first pass, by whichever process runs it (`owned`): rows are marked
+        # seen once their mini-batch is done, on every process
         seen = torch.zeros(B, dtype=torch.bool)
+        owned = torch.zeros(B, dtype=torch.bool)
+
+        def marking_seen(minibatches: Iterable[Tensor]) -> Iterator[Tensor]:
+            for mb in minibatches:
+                yield mb
+                seen[mb] = True
 
         def micro_step(micro: Tensor, finite: bool) -> tuple[Tensor, dict[str, float], float] | None:
             logp, entropy = self._forward(batch, micro)
@@ -220,8 +260,8 @@ class Learner:
             old = anchor[micro, :T]
             ref = correction_reference(old, logp, algo)
             first = ~seen[micro]
+            owned[micro[first]] = True
             reference[micro[first], :T] = ref[first]
-            seen[micro] = True
             if not finite or _unusable(mask, logp.detach(), old, ref):
                 return None  # no backward; pi_old of later micro-batches is still needed
             adv = batch.advantages_of(micro, T)
@@ -238,10 +278,14 @@ class Learner:
         self._schedule_at(step, per_step)
         with module_mode(self.module, training=True):
             sums, taken, skipped = minibatch_updates(
-                self._minibatches(step, B), cfg.optim.grad_accum, self.optimizer, micro_step, self._step,
-                self._advance_schedule,
+                marking_seen(self._minibatches(step, B)), cfg.optim.grad_accum, self.optimizer, micro_step,
+                self._step, self._advance_schedule, self.collective,
             )  # fmt: skip
+        reference = self.collective.merge_rows(reference, owned)
         return self._metrics(sums, taken, skipped, reference, batch)
+
+    def close(self) -> None:
+        """Nothing to release: this learner runs in the trainer's process (a learner group has ranks)."""
 
     def _minibatches(self, step: int, size: int) -> Iterable[Tensor]:
         """Each epoch, a seeded shuffle of the batch cut into optim.mini_batch_size rows (all when 0)."""

@@ -1,0 +1,113 @@
+"""Data-parallel learners (`distributed.learners`) on a local 2-CPU Ray: 2 learners give 1 learner's update on the
+same batch, a micro-batch that is not finite on one rank makes every rank skip, and a checkpoint written with 2
+learners resumes with 1 and one written with 1 resumes with 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from sparserl.config import ConfigError, load_config  # noqa: E402
+from sparserl.seeds import SHUFFLE, derive_seed  # noqa: E402
+from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
+from tests.test_trainer import make_trainer, rows, tiny_cfg, weights  # noqa: E402
+
+# Measured: the largest |difference| of any weight between 1 and 2 learners. With optim.grad_accum=4 a rank sums
+# its 2 micro-batches' gradients before the all-reduce adds the ranks', an order of float additions that one
+# learner does not take, and AdamW divides each gradient by its own RMS, so where a gradient nearly cancels the
+# rounding moves a weight by a small fraction of the lr. Here (lr 1e-3, 2 epochs): 1.2e-7 after step 1, 2.2e-7
+# after step 2; over seeds 1-2 and 3 steps at most 9.5e-7 (full weights, lr 1e-3) and 4.3e-6 (LoRA r=4,
+# lr 1e-2). With grad_accum=2 (one micro-batch a rank) the additions are the same and the weights equal bit for
+# bit (3 steps, both seeds; and the resume test below).
+TOLERANCE = 2e-6
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_two_learners_give_one_learners_update_and_skip_together(tmp_path):
+    """Bypass mode: the correction metrics compare the learner's own log-probs, which each rank has for its rows
+    only (merged before the metrics). Step 2's batch has a NaN in a row that rank 1 runs."""
+    extra = (
+        "algo.preset=sparse-rl",
+        "algo.correction_mode=bypass",
+        "optim.grad_accum=4",
+        "optim.ppo_epochs=2",
+    )
+    one = make_trainer(tiny_cfg(tmp_path, *extra, name="one"))
+    two = make_trainer(tiny_cfg(tmp_path, *extra, "distributed.learners=2", name="two"))
+    try:
+        assert weights(one).keys() == weights(two).keys() and max_abs_diff(weights(one), weights(two)) == 0
+        batch, _ = one.rollout(1)
+        a, b = one.learn(1, batch), two.learn(1, batch)
+        print(f"step 1: max |1 learner - 2 learners| = {max_abs_diff(weights(one), weights(two)):.3g}")
+        assert max_abs_diff(weights(one), weights(two)) <= TOLERANCE
+        for key in ("actor/loss", "actor/grad_norm", "rollout_corr/kl", "rollout_corr/token_keep_fraction"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        assert a["actor/lr"] == b["actor/lr"] == two.scheduler.get_last_lr()[0]
+
+        one.state.step = two.state.step = 1
+        batch, _ = one.rollout(2)
+        order = torch.randperm(8, generator=torch.Generator().manual_seed(derive_seed(0, 2, 0, SHUFFLE)))
+        poisoned = int(
+            order[1]
+        )  # the first mini-batch's micro-batches are order[0], [1], [2], [3]: rank 1 runs [1]
+        batch.logp_sampler[poisoned, 0] = float("nan")
+        a, b = one.learn(2, batch), two.learn(2, batch)
+        print(f"step 2: max |1 learner - 2 learners| = {max_abs_diff(weights(one), weights(two)):.3g}")
+        assert (
+            a["train/nonfinite_skipped_updates"] == b["train/nonfinite_skipped_updates"] == 2.0
+        )  # one an epoch
+        assert max_abs_diff(weights(one), weights(two)) <= TOLERANCE
+        assert torch.equal(
+            one.optimizer.state_dict()["state"][0]["step"], two.optimizer.state_dict()["state"][0]["step"]
+        )
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_checkpoint_resumes_with_another_number_of_learners(tmp_path):
+    """Steps 1-2 with N learners, steps 3-4 resumed with M: the weights of 1 learner throughout (bit for bit
+    here: one micro-batch a rank), and the metrics of the steps after the resume."""
+    straight = make_trainer(tiny_cfg(tmp_path, "optim.schedule=cosine", name="straight"))
+    straight.train()
+    for first, then in ((2, 1), (1, 2)):
+        name = f"n{first}to{then}"
+        cfg = tiny_cfg(tmp_path, "optim.schedule=cosine", f"distributed.learners={first}", name=name)
+        with make_trainer(cfg) as killed:
+            killed.train(until_step=2)  # as if killed right after step 2's checkpoint
+        cfg = tiny_cfg(tmp_path, "optim.schedule=cosine", f"distributed.learners={then}", name=name)
+        with make_trainer(cfg, run_dir=tmp_path / name, resume=True) as resumed:
+            assert resumed.state.step == 2
+            resumed.train()
+        assert max_abs_diff(weights(straight), weights(resumed)) == 0, name
+        expected = {r["step"]: r for r in rows(tmp_path / "straight") if "reward/mean" in r}
+        got = {r["step"]: r for r in rows(tmp_path / name) if "reward/mean" in r}
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/lr"):
+            assert got[4][key] == pytest.approx(expected[4][key], rel=1e-6), (name, key)
+
+
+def test_learner_settings_that_cannot_run_name_their_key():
+    with pytest.raises(ConfigError, match=r"optim.grad_accum=3 must be a multiple of distributed.learners=2"):
+        load_config(None, ["distributed.learners=2", "optim.grad_accum=3", "optim.mini_batch_size=8"])
+    with pytest.raises(ConfigError, match="distributed.learners=0 must be >= 1"):
+        load_config(None, ["distributed.learners=0"])
+
+
+def test_learners_that_cannot_all_start_are_named_within_seconds(tmp_path):
+    extra = (
+        "distributed.learners=3",
+        "optim.grad_accum=3",
+        "optim.mini_batch_size=8",
+        "distributed.start_timeout_s=3",
+    )
+    with pytest.raises(
+        RuntimeError, match=r"3 learners did not start within 3 s: each asks for 1 CPUs.*free in"
+    ):
+        make_trainer(tiny_cfg(tmp_path, *extra))
+    assert ray.available_resources().get("CPU") == 2  # the placement group was removed
