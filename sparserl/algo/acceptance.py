@@ -89,22 +89,17 @@ def check_tau(tau: float, name: str = "tau") -> None:
         raise UserError(f"{name}={tau!r} must be in (0, 1] (the acceptance-rate threshold, e.g. 0.86)")
 
 
-def bootstrap_quantile_interval(
-    values: Tensor,
-    sequences: Tensor,
-    q: float,
-    level: float = INTERVAL_LEVEL,
-    resamples: int = BOOTSTRAP_RESAMPLES,
-    seed: int = 0,
-) -> tuple[float, float]:
-    """The `level` interval of the q-quantile of `values` [N] by a sequence-level bootstrap: each draw resamples
-    the sequences (`sequences` [N], one id per value) with replacement and takes the quantile of all their
-    values, since the tokens of one sequence are correlated and resampling tokens would understate the spread.
+def bootstrap_quantile_draws(
+    values: Tensor, sequences: Tensor, q: float, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> Tensor:
+    """`resamples` bootstrap draws [resamples] of the q-quantile of `values` [N], resampling the sequences
+    (`sequences` [N], one id per value) with replacement, since the tokens of one sequence are correlated and
+    resampling tokens would understate the spread.
 
     A draw's quantile is the inverted-CDF one (the smallest value whose resampled weight reaches q), computed
     as a weighted quantile (a token's weight: how often its sequence was drawn) over values sorted once."""
     if values.numel() == 0 or values.shape != sequences.shape:
-        raise ValueError(f"bootstrap_quantile_interval: need matching non-empty values and sequences, got "
+        raise ValueError(f"bootstrap_quantile_draws: need matching non-empty values and sequences, got "
                          f"{tuple(values.shape)} and {tuple(sequences.shape)}")  # fmt: skip
     order = values.argsort()
     sorted_values = values[order].double()
@@ -119,8 +114,26 @@ def bootstrap_quantile_interval(
         cumulative = weight.cumsum(1)
         at = torch.searchsorted(cumulative, q * cumulative[:, -1:]).clamp(max=len(order) - 1)
         draws.append(sorted_values[at.squeeze(1)])
-    low, high = torch.quantile(torch.cat(draws), torch.tensor([(1 - level) / 2, (1 + level) / 2]).double())
+    return torch.cat(draws)
+
+
+def percentile_interval(draws: Tensor, level: float = INTERVAL_LEVEL) -> tuple[float, float]:
+    """The central `level` interval of bootstrap draws (their (1 - level) / 2 and (1 + level) / 2 quantiles)."""
+    low, high = torch.quantile(draws.double(), torch.tensor([(1 - level) / 2, (1 + level) / 2]).double())
     return low.item(), high.item()
+
+
+def bootstrap_quantile_interval(
+    values: Tensor,
+    sequences: Tensor,
+    q: float,
+    level: float = INTERVAL_LEVEL,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """The `level` interval of the q-quantile of `values` by a sequence-level bootstrap
+    (`bootstrap_quantile_draws`)."""
+    return percentile_interval(bootstrap_quantile_draws(values, sequences, q, resamples, seed), level)
 
 
 def acceptance_by_bin(
