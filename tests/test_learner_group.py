@@ -1,6 +1,7 @@
 """Data-parallel learners (`distributed.learners`) on a local 2-CPU Ray: 2 learners give 1 learner's update on the
-same batch, a micro-batch that is not finite on one rank makes every rank skip, and a checkpoint written with 2
-learners resumes with 1 and one written with 1 resumes with 2."""
+same batch, a micro-batch that is not finite on one rank makes every rank skip, a checkpoint written with 2
+learners resumes with 1 and one written with 1 resumes with 2, rollout workers sample with rank 0's weights, and
+learners that cannot all start are named within seconds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ ray = pytest.importorskip("ray")
 from sparserl.config import ConfigError, load_config  # noqa: E402
 from sparserl.seeds import SHUFFLE, derive_seed  # noqa: E402
 from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
+from tests.test_ray_backend import two_steps  # noqa: E402
 from tests.test_trainer import make_trainer, rows, tiny_cfg, weights  # noqa: E402
 
 # Measured: the largest |difference| of any weight between 1 and 2 learners. With optim.grad_accum=4 a rank sums
@@ -90,6 +92,16 @@ def test_a_checkpoint_resumes_with_another_number_of_learners(tmp_path):
         got = {r["step"]: r for r in rows(tmp_path / name) if "reward/mean" in r}
         for key in ("reward/mean", "actor/loss", "actor/grad_norm", "actor/lr"):
             assert got[4][key] == pytest.approx(expected[4][key], rel=1e-6), (name, key)
+
+
+def test_rollout_workers_sample_with_the_ranks_weights(tmp_path):
+    """Rank 0's weights reach the rollout workers through the trainer's policy: step 2's samples (after an update
+    by 2 learners) are those of one process with one learner."""
+    local, _, _ = two_steps(tmp_path, "local")
+    extra = ("distributed.learners=2", "distributed.cpus_per_learner=0.5", "distributed.rollout_workers=1")
+    remote, _, _ = two_steps(tmp_path, "ray", *extra)
+    assert remote[1].completions == local[1].completions
+    torch.testing.assert_close(remote[1].logp_sampler, local[1].logp_sampler, atol=1e-5, rtol=0)
 
 
 def test_learner_settings_that_cannot_run_name_their_key():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sparserl.config import TrainConfig
+from sparserl.config import ConfigError, TrainConfig
 from sparserl.engine.weights import bump_weights_version
 from sparserl.rollout.ray_backend import free_resources, init_ray, load_named
 from sparserl.trainer.policy import autocast_for
@@ -150,6 +150,12 @@ class LearnerGroup:
     ):
         import ray
 
+        if params[0].device.type == "cuda" and not cfg.distributed.gpus_per_learner:
+            raise ConfigError(
+                "the policy is on a GPU (model.device) but distributed.gpus_per_learner=0 puts the learner ranks "
+                "on CPUs, where its copy cannot be loaded: set distributed.gpus_per_learner (e.g. 1) or "
+                "model.device=cpu"
+            )
         self.local = Learner(cfg, module, params, autocast)
         self.ray, self.cfg, self.module = ray, cfg.distributed, module
         ids = {id(p) for p in params}
