@@ -355,3 +355,16 @@ def test_distillation_pulls_the_sparse_path_toward_the_dense_policy_whatever_the
         learner.update(batch, 0.0)
     assert all(torch.equal(a, p) for a, p in zip(moved, learner.params, strict=True))
     trainer.close()
+
+
+def test_configs_saved_before_v2_load_with_distill_off(tmp_path: Path) -> None:
+    """Run directories saved before DistillSparse v2 carry distill.lr_scale and distill.kl_coef: dropped when
+    distill was off (every such run resumes), refused when it was on (v2 cannot continue v1's adapter)."""
+    from sparserl.config import load_config
+
+    old = tmp_path / "config.yaml"
+    old.write_text("distill:\n  enable: false\n  lr_scale: 5.0\n  kl_coef: 0.001\n")
+    assert load_config(old).distill.lr == 5e-5
+    old.write_text("distill:\n  enable: true\n  lr_scale: 5.0\n  kl_coef: 0.001\n")
+    with pytest.raises(ConfigError, match="distill.lr_scale, distill.kl_coef: DistillSparse v1's settings"):
+        load_config(old)
