@@ -15,10 +15,11 @@ number of ranks. Ray is imported only when a group is built.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -44,8 +45,8 @@ def make_learner(
 class TorchCollective(SingleProcess):
     """One rank's view of the group, over the default torch.distributed process group."""
 
-    def __init__(self, rank: int, world: int, device: torch.device):
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
 
     def mine(self, micros: list[Tensor]) -> list[Tensor]:
         return micros[self.rank :: self.world]
@@ -96,9 +97,8 @@ class LearnerRank:
             torch.cuda.set_device(0)  # Ray shows each rank its own GPU
         self.module, self.names, self.rank, self.world = module.to(self.device), names, rank, world
         named = dict(module.named_parameters())
-        collective = TorchCollective(rank, world, self.device)
         autocast = partial(autocast_for, module, cfg.model.dtype)
-        self.learner = Learner(cfg, module, [named[n] for n in names], autocast, collective)
+        self.learner = Learner(cfg, module, [named[n] for n in names], autocast, TorchCollective(rank, world))
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
@@ -126,10 +126,13 @@ class LearnerRank:
         self.learner.optimizer.load_state_dict(optimizer)
         self.learner.scheduler.load_state_dict(scheduler)
 
-    def update(self, step: int, batch: Batch) -> tuple[dict[str, float], dict[str, Tensor], dict]:
-        """This rank's part of the update; the metrics (the same on every rank), its weights and schedule."""
-        metrics = self.learner.update(step, batch)
-        return metrics, named_state(self.module, self.names), self.learner.scheduler.state_dict()
+    def update(self, step: int, batch: Batch) -> dict[str, float]:
+        """This rank's part of the update; its metrics are the whole update's (the same on every rank)."""
+        return self.learner.update(step, batch)
+
+    def weights_and_schedule(self) -> tuple[dict[str, Tensor], dict]:
+        """The trained weights and the lr schedule's state (asked of rank 0)."""
+        return named_state(self.module, self.names), self.learner.scheduler.state_dict()
 
     def optimizer_state(self) -> dict:
         return self.learner.optimizer.state_dict()
@@ -230,7 +233,8 @@ class LearnerGroup:
             self._gather([r.load.remote(*refs) for r in self.ranks])
             self.synced = True
         batch_ref = self.ray.put(batch)
-        metrics, weights, schedule = self._gather([r.update.remote(step, batch_ref) for r in self.ranks])[0]
+        metrics = self._gather([r.update.remote(step, batch_ref) for r in self.ranks])[0]
+        weights, schedule = self._gather([self.ranks[0].weights_and_schedule.remote()])[0]
         load_named(self.module, weights)
         bump_weights_version(self.module)  # engines over the trainer's policy repack
         self.local.scheduler.load_state_dict(schedule)
@@ -238,22 +242,29 @@ class LearnerGroup:
         return metrics
 
     def _gather(self, refs: list[Any]) -> list[Any]:
-        """The ranks' results in order. The first rank to fail stops the group: its error is raised (the
-        others would wait for it in a collective), e.g. WeightsDiverged as itself."""
+        """The ranks' results in order; the first rank to fail stops the group (`_stop`)."""
         ray, pending = self.ray, list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(done[0])
-            except ray.exceptions.RayTaskError as e:
-                self.close()
-                raise e.cause if isinstance(e.cause, Exception) else e from None
-            except ray.exceptions.RayActorError as e:
-                self.close()
-                raise RuntimeError(
-                    f"a learner rank died ({e}); the run stops: resume it from its last checkpoint (--resume)"
-                ) from None
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+                self._stop(e, pending)
         return ray.get(refs)
+
+    def _stop(self, error: Exception, pending: list[Any]) -> NoReturn:
+        """Stop the group after a rank failed (the others would wait for it in a collective) and raise its error
+        as itself (WeightsDiverged stays one), or name a rank that died. The others' results are read first, so
+        that ranks that failed alike are not logged as unhandled errors."""
+        for ref in pending:
+            with contextlib.suppress(Exception):
+                self.ray.get(ref, timeout=1)
+        self.close()
+        if isinstance(error, self.ray.exceptions.RayActorError):
+            raise RuntimeError(
+                f"a learner rank died ({error}); the run stops: resume it from its last checkpoint (--resume)"
+            ) from None
+        raise error.cause if isinstance(error.cause, Exception) else error from None
 
     def close(self) -> None:
         """Stop the ranks, free their placement group, and the local Ray if the group started it."""
