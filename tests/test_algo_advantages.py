@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparserl.algo import AlgoConfig, advantages_from_config, grpo_advantages
+from sparserl.algo import AlgoConfig, advantages, advantages_from_config, grpo_advantages
 
 
 def test_grpo_hand_computed():
@@ -57,6 +57,20 @@ def test_groups_are_contiguous_and_independent():
     adv = grpo_advantages(r, 2, eps=0.0)
     assert adv[2] == 0 and adv[3] == 0
     assert adv[0] > 0 > adv[1]
+
+
+def test_a_brorl_group_of_256_beside_a_small_one_in_any_order():
+    """BroRL-scale groups: 256 samples of one prompt and 3 of another, shuffled together; each sample gets its
+    own group's (R - mean) / (unbiased std + eps), computed by hand."""
+    g = torch.Generator().manual_seed(0)
+    big = (torch.rand(256, generator=g, dtype=torch.float64) < 0.3).double()
+    small = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    expect = torch.cat([(x - x.mean()) / (x.std() + 1e-6) for x in (big, small)])
+    index = torch.tensor([7] * 256 + [2] * 3)
+    perm = torch.randperm(259, generator=g)
+    adv = advantages(torch.cat([big, small])[perm], index[perm])
+    torch.testing.assert_close(adv, expect[perm])
+    assert abs(float(adv[index[perm] == 7].sum())) < 1e-9  # a group's advantages sum to zero
 
 
 def test_group_of_one_gets_zero():

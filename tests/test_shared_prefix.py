@@ -17,11 +17,12 @@ import torch
 
 from sparserl.engine import KVConfig, RolloutEngine
 from sparserl.engine.decoding import Request, Sampling
-from sparserl.engine.shared_prefix import SharedPrefixCache, shared_prompts
+from sparserl.engine.shared_prefix import SharedPrefixCache, shared_inputs
 from sparserl.models import encode_prompt, tiny_model
 from sparserl.rollout import Scheduler
 
 SHARED_TOL = 5e-5  # shared vs copied prompt KV, fp32 CPU: measured max 2.0e-5 (module docstring)
+LOGIT_TOL = 1e-4  # a fork's re-prefilled first-step logits vs its parent's decoded ones
 ARCHS = ("llama", "qwen3")
 
 
@@ -101,8 +102,8 @@ def test_the_prompt_kv_is_held_once_not_copied(tiny):
 def test_groups_share_singletons_and_continuations_copy(tiny):
     model, tok = tiny
     a, b, c = prompts_of(tok)
-    fresh = [True, True, True, False, True]
-    assert shared_prompts([a, a, b, b, c], fresh) == {tuple(a)}  # b's second sample continues a prefix
+    inputs = [tuple(x) for x in (a, a, b, b + [5, 6], c + [5, 6], c + [5, 6], c + [5])]
+    assert shared_inputs(inputs) == {tuple(a), tuple(c + [5, 6])}  # groups and children forked at one token
     e = engines(model, tok)
     sparse = KVConfig(method="rkv", budget=24, window=4, interval=4)
     assert not RolloutEngine(model, tok, kv=sparse).share_prompts  # an evicting row keeps its own bounded set
@@ -120,6 +121,30 @@ def test_groups_share_singletons_and_continuations_copy(tiny):
     for i in range(len(mixed)):
         (ta, la), (tb, lb) = out[True].completion(i), out[False].completion(i)
         assert ta == tb and (la - lb).abs().max() < SHARED_TOL
+
+
+def test_children_forked_at_one_token_share_its_history_and_start_from_the_parents_logits(tiny):
+    """Tree children (prompt + the parent's tokens up to the fork) hold that history once; their first-step
+    logits are the parent's there (re-prefilled: measured 6.1e-6, LOGIT_TOL 1e-4) and they differ only by their
+    streams: the child on the parent's stream continues the parent's tokens."""
+    model, tok = tiny
+    e = engines(model, tok)[True]
+    prompt = prompts_of(tok)[1]
+    with e.decoding():
+        run = e.start_run([Request(prompt, 5, 0, 24)], Sampling())
+        run.admit([0])
+        for _ in range(10):
+            run.step()
+        parent_logits, history = run.logits[0].clone(), run.completion(0)[0]
+        kids = e.start_run([Request(prompt, key, 0, 24, prefix=history) for key in (5, 6, 7)], Sampling())
+        kids.admit([0, 1, 2])
+        assert len(kids.cache.prefixes) == 1 and int(kids.cache.length.max()) == 0
+        assert (kids.logits - parent_logits).abs().max() < LOGIT_TOL
+        while kids.running:
+            kids.step()
+    whole = e.generate([prompt], n=1, max_new_tokens=24, seed=0, sample_keys=[5])
+    assert history + kids.completion(0)[0] == whole[0].completion_ids
+    assert kids.completion(1)[0] != kids.completion(0)[0] != kids.completion(2)[0]
 
 
 def test_under_a_cap_the_prompt_is_charged_once_and_samples_match(tiny):

@@ -18,7 +18,7 @@ from torch import Tensor
 from sparserl.engine.cache import KVCache
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
-from sparserl.engine.shared_prefix import SharedPrefixCache, shared_prompts
+from sparserl.engine.shared_prefix import SharedPrefixCache, shared_inputs
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
@@ -102,8 +102,9 @@ class DecodeRun:
                 self.tokens[i, : len(r.prefix)] = torch.tensor(r.prefix, device=dev)
         self.start_count = self.count.clone()
         self.limit = torch.tensor([r.max_new_tokens for r in requests], device=dev)
-        fresh = [not r.prefix for r in requests]
-        self.shared = shared_prompts([r.prompt for r in requests], fresh) if engine.share_prompts else set()
+        # what each sample's first admission prefills: its prompt and the completion tokens it was given
+        self.first_input = [tuple(r.prompt) + tuple(r.prefix) for r in requests]
+        self.shared = shared_inputs(self.first_input) if engine.share_prompts else set()
         self.prompt_len = torch.tensor([len(r.prompt) for r in requests], device=dev)
         self.longest = max(self.own_length(i, whole=True) for i in range(n))
         self.uniforms = torch.cat(
@@ -149,22 +150,22 @@ class DecodeRun:
         return int(self.prompt_len[i] + self.count[i])
 
     def shares(self, i: int) -> bool:
-        """Whether an admission of sample i reads its group's prompt held once: a sample of a group (two or
-        more samples of one prompt, `shared_prompts`) with no completion token yet, in a dense cache."""
-        return int(self.count[i]) == 0 and tuple(self.requests[i].prompt) in self.shared
+        """Whether an admission of sample i reads its first input held once: an input two or more samples start
+        from (a group's prompt; the prompt + prefix of children forked at one token; `shared_inputs`), the
+        sample having drawn nothing since (a preempted one comes back as a copy), in a dense cache."""
+        return int(self.count[i]) == int(self.start_count[i]) and self.first_input[i] in self.shared
 
     def own_length(self, i: int, whole: bool = False) -> int:
         """Positions sample i's own row holds once admitted (`whole`: at its end): its input (prompt +
-        max_new_tokens), less the prompt when it reads its group's shared copy."""
+        max_new_tokens), less its first input when it reads the shared copy."""
         total = int(self.prompt_len[i] + self.limit[i]) if whole else self.input_length(i)
-        return total - int(self.prompt_len[i]) * self.shares(i)
+        return total - len(self.first_input[i]) * self.shares(i)
 
     def shared_bytes_after_admit(self, ids: list[int]) -> int:
-        """Bytes of the prompts held once (`SharedPrefixCache`) once `ids` are admitted."""
-        held = self.cache.shared_bytes()
-        new = {tuple(self.requests[i].prompt) for i in ids if self.shares(i)}
+        """Bytes of the inputs held once (`SharedPrefixCache`) once `ids` are admitted."""
+        new = {self.first_input[i] for i in ids if self.shares(i)}
         new = [p for p in new if self.cache.prefix_id(p) is None]
-        return held + sum(len(p) for p in new) * self.bytes_per_position
+        return self.cache.shared_bytes() + sum(len(p) for p in new) * self.bytes_per_position
 
     def bytes_after_admit(self, ids: list[int], whole: bool = False) -> int:
         """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have
@@ -218,7 +219,8 @@ class DecodeRun:
 
     def admit(self, ids: list[int]) -> None:
         """Prefill the given samples (identical inputs once) and add them to the batch; samples that read their
-        group's shared prompt (`shares`) get rows of their own tokens only, the prompt prefilled and held once."""
+        shared first input (`shares`: a group's prompt) get rows of their own tokens only, that input prefilled
+        and held once."""
         if not ids:
             return
         t0 = time.perf_counter()
@@ -246,8 +248,8 @@ class DecodeRun:
         self._joined(ids, logits[expand], events[expand], tmp.nbytes())
 
     def _admit_readers(self, ids: list[int]) -> None:
-        """Empty rows reading their group's prompt, held once (prefilled now unless a row already reads it)."""
-        prompts = [tuple(self.requests[i].prompt) for i in ids]
+        """Empty rows reading their first input, held once (prefilled now unless a row already reads it)."""
+        prompts = [self.first_input[i] for i in ids]
         missing = list(dict.fromkeys(p for p in prompts if self.cache.prefix_id(p) is None))
         transient = 0
         if missing:

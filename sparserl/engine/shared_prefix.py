@@ -1,4 +1,5 @@
-"""A group's prompt KV held once and read by all its rows (BroRL-scale groups: hundreds of samples a prompt).
+"""A group's prompt KV held once and read by all its rows (BroRL-scale groups: hundreds of samples a prompt), and
+likewise the history that children forked at one token start from.
 
 With a copied prompt every row of a group holds its own copy of the prompt's keys and values: n copies in memory,
 and n reads of them at every decode step. Here the prompt's KV is stored once per group and each row holds only
@@ -9,6 +10,7 @@ for all its rows (their queries stacked), so the prompt is read once a step, not
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,13 +39,10 @@ class SharedPrefix:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
 
-def shared_prompts(prompts: Sequence[Sequence[int]], fresh: Sequence[bool]) -> set[tuple[int, ...]]:
-    """The prompts that two or more fresh requests (no completion tokens yet) start from: a group's."""
-    seen: dict[tuple[int, ...], int] = {}
-    for prompt, new in zip(prompts, fresh, strict=True):
-        if new:
-            seen[tuple(prompt)] = seen.get(tuple(prompt), 0) + 1
-    return {prompt for prompt, count in seen.items() if count >= 2}
+def shared_inputs(inputs: Sequence[tuple[int, ...]]) -> set[tuple[int, ...]]:
+    """The inputs (prompt + given completion tokens) that two or more requests start from: a group's prompt, or
+    the common history of tree children forked at one token."""
+    return {seq for seq, count in Counter(inputs).items() if count >= 2}
 
 
 def _per_head(x: Tensor) -> Tensor:
