@@ -1,6 +1,7 @@
 """Which sequences decode when: admission under a KV memory cap (continuous or static batching), preemption.
 
-Policy. Every running sequence is charged its cache row: `capacity` slots x the bytes of one position. An evicting
+Policy. Every running sequence is charged its cache row: `capacity` slots x the bytes of one position (and a dense
+group's prompt, held once for its rows, once). An evicting
 cache's rows hold their bound (budget + interval - 1) from the start; dense and block-sparse rows grow in
 blocks of 128 positions, all together, as the longest one does (the cache is one [rows, heads, capacity] tensor
 per layer, which is what lets attention read it without a gather; a paged layout would charge each sequence
