@@ -171,12 +171,13 @@ def test_schedule_and_fixed_budget_agree():
     ids=["dense", "snapkv", "h2o-schedule"],
 )
 def test_held_positions_follow_the_engine(kv):
-    """The model's positions held at every decode step are the engine's `cache.length` after that step."""
+    """The model's positions held at every decode step are the engine's `cache.held()` after that step (its
+    own slots, and the group's prompt a dense row reads held once)."""
     model, tok = tiny_model("llama")
     engine = RolloutEngine(model, tok, kv=kv)
     engine.eos_ids = set()
     seen: list[list[int]] = []
-    engine.step_hooks.append(lambda step, cache, alive: seen.append(cache.length.tolist()))
+    engine.step_hooks.append(lambda step, cache, alive: seen.append(cache.held().tolist()))
     prompt, output, n = 14, 30, 2
     engine.generate([list(range(5, 5 + prompt))], n=n, max_new_tokens=output)
     method = METHODS[kv.method](load_shape("tiny-llama"), Rollout(prompt, output, n), kv)
