@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from study import ROOT, train_arm, write_with_goals
+from study import ROOT, read_metrics, train_arm, write_with_goals
 
 from sparserl.signals import stoppable
 
@@ -108,7 +108,8 @@ def report() -> dict:
     from safetensors.torch import load_file
 
     tokens = {s: load_file(part(s)) for s in STEPS if part(s).is_file()}
-    out: dict = {"rules": RULES, "steps": {}}
+    rewards = [r["reward/mean"] for r in read_metrics(RUNS / RUN) if "reward/mean" in r]
+    out: dict = {"rules": RULES, "reward_curve": rewards, "steps": {}}
     for step in STEPS[1:]:
         if 0 in tokens and step in tokens:
             last = int(max(tokens[0]["positions"].max(), tokens[step]["positions"].max())) // BIN
