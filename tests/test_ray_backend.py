@@ -110,3 +110,62 @@ def test_shares_cut_only_between_groups():
     for share in split(groups, 3):
         assert share.start == 0 or groups[share.start] != groups[share.start - 1]
     assert split([[1]] * 5, 2) == [range(0, 5)]  # one group: one worker
+
+
+def test_rewards_are_scored_on_the_workers(tmp_path):
+    """With rollout workers the layer's reward worker is theirs: the same rewards (so the same advantages) and
+    the same reward counters as scoring in this process."""
+    from sparserl.rollout.ray_backend import WorkerRewards
+
+    local, local_metrics, here = two_steps(tmp_path, "local-rewards")
+    remote, metrics, trainer = two_steps(tmp_path, "w2-rewards", "distributed.rollout_workers=2")
+    assert isinstance(trainer.rollouts.rewards, WorkerRewards)
+    for a, b in zip(local, remote, strict=True):
+        torch.testing.assert_close(a.advantages, b.advantages)
+    assert metrics["reward/mean"] == local_metrics["reward/mean"]
+    counters = trainer.train_view.drain_counters()
+    assert counters == here.train_view.drain_counters() and counters.get("reward/calls", 0) > 0
+
+
+def user_reward_view(tmp_path, monkeypatch):
+    """A TaskView of the default task rewarded by the built-in reward plus a user function from a module in a
+    folder of its own (on this process's sys.path), isolated in a reward process as `task.reward` makes it."""
+    from sparserl.config import load_config
+    from sparserl.models import tiny_model
+    from sparserl.rollout.task_view import TaskView
+    from sparserl.tasks import make_task
+
+    folder = tmp_path / "rewards_here"
+    folder.mkdir()
+    (folder / "user_reward_mod.py").write_text(
+        "def f(completions, **kwargs):\n    return [0.5] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(folder))
+    cfg = load_config(None, ["task.reward=[builtin, user_reward_mod:f]"])
+    task = make_task(cfg.task, "train")
+    return TaskView(task, tiny_model("llama", seed=0)[1]), task, folder
+
+
+def test_user_reward_functions_run_on_the_workers_and_unimportable_ones_are_named(tmp_path, monkeypatch):
+    """A user's reward function travels to the workers by name (its reward process there loads it again) and
+    scores as here; once its module cannot be imported any more, sending the task is one error naming it."""
+    from sparserl.errors import UserError
+
+    view, task, folder = user_reward_view(tmp_path, monkeypatch)
+    texts, examples = ["\\boxed{3}", "no"], [task[0], task[0]]
+    here = view.scores(texts, examples)
+    trainer = make_trainer(tiny_cfg(tmp_path, "distributed.rollout_workers=1"))
+    try:
+        rewards = trainer.rollouts.backend.reward_worker(view, True)
+        rewards.submit("g", view.scores, texts, examples)
+        assert rewards.wait() == {"g": here}
+        for path in folder.rglob("*"):  # the module is gone: a new reward process cannot import it
+            if path.is_file():
+                path.unlink()
+        with pytest.raises(
+            UserError, match=r"could not be loaded on a rollout worker .*user_reward_mod.*importable"
+        ):
+            trainer.rollouts.backend.reward_worker(view, True)
+    finally:
+        trainer.close()
+        task.close()

@@ -23,6 +23,7 @@ from sparserl.engine.rollout import run_stats
 from sparserl.engine.sampling import DistributionRecorder
 from sparserl.engine.scoring import score
 from sparserl.registry import Registry
+from sparserl.rollout.rewards import RewardWorker
 from sparserl.rollout.scheduler import Scheduler
 
 
@@ -113,6 +114,11 @@ class RolloutBackend:
         raise NotImplementedError(
             f"rollout backend {self.name!r} cannot score completions teacher-forced, which rollout.spec needs"
         )
+
+    def reward_worker(self, task: Any, asynchronous: bool) -> RewardWorker:
+        """Where the layer scores finished groups (`task`: its TaskView): a thread of this process, overlapping
+        decoding when `asynchronous`. Backends with workers of their own score there instead."""
+        return RewardWorker(asynchronous)
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         """Refuse at start-up a setting (a KV memory cap) that cannot run one sequence of this prompt length."""

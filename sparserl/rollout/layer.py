@@ -19,7 +19,6 @@ from sparserl.engine.decoding import Request, Sampling
 from sparserl.rollout.backend import RolloutBackend, Segment, merge_run_metrics
 from sparserl.rollout.records import GroupRecord, SampleRecord
 from sparserl.rollout.reuse import accepted_length, verification_uniforms
-from sparserl.rollout.rewards import RewardWorker
 from sparserl.rollout.sources import Draft, GroupPlan, GroupSource
 from sparserl.rollout.task_view import TaskView
 
@@ -69,7 +68,7 @@ class RolloutLayer:
         self.max_extra_rounds = max_extra_rounds  # sampling.max_extra_rounds: rounds after a step's first
         self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)  # this step's draft verifications (SPEC-RL)
         self.state = RolloutState()
-        self.rewards = RewardWorker(cfg.async_rewards)
+        self.rewards = backend.reward_worker(task, cfg.async_rewards)
 
     def close(self) -> None:
         self.rewards.close()

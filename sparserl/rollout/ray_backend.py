@@ -8,6 +8,10 @@ trainable tensors only: with LoRA, the adapter); a worker asked to run at a vers
 worker that dies mid-run (its process killed) is replaced, sent the current weights, and its share runs again
 on it: its segments had not been handed over, so no sample is lost or duplicated, and none is stale.
 
+Rewards are scored on the workers too (`reward_worker`): each finished group's texts go to a worker (round robin)
+that holds a copy of the task, so its reward functions run there and must be importable there; a worker lost
+before it answers is replaced and its groups are scored again (rewards are a function of the texts).
+
 Ray is imported when the backend is built, never when sparserl is imported.
 """
 
@@ -23,6 +27,7 @@ from typing import Any
 import torch
 
 from sparserl.engine.decoding import Request, Sampling
+from sparserl.errors import UserError
 from sparserl.rollout.backend import (
     LocalBackend,
     Recording,
@@ -62,6 +67,55 @@ class RolloutWorker:
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
         return self.backend.score(prompts, completions, temperature)
 
+    def set_task(self, task: Any) -> bool:
+        """Hold the run's TaskView (unpickling it imports the task's reward functions here); the counts its
+        copy brought along are the driver's, so they are dropped."""
+        self.task = task
+        task.start_rewards()
+        task.drain_counters()
+        return True
+
+    def rewards(self, texts: list[str], examples: list[Any]) -> tuple[list[float], dict[str, float]]:
+        """One group's rewards and the reward counters (calls, errors, timeouts) they added."""
+        return self.task.scores(texts, examples), self.task.drain_counters()
+
+
+class WorkerRewards:
+    """The layer's reward worker when the rollout workers score: `submit` sends a group to the next worker
+    (round robin) and returns at once, `wait` gathers every group's rewards and adds the workers' counters to
+    the driver's TaskView."""
+
+    def __init__(self, backend: RayBackend, task: Any):
+        self.backend, self.task = backend, task
+        self.pending: dict[Any, tuple[Any, list[str], list[Any]]] = {}
+        self.turn = 0
+
+    def submit(self, key: Any, score: Callable, texts: list[str], examples: list[Any]) -> None:
+        self.turn = (self.turn + 1) % len(self.backend.workers)
+        self.pending[key] = (self._send(self.turn, texts, examples), texts, examples)
+
+    def _send(self, i: int, texts: list[str], examples: list[Any]) -> Any:
+        return self.backend.workers[i].rewards.remote(texts, examples)
+
+    def wait(self) -> dict[Any, list[float]]:
+        out, ray = {}, self.backend.ray
+        for key, (ref, texts, examples) in self.pending.items():
+            try:
+                scores, counters = ray.get(ref)
+            except (
+                ray.exceptions.RayActorError
+            ):  # lost before it answered: a new worker scores the group again
+                self.backend.replace_dead()
+                scores, counters = ray.get(self._send(0, texts, examples))
+            out[key] = scores
+            for name, value in counters.items():
+                self.task.counters[name] = self.task.counters.get(name, 0.0) + value
+        self.pending = {}
+        return out
+
+    def close(self) -> None:
+        self.pending = {}
+
 
 @register_backend("ray")
 class RayBackend(RolloutBackend):
@@ -81,7 +135,7 @@ class RayBackend(RolloutBackend):
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             init_ray(ray, distributed)
-        self.restarts, self.workers, self.pids, self.state_ref = 0, [], [], None
+        self.restarts, self.workers, self.pids, self.state_ref, self.task_ref = 0, [], [], None, None
         try:
             self.model_ref = ray.put(engine.model)
             self.workers = [self._start_worker() for _ in range(distributed.rollout_workers)]
@@ -164,7 +218,38 @@ class RayBackend(RolloutBackend):
         (self.pids[i],) = self.wait_ready([self.workers[i]])
         if self.state_ref is not None:  # a new worker holds the weights copied at start: send the last push
             self.ray.get(self.workers[i].push.remote(self.version, self.state_ref))
+        if self.task_ref is not None:
+            self._send_task(self.workers[i])
         self.restarts += 1
+
+    def replace_dead(self) -> None:
+        """Replace every worker whose process is gone (found out by a call that failed)."""
+        for i, worker in enumerate(self.workers):
+            try:
+                self.ray.get(worker.ready.remote())
+            except self.ray.exceptions.RayActorError:
+                self._replace(i)
+
+    def reward_worker(self, task: Any, asynchronous: bool) -> WorkerRewards:
+        """Rewards scored on the workers: each is sent the task once (and again when replaced)."""
+        self.task_ref = self.ray.put(task)
+        for worker in self.workers:
+            self._send_task(worker)
+        return WorkerRewards(self, task)
+
+    def _send_task(self, worker: Any) -> None:
+        try:
+            self.ray.get(worker.set_task.remote(self.task_ref))
+        except self.ray.exceptions.RayActorError:
+            raise
+        except self.ray.exceptions.RayError as e:
+            cause = str(e).strip().splitlines()[-1]
+            raise UserError(
+                f"the task's reward functions could not be loaded on a rollout worker ({cause}): with "
+                "distributed.rollout_workers the workers score the rewards, so every module a reward function "
+                "comes from must be importable there (installed in the workers' environment, or on their "
+                "PYTHONPATH, e.g. through the cluster's runtime_env)"
+            ) from None
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
         """On the first worker (replaced, and asked again, if it died)."""

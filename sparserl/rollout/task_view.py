@@ -42,6 +42,13 @@ class TaskView:
         """`rewards` as plain floats (what a reward worker hands back)."""
         return self.rewards(texts, examples).tolist()
 
+    def start_rewards(self) -> None:
+        """Load the task's reward functions now where it has a process of its own for them (a copy sent to a
+        rollout worker checks that they import there)."""
+        start = getattr(self.task, "start", None)
+        if callable(start):
+            start()
+
     def drain_counters(self) -> dict[str, float]:
         """The counters gathered since the last call, the task's own (`task.stats`: reward calls, errors,
         timeouts) included; both are reset."""

@@ -305,6 +305,12 @@ class RewardFnTask(Task):
         if self._process is not None:
             self._process.close()
 
+    def start(self) -> None:
+        """Start the reward worker and load the functions now (a copy of this task in another process: a
+        rollout worker checks there that they import)."""
+        if self._process is not None:
+            self._process.start()
+
     @property
     def stats(self) -> RewardStats:
         """The wrapped task's failure counters, shared with its built-in reward."""

@@ -114,6 +114,21 @@ class RewardProcess:
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, self._handle.kill)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What crosses a process boundary (a task sent to a Ray rollout worker, which scores there): the
+        functions to load, not the running worker; the copy starts its own on its first call and loads them."""
+        return {"loads": dict(self._loads)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self._loads = state["loads"]
+
+    def start(self) -> None:
+        """Start the worker and load every registered function now (RewardCrash names one that fails), so that
+        a copy in another process finds out at once whether it can."""
+        with self._lock:
+            self._start_locked()
+
     # ------------------------------------------------------------------------------------------ process
 
     def _start_locked(self) -> None:
