@@ -30,11 +30,6 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             f"optim.grad_accum={cfg.optim.grad_accum} exceeds the mini-batch size {mini}: "
             "each micro-batch needs at least one sequence"
         )
-    if cfg.engine.compile is True and cfg.sparse and cfg.kv.method in SPARSE_ATTENTION_METHODS:
-        raise ConfigError(
-            f"engine.compile=true does not run block-sparse attention (kv.method={cfg.kv.method!r}): the "
-            "pages it reads per step are data-dependent shapes; set engine.compile=false or auto"
-        )
     check_distributed(cfg)
     rounds = cfg.rollout.tree.rounds + (cfg.sampling.method == "dars")
     if cfg.rollout.tree.enable and cfg.sampling.max_extra_rounds < rounds:

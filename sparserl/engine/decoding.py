@@ -378,6 +378,9 @@ class DecodeRun:
         feed = torch.zeros(bucket, dtype=torch.long, device=tok.device)
         pos = torch.zeros(bucket, dtype=total.dtype, device=tok.device)
         feed[:n], pos[:n] = tok, total
+        budget = self.engine.step_budget  # block_topk: the padding rows read under the first row's budget
+        if budget is not None and bucket > n:
+            self.engine.step_budget = torch.cat([budget, budget[:1].expand(bucket - n)])
         with cache.padded(bucket):
             cache.length[n:] = 0
             if self.engine.cuda_graphs:
@@ -385,6 +388,7 @@ class DecodeRun:
             self.engine.note_compile(bucket, cache.capacity)
             logits = self.engine.compiled_step(feed, pos, cache, cache.capacity)
             self.engine.note_compiled()
+        self.engine.step_budget = budget
         return logits[:n].clone() if self.engine.cuda_graphs else logits[:n]
 
     def _compress(self, rows: Tensor, ids: Tensor) -> None:

@@ -89,7 +89,8 @@ def resolve_compile(
     params = sum(p.numel() for p in model.parameters())
     on_cpu = next(model.parameters()).device.type == "cpu"
     why = (
-        f"kv.method={kv.method} does not compile" if kv is not None and kv.sparse_attention
+        f"kv.method={kv.method}: its eager attention islands are not measured to pay"
+        if kv is not None and kv.sparse_attention
         else "no C++ compiler for torch.compile on CPU" if on_cpu and not (shutil.which("g++") or shutil.which("c++"))
         else f"a model of {params / 1e6:.1f}M parameters (< {AUTO_COMPILE_MIN_PARAMS // 10**6}M)"
         if params < AUTO_COMPILE_MIN_PARAMS
@@ -122,8 +123,9 @@ class RolloutEngine:
     bucket of rows, attention over the whole preallocated capacity: one graph per (bucket, capacity), see
     `DecodeRun._compiled_step`), so that on CUDA it can be captured in a graph; the tokens and log-probs are the
     eager step's (tested), dense or evicting (the cut itself, every `kv.interval` steps, stays eager: its
-    shapes vary with the rows due and their lengths). Block-sparse attention does not compile (its pages read
-    per step are data-dependent shapes). With `kv.method` an eviction
+    shapes vary with the rows due and their lengths). Block-sparse attention (its page choice and the attention
+    over the pages read: data-dependent shapes) runs as an eager island inside the compiled step
+    (`PageSparseAttention.attend`). With `kv.method` an eviction
     method, a prompt longer than `kv.budget` is cut to the budget right after prefill, and during decoding every
     `kv.interval` steps each sequence holding `budget` or more positions is cut back so that it holds exactly
     `budget` after the step's token is written: no row ever holds more than `budget + interval - 1` positions.
@@ -152,12 +154,6 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.decoder = Decoder(model, dtype)
         self.kv = kv or KVConfig()
-        if compile and self.kv.sparse_attention:
-            raise NotImplementedError(
-                f"engine.compile=true does not run kv.method={self.kv.method!r}: block-sparse attention picks "
-                "its pages per step (how many, which fill) from the data, shapes a static graph cannot hold "
-                "without reading the whole cache; set engine.compile=false"
-            )
         # static shapes: (rows padded to a bucket, capacity); attention spans the whole capacity. On a GPU the
         # compiled step is also captured as a CUDA graph (one launch a step instead of one per kernel): the step
         # writes the cache in place, so `DecodeRun` marks the cache's tensors as static addresses (the graph
@@ -376,10 +372,10 @@ class RolloutEngine:
             qkv = dec.qkv(layer, hidden, rope)
             cache.write(layer, qkv.k, qkv.v, positions)
             k, v = cache.view(layer, span)
-            mask = valid
-            if self.sparse is not None:
-                k, v, mask = self.sparse.read(cache, layer, qkv.q, k, v, valid)
-            out, probs = cache.attention(layer, qkv.q, k, v, mask, dec.scale)
+            if self.sparse is not None and layer in self.sparse.sparse_layers:
+                out, probs = self.sparse.attend(cache, layer, qkv.q, k, v, valid, dec.scale)
+            else:
+                out, probs = cache.attention(layer, qkv.q, k, v, valid, dec.scale)
             if self.evictor is not None:
                 cache.remember_queries(layer, qkv.q)
                 self.evictor.method.observe(cache, layer, probs, span)

@@ -111,9 +111,21 @@ class PageSparseAttention:
             store[:, :, :whole] = summaries
             cache.row_state[summary_key(layer)] = store
 
+    @torch.compiler.disable
     def begin_step(self, tokens: Tensor, budget: Tensor) -> None:
-        """Plan a decode step for rows holding `tokens` positions once its token is written, under `budget`."""
+        """Plan a decode step for rows holding `tokens` positions once its token is written, under `budget`.
+        Eager even inside a compiled step (its sizes are Python numbers read from the data)."""
         self.plan = StepPlan.make(tokens, budget, self.page_size)
+
+    @torch.compiler.disable
+    def attend(
+        self, cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """`read`, then the cache's attention over what was read: one eager island inside a compiled decode step
+        (how many pages a step reads, and which fill, are data-dependent shapes), so that the projections, norms
+        and MLP around it still compile with static shapes; the output [rows, Hq, 1, D] has a static shape."""
+        k, v, mask = self.read(cache, layer, q, k, v, valid)
+        return cache.attention(layer, q, k, v, mask, scale)
 
     def read(
         self, cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
