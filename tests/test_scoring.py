@@ -3,6 +3,7 @@ gradients as one forward per row."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_engine import BATCH_TOL, chat
 
@@ -42,3 +43,20 @@ def test_micro_batches_keep_every_row_once():
     prompts, completions = [[1, 2]] * 5, [[3] * k for k in (4, 1, 3, 2, 5)]
     chunks = list(micro_batches(prompts, completions, token_budget=12))
     assert sorted(i for c in chunks for i in c) == list(range(5))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_learner_logprobs_grad_is_autograds_bit_for_bit(temperature):
+    """The learner's log-probs keep no [N, V] log-softmax for the backward (recomputed in chunks): the values and
+    the gradient equal autograd's through the whole log-softmax, bit for bit, over more rows than one chunk."""
+    from sparserl.engine.scoring import TARGET_CHUNK, _TargetLogprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, TARGET_CHUNK, 500, generator=g).requires_grad_(True)
+    targets = torch.randint(500, (2, TARGET_CHUNK), generator=g)
+    weights = torch.randn(2, TARGET_CHUNK, generator=g)
+    plain = (logits / temperature).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
+    (want,) = torch.autograd.grad((plain * weights).sum(), logits)
+    chunked = _TargetLogprobs.apply(logits, targets, temperature)
+    (got,) = torch.autograd.grad((chunked * weights).sum(), logits)
+    assert torch.equal(plain, chunked) and torch.equal(want, got)

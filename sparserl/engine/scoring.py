@@ -118,8 +118,10 @@ def completion_logprobs(
     the whole one: autograd would hold every chunk's output anyway).
     """
     logits, targets, mask = _completion_logits(model, prompt_ids, completion_ids)
-    if not with_entropy and not torch.is_grad_enabled():
-        return target_logprobs(logits, targets, temperature) * mask, mask
+    if not with_entropy:
+        if not torch.is_grad_enabled():
+            return target_logprobs(logits, targets, temperature) * mask, mask
+        return _TargetLogprobs.apply(logits, targets, temperature) * mask, mask
     logp_all = (logits / temperature).log_softmax(dim=-1)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1) * mask
     if not with_entropy:
@@ -147,6 +149,35 @@ def target_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -
         for rows in (slice(s, s + TARGET_CHUNK) for s in range(0, flat.shape[0], TARGET_CHUNK))
     ]
     return torch.cat(parts).view(targets.shape)
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """`target_logprobs` with a gradient that holds no [N, V] tensor but the logits and their gradient: the
+    log-softmax is recomputed `TARGET_CHUNK` positions at a time in the backward, where autograd would have saved
+    `logits / T` and its log-softmax whole (two more [N, V] copies; the learner's peak in the default run). The
+    backward is autograd's own formula for gather, log-softmax and the division, chunked."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+        ctx.save_for_backward(logits, targets)
+        ctx.temperature = temperature
+        return target_logprobs(logits, targets, temperature)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        logits, targets = ctx.saved_tensors
+        t, v = ctx.temperature, logits.shape[-1]
+        flat, idx, g = logits.reshape(-1, v), targets.reshape(-1, 1), grad.reshape(-1, 1)
+        out = torch.empty_like(flat)
+        for start in range(0, flat.shape[0], TARGET_CHUNK):
+            rows = slice(start, start + TARGET_CHUNK)
+            logp = (flat[rows] / t).log_softmax(dim=-1)
+            picked = torch.zeros_like(logp).scatter_(
+                -1, idx[rows], g[rows].to(logp.dtype)
+            )  # gather's backward
+            # the op autograd itself runs for log_softmax: bit for bit the unchunked gradient (tested)
+            out[rows] = torch._log_softmax_backward_data(picked, logp, -1, logp.dtype) / t
+        return out.view_as(logits), None, None
 
 
 def micro_batches(
