@@ -41,7 +41,7 @@ def test_bypass_keeps_the_mismatch_visible_and_corrected(tmp_path: Path) -> None
 
 
 def _captured_gradient(
-    tmp_path: Path, grad_accum: int, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, grad_accum: int, monkeypatch: pytest.MonkeyPatch, *extra: str
 ) -> list[torch.Tensor]:
     cfg = tiny_cfg(
         tmp_path,
@@ -53,7 +53,8 @@ def _captured_gradient(
         "rollout.max_new_tokens=24",  # so that micro-batches pad to different lengths
         f"optim.grad_accum={grad_accum}",
         "trainer.steps=1",
-        name=f"accum{grad_accum}",
+        *extra,
+        name=f"accum{grad_accum}{len(extra)}",
     )
     trainer = make_trainer(cfg)
     grads: list[torch.Tensor] = []
@@ -133,3 +134,21 @@ def test_weights_that_turn_non_finite_stop_the_run_and_save_nothing(
     with pytest.raises(WeightsDiverged, match="optim.lr"):
         trainer.train()
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["step-000001"]
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """optim.gradient_checkpointing recomputes the decoder's activations in the backward (transformers' own);
+    the learner then runs each row's prompt itself instead of a group's shared pass, so the gradient equals the
+    default's up to that rounding (the shared pass's tolerance, tests/test_scoring.py)."""
+    from sparserl.engine.decoder import causal_lm
+
+    trainer = make_trainer(tiny_cfg(tmp_path, "optim.gradient_checkpointing=true", name="gc"))
+    assert causal_lm(trainer.policy.module).is_gradient_checkpointing
+    trainer.close()
+    plain = _captured_gradient(tmp_path, 2, monkeypatch)
+    recomputed = _captured_gradient(tmp_path, 2, monkeypatch, "optim.gradient_checkpointing=true")
+    assert len(plain) == len(recomputed) > 0
+    for a, b in zip(plain, recomputed, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -178,6 +178,14 @@ class OptimConfig:
     ppo_epochs: int = field(
         default=1, metadata={"help": "K: passes over the rollout batch before the next rollout."}
     )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Recompute each decoder layer's activations in the backward instead of keeping them (as "
+            "TRL's and transformers' gradient_checkpointing): less update memory for more compute; the learner "
+            "then runs each sequence's prompt itself instead of sharing a group's (docs/algorithm.md)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.lr < math.inf:

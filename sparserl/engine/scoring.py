@@ -38,7 +38,9 @@ def _completion_logits(
         groups.setdefault(tuple(p), []).append(i)
     targets, mask = completion_targets(completion_ids)
     t_c = targets.shape[1]
-    if all(len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items()):
+    if recomputes_activations(lm) or all(
+        len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items()
+    ):
         hidden = _hidden_at_completions(lm, list(prompt_ids), list(completion_ids), t_c, device)
     else:
         parts = [
@@ -48,6 +50,14 @@ def _completion_logits(
         order = torch.tensor([i for rows, _ in parts for i in rows], device=device)
         hidden = torch.cat([h for _, h in parts])[order.argsort()]  # back to the callers' row order
     return lm.lm_head(hidden).float(), targets.to(device), mask.to(device)
+
+
+def recomputes_activations(lm: nn.Module) -> bool:
+    """True while the decoder recomputes its activations in the backward (gradient checkpointing, training
+    with grad): transformers then runs it without a KV cache, so a group's prompt cannot be shared through one."""
+    return (
+        bool(getattr(lm.model, "gradient_checkpointing", False)) and lm.training and torch.is_grad_enabled()
+    )
 
 
 def completion_targets(completion_ids: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:

@@ -22,6 +22,7 @@ from sparserl.algo import (
     ppo_anchor,
 )
 from sparserl.config import TrainConfig
+from sparserl.engine.decoder import causal_lm
 from sparserl.engine.module_mode import module_mode
 from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import UserError
@@ -173,6 +174,12 @@ class Learner:
             raise ValueError(f"model {cfg.model.spec!r} has no trainable parameters")
         self.cfg, self.module, self.params, self.autocast = cfg, module, params, autocast
         self.collective = collective
+        if (
+            cfg.optim.gradient_checkpointing
+        ):  # transformers' own; non-reentrant: works with frozen bases (LoRA)
+            causal_lm(module).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         o = cfg.optim
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
