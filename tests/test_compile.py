@@ -153,7 +153,9 @@ def test_compiled_block_topk_equals_the_eager_one(schedule):
     a = RolloutEngine(model, tok, kv).generate(prompts, n=2, max_new_tokens=40, seed=0)
     compiled = RolloutEngine(model, tok, kv, compile=True)
     b = compiled.generate(prompts, n=2, max_new_tokens=40, seed=0)
-    assert a.stats["read_positions_mean"] < a.stats["held_positions_mean"]  # the steps read a part of the cache
+    assert (
+        a.stats["read_positions_mean"] < a.stats["held_positions_mean"]
+    )  # the steps read a part of the cache
     assert same_samples(a, b, flips=1) < COMPILE_TOL
     assert compiled.compiled_shapes
 
