@@ -149,7 +149,7 @@ def frontier(report: dict, speed: dict[int, dict[str, float]], args: argparse.Na
     return {"rows": rows, "best_schedule": best, "schedule": report["schedule"]}
 
 
-def goals(table: dict, args: argparse.Namespace) -> dict:
+def goals(table: dict) -> dict:
     command = "python benchmarks/frontier.py --resume"
     best = table["best_schedule"]
     longest = max((c["length"] for r in table["rows"] for c in r["cells"] if c["p5"] is not None), default=0)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     report, described = tail_table(model, tok, args, budgets)
     speed = speed_table(model, tok, args, budgets)
     table = frontier(report, speed, args)
-    judged = goals(table, args)
+    judged = goals(table)
     out = {"benchmark": "Sparrow frontier: P5 (90% interval) and decode speed-up per block_topk budget x length",
            "command": command_line(), "settings": vars(args) | {"out": str(args.out)}, "budgets": budgets,
            "prompts": described, "cpu_step_s": speed, "frontier": table, "machine": machine_info(),

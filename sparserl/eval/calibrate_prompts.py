@@ -15,18 +15,22 @@ from sparserl.tasks import make_task
 PROBE_DISTRACTORS = 64  # filler lines of the probe prompt that measures the tokens one line costs
 
 
-def distractors_for(task: Any, tokenizer: Any, length: int, index: int) -> int:
-    """How many filler lines put problem `index`'s prompt at about `length` tokens: the prompt's length without
-    filler plus a line's mean cost (measured on a probe of `PROBE_DISTRACTORS` lines) times the count."""
+def line_cost(task: Any, tokenizer: Any, index: int) -> tuple[int, float]:
+    """Problem `index`'s prompt length without filler, and a filler line's mean cost in tokens (measured on a
+    probe of `PROBE_DISTRACTORS` lines): what `distractors_for` scales by."""
 
     def prompt_length(distractors: int) -> int:
         probe = make_task(replace(task.cfg, num_distractors=distractors), task.split)
         return len(encode_prompt(tokenizer, probe[index].messages))
 
     base = prompt_length(0)
+    return base, (prompt_length(PROBE_DISTRACTORS) - base) / PROBE_DISTRACTORS
+
+
+def distractors_for(length: int, base: int, per_line: float) -> int:
+    """How many filler lines put a prompt of `base` tokens without filler at about `length` tokens."""
     if length < base:
         raise UserError(f"--lengths {length}: this task's prompt is {base} tokens before any filler line")
-    per_line = (prompt_length(PROBE_DISTRACTORS) - base) / PROBE_DISTRACTORS
     return round((length - base) / per_line)
 
 
@@ -43,8 +47,9 @@ def graded_length_prompts(
     if not lengths or min(lengths) < 1:
         raise UserError(f"--lengths {lengths}: give target prompt lengths in tokens, e.g. 1024,2048,4096")
     prompts, described = [], []
+    base, per_line = line_cost(task, tokenizer, offset)  # once: the same for every target length
     for length in lengths:
-        lines = distractors_for(task, tokenizer, length, offset)
+        lines = distractors_for(length, base, per_line)
         scaled = make_task(replace(task.cfg, num_distractors=lines), task.split)
         for index in range(offset, offset + per_length):
             prompts.append(encode_prompt(tokenizer, scaled[index].messages))
