@@ -89,9 +89,18 @@ def run(x: Experiment) -> None:
             )
             rows = [r for r in read_metrics(path) if "reward/mean" in r]
             curves = {k: [r.get(k) for r in rows] for k in x.curve_keys}
-            write_atomic(
-                x.part("curves", arm, seed), json.dumps({"run": str(path), "curves": curves}, indent=1) + "\n"
-            )
+            write_with_goals(x.part("curves", arm, seed), {"run": str(path), "curves": curves}, part_goals(x))
+
+
+def part_goals(x: Experiment) -> dict:
+    """The goals mapping a part carries: the experiment's goals, judged only in its results file from all the
+    parts together (a part alone judges none)."""
+    where = str(x.results.relative_to(ROOT)) if x.results.is_relative_to(ROOT) else str(x.results)
+    return {
+        name: {"value": None, "target": target, "met": False, "command": x.command,
+               "reason": f"a part: the goal is judged in {where} from every part"}
+        for name, (_, target) in x.goal_targets.items()
+    }  # fmt: skip
 
 
 def eval_one(x: Experiment, arm: str, seed: int) -> None:
