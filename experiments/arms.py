@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from study import read_metrics, train_arm, write_atomic, write_with_goals
+from study import read_metrics, train_arm, write_with_goals
 
 from sparserl.eval.metrics import pass_at_k
 
@@ -78,18 +78,30 @@ def write_rules(x: Experiment) -> None:
                      {**goals, **old.get("goals", {})})  # fmt: skip
 
 
-def run(x: Experiment) -> None:
-    """Train every arm and seed not trained yet; each finished run's curves become a part."""
-    for seed in x.seeds:
-        for arm, overrides in x.arms.items():
-            if x.part("curves", arm, seed).is_file():
-                continue
+def run_names(x: Experiment, only: list[str] | None = None) -> list[tuple[str, int]]:
+    """The (arm, seed) runs to train, in order: every one (seed by seed), or those `only` names
+    ("arm-seedN"), in the order given."""
+    every = {f"{arm}-seed{seed}": (arm, seed) for seed in x.seeds for arm in x.arms}
+    unknown = [name for name in only or [] if name not in every]
+    if unknown:
+        raise SystemExit(f"{x.command} run: unknown run(s) {', '.join(unknown)}; known: {', '.join(every)}")
+    return [every[name] for name in only] if only else list(every.values())
+
+
+def run(x: Experiment, only: list[str] | None = None, script: str | None = None) -> None:
+    """Train every arm and seed not trained yet (or those `only` names); each finished run's curves become a
+    part. With `script`, each model is evaluated right after it trains, so a run directory lost later (a new
+    machine) costs no evaluation."""
+    for arm, seed in run_names(x, only):
+        if not x.part("curves", arm, seed).is_file():
             path = train_arm(
-                x.runs, f"{arm}-seed{seed}", [*overrides, *x.extra, f"trainer.seed={seed}"], [], x.config
+                x.runs, f"{arm}-seed{seed}", [*x.arms[arm], *x.extra, f"trainer.seed={seed}"], [], x.config
             )
             rows = [r for r in read_metrics(path) if "reward/mean" in r]
             curves = {k: [r.get(k) for r in rows] for k in x.curve_keys}
             write_with_goals(x.part("curves", arm, seed), {"run": str(path), "curves": curves}, part_goals(x))
+        if script is not None:
+            evaluate_run(x, script, arm, seed)
 
 
 def part_goals(x: Experiment) -> dict:
@@ -119,18 +131,27 @@ def eval_one(x: Experiment, arm: str, seed: int) -> None:
     )  # fmt: skip
     correct = [sum(r >= 1.0 - 1e-9 for r in ex["dense"]["rewards"]) for ex in result["examples"]]
     part = {"correct": correct, "samples": x.eval_samples, "dense": result["dense"]}
-    write_atomic(x.part("eval", arm, seed), json.dumps(part, indent=1) + "\n")
+    write_with_goals(x.part("eval", arm, seed), part, part_goals(x))
+
+
+def evaluate_run(x: Experiment, script: str, arm: str, seed: int) -> None:
+    """Evaluate one trained model in a process of its own, unless its part exists; a model whose run directory
+    is gone is reported and skipped (its curves part stays; its held-out numbers stay missing)."""
+    if x.part("eval", arm, seed).is_file() or not x.part("curves", arm, seed).is_file():
+        return
+    if not (x.runs / f"{arm}-seed{seed}").is_dir():
+        print(f"{arm}-seed{seed}: trained, but its run directory {x.runs / f'{arm}-seed{seed}'} is gone; "
+              "not evaluated (retrain it to evaluate: delete its curves part and run again)", flush=True)  # fmt: skip
+        return
+    cmd = [sys.executable, script, "eval-one", arm, str(seed)]
+    print("$", " ".join(cmd), flush=True)
+    if subprocess.run(cmd, cwd=ROOT).returncode:
+        raise SystemExit(f"evaluation of {arm}-seed{seed} failed (its error is above)")
 
 
 def evaluate_all(x: Experiment, script: str) -> None:
-    for seed in x.seeds:
-        for arm in x.arms:
-            if x.part("eval", arm, seed).is_file() or not x.part("curves", arm, seed).is_file():
-                continue
-            cmd = [sys.executable, script, "eval-one", arm, str(seed)]
-            print("$", " ".join(cmd), flush=True)
-            if subprocess.run(cmd, cwd=ROOT).returncode:
-                raise SystemExit(f"evaluation of {arm}-seed{seed} failed (its error is above)")
+    for arm, seed in run_names(x):
+        evaluate_run(x, script, arm, seed)
 
 
 def pass_curve(part: dict) -> list[float]:
@@ -185,10 +206,9 @@ def report(x: Experiment, goals: Callable[[dict], dict]) -> None:
     print(json.dumps(judged, indent=1))
 
 
-def main(
-    x: Experiment, goals: Callable[[dict], dict], script: str, train: Callable[[Experiment], None] = run
-) -> int:
-    """The stages: rules (always first), `train` (the runs; `run` by default), eval, report."""
+def main(x: Experiment, goals: Callable[[dict], dict], script: str, train: Callable[..., None] = run) -> int:
+    """The stages: rules (always first), `train` (the runs, each evaluated once trained; `run` by default;
+    `run NAME...` trains those runs in that order), eval, report."""
     parser = argparse.ArgumentParser(
         description=f"{x.name}: arms x seeds, then held-out evaluation and goals"
     )
@@ -202,7 +222,7 @@ def main(
         eval_one(x, args.rest[0], int(args.rest[1]))
         return 0
     stages = {
-        "run": lambda: run(x),
+        "run": lambda: train(x, args.rest or None, script),
         "eval": lambda: evaluate_all(x, script),
         "report": lambda: report(x, goals),
     }

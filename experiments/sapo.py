@@ -17,8 +17,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from arms import Experiment, main, paired
-from study import read_metrics, train_arm, write_atomic
+from arms import Experiment, evaluate_run, main, paired, part_goals
+from study import read_metrics, train_arm, write_atomic, write_with_goals
 
 from sparserl.signals import stoppable
 
@@ -42,9 +42,13 @@ RULES = {
 }
 
 
-def run_pairs(x: Experiment) -> None:
-    """Each (mode, seed): both nodes side by side on one Ray cluster; a finished node is not run again."""
+def run_pairs(x: Experiment, only: list[str] | None = None, script: str | None = None) -> None:
+    """Each (mode, seed): both nodes side by side on one Ray cluster; a finished node is not run again; each
+    node evaluated once its pair has trained."""
     import ray
+
+    if only:
+        raise SystemExit("experiments/sapo.py run trains whole pairs: it takes no run names")
 
     for seed in x.seeds:
         for mode in MODES:
@@ -65,9 +69,11 @@ def run_pairs(x: Experiment) -> None:
             for (a, _), path in zip(jobs, runs, strict=True):
                 rows = [r for r in read_metrics(path) if "reward/mean" in r]
                 curves = {k: [r.get(k) for r in rows] for k in x.curve_keys}
-                write_atomic(
-                    x.part("curves", a, seed), json.dumps({"run": str(path), "curves": curves}) + "\n"
+                write_with_goals(
+                    x.part("curves", a, seed), {"run": str(path), "curves": curves}, part_goals(x)
                 )
+                if script is not None:
+                    evaluate_run(x, script, a, seed)
 
 
 def comparison(runs: dict) -> dict:
