@@ -163,7 +163,9 @@ def test_engine_reads_the_pages_the_rule_picks_from_summaries_kept_while_decodin
     """Prompt pages are summarised after prefill and the others when they fill during decoding: the pages chosen
     at every step and sparse layer match the rule recomputed from the cached keys."""
     kv = KVConfig(method="block_topk", budget=24, page_size=4, dense_layers=[0])
-    e = engine(kv, arch)
+    # rows holding their prompts: each row's cache keys are every position the rule scores (a prompt held once
+    # reads the same pages: tests/test_shared_prefix.py)
+    e = engine(kv, arch, share_prompts=False)
     holder: list = [None]
     original_run = e.start_run
 
@@ -183,12 +185,15 @@ def test_engine_reads_the_pages_the_rule_picks_from_summaries_kept_while_decodin
 @pytest.mark.parametrize("schedule", [None, [[0, 48], [40, 64]]])
 def test_covering_budget_equals_dense_bit_for_bit(arch, schedule):
     prompts = random_prompts([23, 5, 12], 1)  # ragged; the longest sample reaches 23 + 24 = 47 positions
-    # against the dense cache with the prompt copied into each row, as block_topk holds it
+    # both with the prompt copied into each row (a prompt held once sums its attention in another order: within
+    # SHARED_TOL of the copied one, tests/test_shared_prefix.py)
     dense = engine(None, arch, share_prompts=False).generate(
         prompts, n=2, max_new_tokens=24, temperature=1.0, seed=7
     )
     kv = KVConfig(method="block_topk", budget=48, page_size=16, schedule=schedule, dense_layers=[0])
-    sparse = engine(kv, arch).generate(prompts, n=2, max_new_tokens=24, temperature=1.0, seed=7)
+    sparse = engine(kv, arch, share_prompts=False).generate(
+        prompts, n=2, max_new_tokens=24, temperature=1.0, seed=7
+    )
     for a, b in zip(sparse, dense, strict=True):
         assert a.completion_ids == b.completion_ids
         assert torch.equal(a.logprobs, b.logprobs)
@@ -244,13 +249,15 @@ def test_positions_read_statistics():
 
 
 def test_memory_is_the_dense_engines():
+    """Every position is kept: with prompts copied into each row, the dense engine's bytes; a group's prompt
+    held once (its whole pages) holds less."""
     kv = KVConfig(method="block_topk", budget=16, page_size=4, dense_layers=[0])
     prompts = random_prompts([10, 3], 0)
-    sparse = engine(kv).generate(prompts, n=2, max_new_tokens=20).stats
-    dense = (
-        engine(None, share_prompts=False).generate(prompts, n=2, max_new_tokens=20).stats
-    )  # prompts copied
+    sparse = engine(kv, share_prompts=False).generate(prompts, n=2, max_new_tokens=20).stats
+    dense = engine(None, share_prompts=False).generate(prompts, n=2, max_new_tokens=20).stats
     assert sparse["peak_kv_bytes"] == dense["peak_kv_bytes"] and sparse["retained_fraction"] == 1.0
+    shared = engine(kv).generate(prompts, n=2, max_new_tokens=20).stats
+    assert shared["peak_kv_bytes"] < sparse["peak_kv_bytes"] and shared["retained_fraction"] == 1.0
 
 
 # --- seam and bad input ---------------------------------------------------------------------------------------

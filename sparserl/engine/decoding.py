@@ -105,6 +105,8 @@ class DecodeRun:
         # what each sample's first admission prefills: its prompt and the completion tokens it was given
         self.first_input = [tuple(r.prompt) + tuple(r.prefix) for r in requests]
         self.shared = shared_inputs(self.first_input) if engine.share_prompts else set()
+        # block-sparse reads: a prompt held once is its whole pages (a row's own pages stay whole pages)
+        self.align = engine.sparse.page_size if engine.sparse is not None else 1
         self.prompt_len = torch.tensor([len(r.prompt) for r in requests], device=dev)
         self.longest = max(self.own_length(i, whole=True) for i in range(n))
         self.uniforms = torch.cat(
@@ -113,10 +115,11 @@ class DecodeRun:
         self.finish: list[str | None] = [None] * n
         self.events = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = PositionStats(torch.zeros(n, dtype=torch.long, device=dev))
-        self.cache = (SharedPrefixCache if self.shared else KVCache)(
-            dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, 0, engine.kv.window, dec.dtype,
-            dev, extras=engine.evictor.method.extras if engine.evictor else (),
-        )  # fmt: skip
+        shape = (dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, 0, engine.kv.window, dec.dtype,
+                 dev)  # fmt: skip
+        extras = engine.evictor.method.extras if engine.evictor else ()
+        share = {"align": self.align} if self.shared else {}
+        self.cache = (SharedPrefixCache if self.shared else KVCache)(*shape, extras=extras, **share)
         self.sample_of_row = torch.zeros(0, dtype=torch.long, device=dev)
         self.logits: Tensor | None = None
         self.compiled = engine.compiled_step is not None
@@ -157,9 +160,10 @@ class DecodeRun:
 
     def own_length(self, i: int, whole: bool = False) -> int:
         """Positions sample i's own row holds once admitted (`whole`: at its end): its input (prompt +
-        max_new_tokens), less its first input when it reads the shared copy."""
+        max_new_tokens), less the part of its first input held once when it reads the shared copy (whole pages
+        of it under block-sparse reads)."""
         total = int(self.prompt_len[i] + self.limit[i]) if whole else self.input_length(i)
-        return total - len(self.first_input[i]) * self.shares(i)
+        return total - len(self.first_input[i]) // self.align * self.align * self.shares(i)
 
     def shared_bytes_after_admit(self, ids: list[int]) -> int:
         """Bytes of the inputs held once (`SharedPrefixCache`) once `ids` are admitted."""
@@ -258,7 +262,8 @@ class DecodeRun:
                 self.cache.hold(prompt, tmp, row, logits[row])
             transient = tmp.nbytes()
         pids = [self.cache.prefix_id(p) for p in prompts]
-        self._resize(max(self.cache.capacity, self.fit_capacity(1)), self.cache.rows + len(ids))
+        need = max(self.own_length(i) for i in ids) + 1
+        self._resize(max(self.cache.capacity, self.fit_capacity(need)), self.cache.rows + len(ids))
         self.cache.append_readers(torch.tensor(pids, device=self.cache.length.device))
         logits = torch.stack([self.cache.prefixes[p].logits for p in pids])
         self._joined(ids, logits, torch.zeros_like(self.events[: len(ids)]), transient)

@@ -174,8 +174,9 @@ class RolloutEngine:
         self.sparse = (
             make_sparse_attention(self.kv, self.decoder.num_layers) if self.kv.sparse_attention else None
         )
-        # a prompt held once is read by a data-dependent number of row groups: dense, eager decode steps only
-        self.share_prompts = share_prompts and not (self.kv.sparse or compile)
+        # a prompt held once is read by a data-dependent number of row groups: eager decode steps only; an
+        # evicting cache's rows each keep their own bounded set (each row evicts on its own path)
+        self.share_prompts = share_prompts and not (self.kv.evicting or compile)
         self.schedule = self.kv.budget_schedule
         self.step_budget: Tensor | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -367,7 +368,7 @@ class RolloutEngine:
         span = span or int(cache.length.max()) + 1
         valid = cache.valid(span, extra=1)
         if self.sparse is not None:
-            self.sparse.begin_step(cache.length + 1, self.step_budget)
+            self.sparse.begin_step(positions + 1, self.step_budget)
         for layer in range(dec.num_layers):
             qkv = dec.qkv(layer, hidden, rope)
             cache.write(layer, qkv.k, qkv.v, positions)

@@ -25,18 +25,25 @@ PREFIX = "prefix"  # row_state entry: the id of the prefix a row reads (0: none)
 @dataclass
 class SharedPrefix:
     """One prompt's keys and values per layer [Hkv, L, D] (RoPE applied, positions 0..L-1) and the next-token
-    logits [V] after it (every row of the group samples its first token from them)."""
+    logits [V] after it (every row of the group samples its first token from them).
+
+    With pages (block-sparse reads), L is the prompt's whole pages: `paged` holds their per-page row state (page
+    summaries, [Hkv, L / page, ...]) and the rest of the prompt, `tail_k`/`tail_v` [Hkv, T, D] (T < a page),
+    is copied into each reader's own first slots, so that a row's own pages stay whole pages of positions."""
 
     k: list[Tensor]
     v: list[Tensor]
     logits: Tensor
+    tail_k: list[Tensor]
+    tail_v: list[Tensor]
+    paged: dict[str, Tensor]
 
     @property
     def length(self) -> int:
         return self.k[0].shape[1]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.tail_k, *self.tail_v))
 
 
 def shared_inputs(inputs: Sequence[tuple[int, ...]]) -> set[tuple[int, ...]]:
@@ -58,15 +65,17 @@ def _per_row(x: Tensor, m: int) -> Tensor:
 
 
 class SharedPrefixCache(KVCache):
-    """A dense `KVCache` whose rows may read a shared prefix before their own slots.
+    """A `KVCache` whose rows may read a shared prefix before their own slots.
 
     `hold(tokens, src, row, logits)` keeps one prompt's KV once (by its tokens); `append_readers(ids)` adds rows
-    that read prefixes and hold no slot of their own yet. A row's prefix id is row state, so it moves with the
-    row; a prefix that no live row reads is released. Rows with no prefix (id 0) attend as in `KVCache`.
+    that read prefixes and hold no slot of their own yet (or a prefix's tail). A row's prefix id is row state, so
+    it moves with the row; a prefix that no live row reads is released. Rows with no prefix (id 0) attend as in
+    `KVCache`. With `align` > 1 (block-sparse reads: the page size) a prefix holds whole pages only.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, align: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
+        self.align = align
         self.prefixes: dict[int, SharedPrefix] = {}
         self._ids: dict[tuple[int, ...], int] = {}
         self._next_id = 1
@@ -86,22 +95,44 @@ class SharedPrefixCache(KVCache):
         if held is not None:
             return held
         n, layers = int(src.length[row]), range(self.num_layers)
+        keep = n // self.align * self.align
         prefix = SharedPrefix(
-            [src.k[i][row, :, :n].clone() for i in layers],
-            [src.v[i][row, :, :n].clone() for i in layers],
+            [src.k[i][row, :, :keep].clone() for i in layers],
+            [src.v[i][row, :, :keep].clone() for i in layers],
             logits,
+            [src.k[i][row, :, keep:n].clone() for i in layers],
+            [src.v[i][row, :, keep:n].clone() for i in layers],
+            {name: src.row_state[name][row, :, : keep // ps].clone() for name, ps in src.paged_state.items()},
         )
+        for name, ps in src.paged_state.items():  # page state (summaries) of the readers' own pages
+            if name not in self.row_state:
+                state = src.row_state[name]
+                self.paged_state[name] = ps
+                self.row_state[name] = state.new_zeros(
+                    (self.rows, state.shape[1], -(-self.capacity // ps), *state.shape[3:])
+                )
         pid, self._next_id = self._next_id, self._next_id + 1
         self.prefixes[pid], self._ids[tuple(tokens)] = prefix, pid
         return pid
 
     def append_readers(self, ids: Tensor) -> None:
-        """Add one empty row per entry of `ids` [k], each reading the prefix of that id."""
+        """Add one row per entry of `ids` [k], each reading the prefix of that id and holding its tail."""
         n, k = self.rows, ids.numel()
         self.reserve_rows(n + k)
         for t in self._store.values():
             t[n : n + k] = 0
         self._store[f"state.{PREFIX}"][n : n + k] = ids
+        for pid in ids.unique().tolist():
+            prefix = self.prefixes[pid]
+            tail = prefix.tail_k[0].shape[1]
+            if tail:
+                rows = n + (ids == pid).nonzero().squeeze(-1)
+                for layer in range(self.num_layers):
+                    self._store[f"k.{layer}"][rows, :, :tail] = prefix.tail_k[layer]
+                    self._store[f"v.{layer}"][rows, :, :tail] = prefix.tail_v[layer]
+                    positions = torch.arange(prefix.length, prefix.length + tail, device=rows.device)
+                    self._store[f"pos.{layer}"][rows, :, :tail] = positions.to(torch.int32)
+                self._store["length"][rows] = tail
         self._rows = n + k
         self._views()
 
@@ -125,11 +156,15 @@ class SharedPrefixCache(KVCache):
             ]
         return self._groups
 
-    def held(self) -> Tensor:
-        held = self.length.clone()
+    def prefix_lengths(self) -> Tensor:
+        """[rows] positions each row reads from its shared prefix before its own slots (0: none)."""
+        lengths = torch.zeros_like(self.length)
         for prefix, rows in self.groups:
-            held[rows] += prefix.length
-        return held
+            lengths[rows] = prefix.length
+        return lengths
+
+    def held(self) -> Tensor:
+        return self.length + self.prefix_lengths()
 
     def shared_bytes(self) -> int:
         return sum(p.nbytes() for p in self.prefixes.values())

@@ -2,8 +2,9 @@
 `PageSparseAttention` keeps the summaries, picks the pages each KV head reads at a decode step (the first page,
 the 2 most recent, the best-scored others up to the sequence's budget) and gathers them for `decode_attention`.
 
-The cache is never cut, so a slot's index is its position and page p holds positions [p * page_size, (p + 1) *
-page_size) in every row.
+The cache is never cut, so page p holds positions [p * page_size, (p + 1) * page_size) in every row: a row's
+slot is its position, less the whole pages of a shared prefix it reads first (`SharedPrefixCache` with `align` =
+the page size), whose summaries are kept once with the prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 from torch import Tensor
 
 from sparserl.engine.cache import KVCache
+from sparserl.engine.decoder import decode_attention
 from sparserl.engine.kv_config import ALWAYS_READ_PAGES, KVConfig
+from sparserl.engine.shared_prefix import SharedPrefixCache
 from sparserl.errors import UserError
 
 
@@ -77,6 +80,13 @@ def gather_slots(store: Tensor, slots: Tensor) -> Tensor:
     return store.view(-1, d).index_select(0, (base + slots).flatten()).view(rows, hkv, -1, d)
 
 
+def gather_shared(store: Tensor, slots: Tensor) -> Tensor:
+    """store[h, slots[r, h, i]] for one shared prefix's layer [Hkv, L, D] and slots [rows, Hkv, R]."""
+    hkv, length, d = store.shape
+    base = torch.arange(hkv, device=slots.device).view(1, hkv, 1) * length
+    return store.reshape(-1, d).index_select(0, (base + slots).flatten()).view(*slots.shape, d)
+
+
 class PageSparseAttention:
     """Reads, per decode step, layer and KV head, only some pages of a whole cache, with one `PageSelector`.
 
@@ -124,8 +134,12 @@ class PageSparseAttention:
         """`read`, then the cache's attention over what was read: one eager island inside a compiled decode step
         (how many pages a step reads, and which fill, are data-dependent shapes), so that the projections, norms
         and MLP around it still compile with static shapes; the output [rows, Hq, 1, D] has a static shape."""
-        k, v, mask = self.read(cache, layer, q, k, v, valid)
-        return cache.attention(layer, q, k, v, mask, scale)
+        read_k, read_v, mask = self.read(cache, layer, q, k, v, valid)
+        if read_k is k:  # read every held slot: the cache's own attention (a shared prefix's included)
+            return cache.attention(layer, q, k, v, valid, scale)
+        return decode_attention(
+            q, read_k, read_v, mask, scale
+        )  # the pages read, a shared prefix's gathered in
 
     def read(
         self, cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
@@ -136,33 +150,84 @@ class PageSparseAttention:
         plan = self.plan
         if layer not in self.sparse_layers:
             return k, v, valid
+        shared = isinstance(cache, SharedPrefixCache) and bool(cache.groups)
+        offset = cache.prefix_lengths() if shared else None
         if plan.filled.numel():
-            self._summarise_filled(cache, layer, plan)
+            self._summarise_filled(cache, layer, plan, offset)
         if plan.width == 0:
             return k, v, valid
         ps, span = self.page_size, k.shape[2]
-        pages = self.select_pages(cache.row_state[summary_key(layer)], q, plan)  # [rows, Hkv, width]
+        if shared:
+            pages = self.rank_pages(self._shared_scores(cache, layer, q, plan, offset), plan)
+        else:
+            pages = self.select_pages(cache.row_state[summary_key(layer)], q, plan)  # [rows, Hkv, width]
         slots = (pages[..., None] * ps + torch.arange(ps, device=k.device)).flatten(2)
         mask = (pages >= 0).repeat_interleave(ps, dim=-1) & (slots < plan.tokens[:, None, None])
+        if shared:
+            return (*self._gather_shared(cache, layer, slots, offset), mask)
         slots = slots.clamp(0, span - 1)
         return gather_slots(cache.k[layer], slots), gather_slots(cache.v[layer], slots), mask
 
     def select_pages(self, summaries: Tensor, q: Tensor, plan: StepPlan) -> Tensor:
-        """Page indices [rows, Hkv, plan.width] each KV head reads, in order (-1 pads a row that reads fewer):
-        page 0, the current page and the one before it, and the best-scored of the other (full) pages, as many
-        as the row's budget leaves. Ties go to the older page."""
+        """`rank_pages` of the scores of a whole cache's page summaries [rows, Hkv, pages, S, D]."""
         rows, hkv = summaries.shape[:2]
         n_pages = int(plan.pages.max())
-        scores = self.selector.score(q.reshape(rows, hkv, -1, q.shape[-1]), summaries[:, :, :n_pages]).float()
+        scores = self.selector.score(q.reshape(rows, hkv, -1, q.shape[-1]), summaries[:, :, :n_pages])
+        return self.rank_pages(scores.float(), plan)
+
+    def _shared_scores(
+        self, cache: SharedPrefixCache, layer: int, q: Tensor, plan: StepPlan, offset: Tensor
+    ) -> Tensor:
+        """Scores [rows, Hkv, pages] of every page of rows that read a shared prefix first: its pages scored
+        against the summaries kept once with the prefix (one call per prefix), the row's own from its own."""
+        ps, key = self.page_size, summary_key(layer)
+        own = cache.row_state[key]
+        rows, hkv = own.shape[:2]
+        queries = q.reshape(rows, hkv, -1, q.shape[-1])
+        first_own = offset // ps  # the page a row's own slots start at
+        n_pages, n_own = int(plan.pages.max()), max(int((plan.pages - first_own).max()), 1)
+        own_scores = self.selector.score(queries, own[:, :, :n_own]).float()  # [rows, Hkv, n_own]
+        index = (torch.arange(n_pages, device=q.device) - first_own[:, None]).clamp(0, n_own - 1)
+        scores = own_scores.gather(2, index[:, None].expand(-1, hkv, -1))
+        for prefix, members in cache.groups:
+            summaries = prefix.paged[key]  # [Hkv, prefix pages, S, D]
+            if summaries.shape[1]:
+                expanded = summaries[None].expand(members.numel(), *summaries.shape)
+                part = self.selector.score(queries[members], expanded).float()
+                scores[members, :, : summaries.shape[1]] = part
+        return scores
+
+    @staticmethod
+    def _gather_shared(
+        cache: SharedPrefixCache, layer: int, slots: Tensor, offset: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Keys and values at positions `slots` [rows, Hkv, R]: a row's own slots from its row, those before
+        its `offset` from the prefix it reads (held once; gathered only for the pages read)."""
+        own = (slots - offset[:, None, None]).clamp(0, cache.k[layer].shape[2] - 1)
+        k, v = gather_slots(cache.k[layer], own), gather_slots(cache.v[layer], own)
+        for prefix, members in cache.groups:
+            if not prefix.length:
+                continue
+            at = slots[members].clamp(0, prefix.length - 1)
+            from_prefix = (slots[members] < prefix.length)[..., None]
+            k[members] = torch.where(from_prefix, gather_shared(prefix.k[layer], at), k[members])
+            v[members] = torch.where(from_prefix, gather_shared(prefix.v[layer], at), v[members])
+        return k, v
+
+    def rank_pages(self, scores: Tensor, plan: StepPlan) -> Tensor:
+        """Page indices [rows, Hkv, plan.width] each KV head reads, in order (-1 pads a row that reads fewer),
+        given every page's score [rows, Hkv, pages]: page 0, the current page and the one before it, and the
+        best-scored of the other (full) pages, as many as the row's budget leaves. Ties go to the older page."""
+        hkv, n_pages = scores.shape[1:]
         last = plan.pages - 1  # the current page, being written
-        page = torch.arange(n_pages, device=q.device)
+        page = torch.arange(n_pages, device=scores.device)
         candidate = (page > 0) & (page < (last - 1)[:, None])  # [rows, n_pages]
         # a stable sort: equal scores rank the older page first, whatever else is in the batch
         ranked = scores.masked_fill(~candidate[:, None], float("-inf")).sort(
             dim=-1, descending=True, stable=True
         )
         n_best = min(plan.most_best, n_pages)
-        rank = torch.arange(n_best, device=q.device)
+        rank = torch.arange(n_best, device=scores.device)
         best_ok = (rank < plan.best[:, None, None]) & (ranked.values[..., :n_best] > float("-inf"))
         always = torch.stack([torch.zeros_like(last), last - 1, last], dim=-1)  # [rows, 3]
         always_ok = torch.stack([torch.ones_like(last, dtype=torch.bool), last > 1, last > 0], dim=-1)
@@ -171,10 +236,13 @@ class PageSparseAttention:
         picked = torch.where(ok, pages, n_pages).sort(dim=-1).values[..., : plan.width]
         return torch.where(picked < n_pages, picked, -1)
 
-    def _summarise_filled(self, cache: KVCache, layer: int, plan: StepPlan) -> None:
-        """Summarise the page that this step's token completed, in the rows where it did."""
+    def _summarise_filled(self, cache: KVCache, layer: int, plan: StepPlan, offset: Tensor | None) -> None:
+        """Summarise the page that this step's token completed, in the rows where it did (`offset`: positions
+        of a shared prefix before a row's own slots)."""
         ps, rows = self.page_size, plan.filled
         first = plan.tokens[rows] - ps  # first slot of the completed page
+        if offset is not None:
+            first = first - offset[rows]
         slots = first[:, None] + torch.arange(ps, device=rows.device)  # [f, ps]
         heads = torch.arange(cache.k[layer].shape[1], device=rows.device)[None, :, None]
         keys = cache.k[layer][rows[:, None, None], heads, slots[:, None, :]]  # [f, Hkv, ps, D]
