@@ -42,6 +42,8 @@ class Experiment:
     eval_samples: int = 16
     eval_seed: int = 4321
     results_root: Path = ROOT / "docs" / "results"
+    plot_keys: tuple[str, ...] = ()  # curves drawn per run in the results' figure, beside held-out pass@k
+    budget_key: str | None = None  # per-step spend whose running total is the figure's x axis (default: step)
 
     @property
     def results(self) -> Path:
@@ -203,7 +205,56 @@ def report(x: Experiment, goals: Callable[[dict], dict]) -> None:
     judged = goals(runs)
     write_with_goals(x.results, {**body, "rules": x.rules, "arms": x.arms, "seeds": list(x.seeds),
                                  "per_run": runs}, {**old.get("goals", {}), **judged})  # fmt: skip
+    if runs:
+        draw(x, runs, x.results.with_suffix(".png"))
     print(json.dumps(judged, indent=1))
+
+
+def draw(x: Experiment, runs: dict[str, dict], path: Path) -> None:
+    """The results' figure: held-out pass@k per arm (mean over its evaluated seeds), then each of `plot_keys`
+    per step of every run (an arm's seeds in one colour), against the running total of `budget_key` if set."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(
+        1, 1 + len(x.plot_keys), figsize=(4.2 * (1 + len(x.plot_keys)), 3.6), squeeze=False
+    )
+    colours = dict(zip(x.arms, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4, strict=False))
+    for arm in x.arms:
+        curves = [
+            runs[f"{arm}-seed{s}"]["pass@k"] for s in x.seeds if "pass@k" in runs.get(f"{arm}-seed{s}", {})
+        ]
+        if curves:
+            mean = [statistics.fmean(at_k) for at_k in zip(*curves, strict=True)]
+            axes[0][0].plot(
+                range(1, len(mean) + 1), mean, color=colours[arm], label=f"{arm} ({len(curves)} seeds)"
+            )
+    axes[0][0].set(xlabel="k", ylabel="held-out pass@k", title="held-out pass@k")
+    for ax, key in zip(axes[0][1:], x.plot_keys, strict=True):
+        for arm in x.arms:
+            for n, seed in enumerate(s for s in x.seeds if f"{arm}-seed{s}" in runs):
+                curves = runs[f"{arm}-seed{seed}"]["curves"]
+                spent = curves.get(x.budget_key) if x.budget_key else None
+                at = [sum(v or 0 for v in spent[: i + 1]) for i in range(len(spent))] if spent else None
+                points = [
+                    (at[i] if at else i + 1, v) for i, v in enumerate(curves.get(key, [])) if v is not None
+                ]
+                if points:
+                    ax.plot(
+                        *zip(*points, strict=True),
+                        color=colours[arm],
+                        alpha=0.8,
+                        label=arm if n == 0 else None,
+                    )
+        ax.set(xlabel=f"{x.budget_key} (running total)" if x.budget_key else "step", title=key)
+    for ax in axes[0]:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(x: Experiment, goals: Callable[[dict], dict], script: str, train: Callable[..., None] = run) -> int:

@@ -93,6 +93,7 @@ EXPERIMENT = Experiment(
     curve_keys=("reward/mean", "time/rollout", "time/step_cpu", "sampling/generated_tokens"),
     eval_prompts=32,
     eval_samples=8,
+    plot_keys=("reward/mean", "time/rollout"),
 )
 
 

@@ -110,6 +110,8 @@ EXPERIMENT = Experiment(
     eval_prompts=EVAL_PROMPTS,
     eval_samples=EVAL_SAMPLES,
     eval_seed=EVAL_SEED,
+    plot_keys=("reward/mean", "sampling/solved_prompt_frac", "sampling/zero_variance_frac"),
+    budget_key="sampling/generated_tokens",
 )
 RESULTS = EXPERIMENT.results
 

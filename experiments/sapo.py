@@ -105,6 +105,7 @@ EXPERIMENT = Experiment(
     rules=RULES,
     goal_targets={},
     curve_keys=("reward/mean", "sampling/swarm_external_groups", "time/step"),
+    plot_keys=("reward/mean",),
 )
 
 

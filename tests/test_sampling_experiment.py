@@ -65,3 +65,33 @@ def test_rules_are_written_before_the_runs_with_every_goal_unmeasured(tmp_path):
     changed = dataclasses.replace(x, rules={**X.RULES, "dars": "another rule"})
     with pytest.raises(SystemExit, match="rules are fixed before the runs"):
         arms.report(changed, X.goals)
+
+
+def test_report_judges_from_parts_and_draws_the_figure(tmp_path):
+    import dataclasses
+    import json
+
+    import arms
+
+    x = dataclasses.replace(X.EXPERIMENT, results_root=tmp_path)
+    arms.write_rules(x)
+    curves = {k: [0.5, None, 0.25] for k in x.curve_keys}
+    for arm in ("grpo", "dars"):
+        x.part("curves", arm, 0).parent.mkdir(parents=True, exist_ok=True)
+        x.part("curves", arm, 0).write_text(json.dumps({"curves": curves}))
+    x.part("eval", "grpo", 0).parent.mkdir(parents=True, exist_ok=True)
+    x.part("eval", "grpo", 0).write_text(json.dumps({"samples": 4, "correct": [0, 4, 1]}))
+    arms.report(x, X.goals)
+    saved = json.loads(x.results.read_text())
+    assert saved["per_run"]["grpo-seed0"]["pass@k"] == X.pass_curve({"samples": 4, "correct": [0, 4, 1]})
+    assert "pass@k" not in saved["per_run"]["dars-seed0"]  # not evaluated: no held-out numbers
+    assert x.results.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_runs_are_named_and_ordered_as_asked():
+    import arms
+
+    assert arms.run_names(X.EXPERIMENT)[:2] == [("grpo", 0), ("dars", 0)]  # seed by seed
+    assert arms.run_names(X.EXPERIMENT, ["vcrl-seed2", "grpo-seed1"]) == [("vcrl", 2), ("grpo", 1)]
+    with pytest.raises(SystemExit, match="unknown run"):
+        arms.run_names(X.EXPERIMENT, ["grpo-seed7"])
