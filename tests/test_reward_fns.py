@@ -14,7 +14,8 @@ import pytest
 
 from sparserl.errors import UserError
 from sparserl.tasks import BUILTIN_REWARD, TaskConfig, make_task, with_reward_fns
-from sparserl.tasks.reward_fns import RewardFnTask, load_reward_function
+from sparserl.tasks.reward_fns import RewardFnTask
+from sparserl.tasks.reward_loading import load_reward_function
 
 ROWS = [
     {"question": "What is 2 + 7?", "answer": "9", "level": 1},

@@ -6,7 +6,8 @@ from __future__ import annotations
 from sparserl.tasks.base import Example, Task
 from sparserl.tasks.config import BOXED_INSTRUCTION, BUILTIN_REWARD, BUILTIN_TASKS, TaskConfig
 from sparserl.tasks.registry import TASKS, make_task, register_task
-from sparserl.tasks.reward_fns import RewardFnTask, load_reward_function, with_reward_fns
+from sparserl.tasks.reward_fns import RewardFnTask, with_reward_fns
+from sparserl.tasks.reward_loading import load_reward_function
 from sparserl.tasks.rewards import RewardStats, RewardTimeout
 
 __all__ = [

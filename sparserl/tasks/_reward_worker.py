@@ -58,7 +58,7 @@ def _load(source: str | bytes) -> Any:
     """The function named by a spec, or unpickled (by reference) from the parent."""
     if isinstance(source, bytes):
         return pickle.loads(source)
-    from sparserl.tasks.reward_fns import load_reward_function
+    from sparserl.tasks.reward_loading import load_reward_function
 
     return load_reward_function(source)
 

@@ -31,22 +31,17 @@ method, a callable object) runs in the trainer's process, as it is, with a note 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import logging
-import os
 import pickle
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sparserl.errors import UserError
 from sparserl.tasks.base import Example, Task
 from sparserl.tasks.config import BUILTIN_REWARD
+from sparserl.tasks.reward_loading import RewardFn, check_spec
 from sparserl.tasks.rewards import (
     RewardStats,
     RewardTimeout,
@@ -56,81 +51,8 @@ from sparserl.tasks.rewards import (
 )
 
 logger = logging.getLogger(__name__)
-RewardFn = Callable[..., Sequence[Any]]
 RESERVED_COLUMNS = ("prompt", "completion")  # as in TRL: the prompt comes as `prompts`
 _NOTED_IN_PROCESS: set[str] = set()  # in-process reward functions already said (once per process)
-
-
-# -------------------------------------------------------------------------------------------------- loading
-
-
-def _import_file(path: Path, spec: str) -> Any:
-    """The module in the Python file `path`, imported once per file."""
-    if not path.is_file():
-        raise UserError(f"task.reward={spec!r}: no such file {path}")
-    resolved = path.resolve()
-    name = f"sparserl_reward_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise UserError(f"task.reward={spec!r}: {path} cannot be imported as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except SystemExit as e:
-        del sys.modules[name]
-        raise UserError(f"task.reward={spec!r}: importing {path} called sys.exit({e.code!r})") from None
-    except Exception as e:
-        del sys.modules[name]
-        raise UserError(f"task.reward={spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
-    return module
-
-
-def _import_module(module_name: str, spec: str) -> Any:
-    """The module `module_name`, looked up on sys.path and, like `python -m`, in the working directory."""
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.append(cwd)
-    try:
-        return importlib.import_module(module_name)
-    except SystemExit as e:
-        raise UserError(
-            f"task.reward={spec!r}: importing module {module_name!r} called sys.exit({e.code!r})"
-        ) from None
-    except Exception as e:
-        raise UserError(
-            f"task.reward={spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-        ) from e
-
-
-def load_reward_function(spec: str) -> RewardFn:
-    """The callable named by 'module:function' (dotted attributes allowed, 'module:Class.method') or
-    'path/to/file.py:function'. Raises UserError naming the spec when it cannot be found or called."""
-    location, sep, attr = spec.rpartition(":")
-    if not sep or not location or not attr:
-        raise UserError(
-            f"task.reward={spec!r} must be 'module:function', 'path/to/file.py:function' or '{BUILTIN_REWARD}'"
-        )
-    is_file = location.endswith(".py") or "/" in location or os.sep in location
-    module = _import_file(Path(location), spec) if is_file else _import_module(location, spec)
-    value: Any = module
-    for part in attr.split("."):
-        if not hasattr(value, part):
-            defined = sorted(
-                n
-                for n, v in vars(module).items()
-                if callable(v) and getattr(v, "__module__", None) == module.__name__
-            )
-            raise UserError(
-                f"task.reward={spec!r}: {location} has no function {attr!r} "
-                f"(it defines: {', '.join(defined) or 'no functions'})"
-            )
-        value = getattr(value, part)
-    if not callable(value):
-        raise UserError(f"task.reward={spec!r}: {attr} is a {type(value).__name__}, not a function")
-    return value
 
 
 # ------------------------------------------------------------------------------------------------- calling
@@ -270,7 +192,7 @@ class RewardFnTask(Task):
         if isinstance(source, str) and not isinstance(reward, str):
             return self._in_process(reward, source)
         if isinstance(reward, str):
-            _check_spec(reward)
+            check_spec(reward)
         if self._process is None:
             from sparserl.tasks.reward_process import RewardProcess
 
@@ -426,15 +348,6 @@ class RewardFnTask(Task):
         except (TypeError, ValueError, OverflowError) as e:
             self._record(_BadReturn(f"returned {str(value)[:40]!r}, not a usable reward ({e})"), 1, name)
             return 0.0
-
-
-def _check_spec(spec: str) -> None:
-    """Raise the usual UserError for a spec that is not 'module:function' / 'file.py:function'."""
-    location, sep, attr = spec.rpartition(":")
-    if not sep or not location or not attr:
-        raise UserError(
-            f"task.reward={spec!r} must be 'module:function', 'path/to/file.py:function' or '{BUILTIN_REWARD}'"
-        )
 
 
 def with_reward_fns(
