@@ -129,7 +129,7 @@ def eval_one(x: Experiment, arm: str, seed: int) -> None:
     result = evaluate(
         loaded.model, loaded.tokenizer, make_task(cfg.task, "test"), samples=x.eval_samples,
         limit=x.eval_prompts, max_new_tokens=cfg.rollout.max_new_tokens, temperature=1.0, top_p=1.0,
-        seed=x.eval_seed,
+        seed=x.eval_seed, details=True,
     )  # fmt: skip
     correct = [sum(r >= 1.0 - 1e-9 for r in ex["dense"]["rewards"]) for ex in result["examples"]]
     part = {"correct": correct, "samples": x.eval_samples, "dense": result["dense"]}

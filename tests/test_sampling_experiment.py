@@ -95,3 +95,24 @@ def test_runs_are_named_and_ordered_as_asked():
     assert arms.run_names(X.EXPERIMENT, ["vcrl-seed2", "grpo-seed1"]) == [("vcrl", 2), ("grpo", 1)]
     with pytest.raises(SystemExit, match="unknown run"):
         arms.run_names(X.EXPERIMENT, ["grpo-seed7"])
+
+
+def test_a_models_evaluation_part_counts_correct_samples_per_prompt(tmp_path, monkeypatch):
+    """eval_one against the real evaluator (a tiny model stands in for the trained one): one count per prompt,
+    each at most the samples drawn, with the goals mapping of a part."""
+    import dataclasses
+    import json
+
+    import arms
+
+    from sparserl.eval import loading
+    from sparserl.models import tiny_model
+
+    model, tok = tiny_model("llama", seed=0)
+    stand_in = loading.LoadedModel(model, tok, "tiny", "pretrained")
+    monkeypatch.setattr(loading, "load_eval_model", lambda spec: stand_in)
+    x = dataclasses.replace(X.EXPERIMENT, results_root=tmp_path, eval_prompts=3, eval_samples=2)
+    arms.eval_one(x, "grpo", 0)
+    part = json.loads(x.part("eval", "grpo", 0).read_text())
+    assert len(part["correct"]) == 3 and all(0 <= c <= 2 for c in part["correct"])
+    assert part["samples"] == 2 and set(part["goals"]) == set(X.GOALS)
