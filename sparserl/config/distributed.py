@@ -77,6 +77,15 @@ class DistributedConfig:
             "GPU) before each step, so the update is the one of 1 learner."
         },
     )
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "Shard the learner ranks' policy (PyTorch FSDP2): each rank holds 1/N of the trainable weights, "
+            "their gradients and AdamW's state, and gathers a decoder layer's weights only around its forward and "
+            "backward, instead of a whole copy each (needs distributed.learners >= 2; checkpoints keep the "
+            "one-learner format)."
+        },
+    )
     cpus_per_learner: float = field(
         default=1.0, metadata={"help": "CPUs each learner rank reserves (and the threads its torch uses)."}
     )
@@ -117,6 +126,11 @@ class DistributedConfig:
             raise ConfigError(
                 f"distributed.cpus_per_worker={self.cpus_per_worker} must be > 0, gpus_per_worker="
                 f"{self.gpus_per_worker} >= 0 and start_timeout_s={self.start_timeout_s} > 0"
+            )
+        if self.fsdp and self.learners < 2:
+            raise ConfigError(
+                f"distributed.fsdp=true shards the policy over learner ranks: it needs distributed.learners >= 2 "
+                f"(got {self.learners})"
             )
         if self.cpus_per_learner <= 0 or self.gpus_per_learner < 0:
             raise ConfigError(

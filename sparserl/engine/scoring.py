@@ -38,8 +38,10 @@ def _completion_logits(
         groups.setdefault(tuple(p), []).append(i)
     targets, mask = completion_targets(completion_ids)
     t_c = targets.shape[1]
-    if recomputes_activations(lm) or all(
-        len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items()
+    if (
+        recomputes_activations(lm)
+        or layers_sharded(lm)
+        or all(len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items())
     ):
         hidden = _hidden_at_completions(lm, list(prompt_ids), list(completion_ids), t_c, device)
     else:
@@ -50,6 +52,18 @@ def _completion_logits(
         order = torch.tensor([i for rows, _ in parts for i in rows], device=device)
         hidden = torch.cat([h for _, h in parts])[order.argsort()]  # back to the callers' row order
     return lm.lm_head(hidden).float(), targets.to(device), mask.to(device)
+
+
+def layers_sharded(lm: nn.Module) -> bool:
+    """True when the decoder layers are FSDP-sharded (trainer/sharding.py): FSDP gathers a layer's weights for
+    its backward from hooks on the layer's outputs, which a group's prompt KV, reused by later passes, bypasses;
+    each row then runs its whole sequence."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    first = next(iter(lm.model.layers[0].parameters()), None)
+    return isinstance(first, DTensor)
 
 
 def recomputes_activations(lm: nn.Module) -> bool:

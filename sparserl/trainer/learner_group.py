@@ -5,6 +5,7 @@ Each rank runs its share of every mini-batch's micro-batches (`rank::N`: the ver
 would run, so per-micro-batch corrections see the same rows), then before each optimizer step the ranks agree
 on whether every micro-batch was finite, on the loss denominator and the metric sums, and sum their gradients
 (torch.distributed: gloo on CPU, nccl on GPU). Every rank then takes the same step, or skips it, together.
+With `distributed.fsdp` each rank holds a shard of the policy instead of a copy (trainer/sharding.py).
 
 The trainer stays the single controller: `LearnerGroup` has the local learner's interface (`update`,
 `optimizer`, `scheduler`), so the loop does not know which it has. After an update rank 0's weights are copied
@@ -27,6 +28,7 @@ from torch import Tensor
 from sparserl.config import ConfigError, TrainConfig
 from sparserl.engine.weights import bump_weights_version
 from sparserl.rollout.ray_backend import free_resources, init_ray, load_named
+from sparserl.trainer import sharding
 from sparserl.trainer.policy import autocast_for
 from sparserl.trainer.update import Batch, Learner, SingleProcess
 
@@ -86,8 +88,18 @@ class TorchCollective(SingleProcess):
         return mine
 
 
+class ShardedCollective(TorchCollective):
+    """A rank of sharded learners (trainer/sharding.py): FSDP sums the gradients inside each backward."""
+
+    lockstep = True
+
+    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """Already summed: every backward reduce-scattered its gradients into each rank's shard."""
+
+
 class LearnerRank:
-    """One Ray actor: a policy copy and a `Learner` that runs its share of each mini-batch."""
+    """One Ray actor: a policy copy (or, with distributed.fsdp, its shard) and a `Learner` that runs its share
+    of each mini-batch; the learner is built once the rank has joined the process group."""
 
     def __init__(self, cfg: TrainConfig, module: torch.nn.Module, names: list[str], rank: int, world: int):
         d = cfg.distributed
@@ -96,9 +108,8 @@ class LearnerRank:
         if self.device.type == "cuda":
             torch.cuda.set_device(0)  # Ray shows each rank its own GPU
         self.module, self.names, self.rank, self.world = module.to(self.device), names, rank, world
-        named = dict(module.named_parameters())
-        autocast = partial(autocast_for, module, cfg.model.dtype)
-        self.learner = Learner(cfg, module, [named[n] for n in names], autocast, TorchCollective(rank, world))
+        self.cfg, self.sharded = cfg, d.fsdp
+        self.learner: Learner | None = None
 
     def address(self) -> str:
         """host:port for the process group's rendezvous (asked of rank 0)."""
@@ -119,22 +130,42 @@ class LearnerRank:
         dist.init_process_group(
             backend, init_method=f"tcp://{address}", rank=self.rank, world_size=self.world
         )
+        scorer = sharding.shard(self.module) if self.sharded else None
+        collective = (ShardedCollective if self.sharded else TorchCollective)(self.rank, self.world)
+        named = dict(self.module.named_parameters())  # sharded: the DTensors that replaced them
+        autocast = partial(autocast_for, self.module, self.cfg.model.dtype)
+        params = [named[n] for n in self.names]
+        self.learner = Learner(self.cfg, self.module, params, autocast, collective, scorer)
 
     def load(self, weights: dict[str, Tensor], optimizer: dict, scheduler: dict) -> None:
         """The trainer's policy, optimizer and schedule state (at the start, or from a checkpoint)."""
-        load_named(self.module, weights)
-        self.learner.optimizer.load_state_dict(optimizer)
+        if self.sharded:
+            sharding.load_weights(self.module, weights)
+            sharding.load_optimizer_state(self.learner.optimizer, optimizer)
+        else:
+            load_named(self.module, weights)
+            self.learner.optimizer.load_state_dict(optimizer)
         self.learner.scheduler.load_state_dict(scheduler)
 
     def update(self, step: int, batch: Batch) -> dict[str, float]:
         """This rank's part of the update; its metrics are the whole update's (the same on every rank)."""
         return self.learner.update(step, batch)
 
-    def weights_and_schedule(self) -> tuple[dict[str, Tensor], dict]:
-        """The trained weights and the lr schedule's state (asked of rank 0)."""
-        return named_state(self.module, self.names), self.learner.scheduler.state_dict()
+    def weights_and_schedule(self) -> tuple[dict[str, Tensor], dict] | None:
+        """The trained weights and the lr schedule's state (from rank 0; sharded, every rank gathers)."""
+        weights = (sharding.full_weights if self.sharded else named_state)(self.module, self.names)
+        return (weights, self.learner.scheduler.state_dict()) if self.rank == 0 else None
+
+    def parameter_bytes(self) -> int:
+        """Bytes of trainable parameters this rank holds: a whole copy, or under FSDP its shard of each."""
+        params = [p for group in self.learner.optimizer.param_groups for p in group["params"]]
+        local = [p.to_local() if self.sharded else p for p in params]
+        return sum(t.numel() * t.element_size() for t in local)
 
     def optimizer_state(self) -> dict:
+        """The optimizer's state in the one-learner format (from rank 0; sharded, every rank gathers)."""
+        if self.sharded:
+            return sharding.optimizer_state(self.learner.optimizer)
         return self.learner.optimizer.state_dict()
 
 
@@ -205,7 +236,7 @@ class LearnerGroup:
     def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer in rank 0's state (fetched when read after an update: checkpoints read it)."""
         if not self.optimizer_current:
-            state = self._gather([self.ranks[0].optimizer_state.remote()])[0]
+            state = self._from_rank0("optimizer_state")
             self.local.optimizer.load_state_dict(state)
             self.optimizer_current = True
         return self.local.optimizer
@@ -234,12 +265,17 @@ class LearnerGroup:
             self.synced = True
         batch_ref = self.ray.put(batch)
         metrics = self._gather([r.update.remote(step, batch_ref) for r in self.ranks])[0]
-        weights, schedule = self._gather([self.ranks[0].weights_and_schedule.remote()])[0]
+        weights, schedule = self._from_rank0("weights_and_schedule")
         load_named(self.module, weights)
         bump_weights_version(self.module)  # engines over the trainer's policy repack
         self.local.scheduler.load_state_dict(schedule)
         self.optimizer_current = False
         return metrics
+
+    def _from_rank0(self, method: str) -> Any:
+        """Rank 0's answer to `method`; sharded ranks gather the whole state together, so all are asked."""
+        ranks = self.ranks if self.cfg.fsdp else self.ranks[:1]
+        return self._gather([getattr(r, method).remote() for r in ranks])[0]
 
     def _gather(self, refs: list[Any]) -> list[Any]:
         """The ranks' results in order; the first rank to fail stops the group (`_stop`)."""

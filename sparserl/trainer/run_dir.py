@@ -37,6 +37,7 @@ RESUMABLE_KEYS = (
     "distributed.learners",  # the update is 1 learner's (to float round-off) and checkpoints have one format
     "distributed.cpus_per_learner",
     "distributed.gpus_per_learner",
+    "distributed.fsdp",  # how the ranks hold the policy: the same update (to float round-off), the same checkpoints
     "distill.enable",  # turned on for a run that had none: refused unless distill.fresh_on_resume (loop.py)
     "distill.fresh_on_resume",
     "distill.probe_",

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -89,6 +90,8 @@ class SingleProcess:
         """The whole mini-batch's finite flag, loss denominator and metric sums from this process's share."""
         return finite, denominator, parts
 
+    lockstep = False  # True where every rank must run every forward and backward (FSDP gathers inside them)
+
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
         """Every process's accumulated gradients summed into `params`' (before the step)."""
 
@@ -99,8 +102,14 @@ class SingleProcess:
 
 SINGLE_PROCESS = SingleProcess()
 
-# (micro-batch rows, still finite) -> (summed loss, its metrics, its loss denominator), or None: not finite
-MicroStep = Callable[[Tensor, bool], "tuple[Tensor, dict[str, float], float] | None"]
+# (micro-batch rows, still finite) -> (summed loss, its metrics, its loss denominator); metrics None: not finite,
+# the loss a zero stand-in (`stand_in`) that only ranks in lockstep take a backward of
+MicroStep = Callable[[Tensor, bool], "tuple[Tensor, dict[str, float] | None, float]"]
+
+
+def stand_in(logp: Tensor) -> tuple[Tensor, None, float]:
+    """A micro-step's answer when its micro-batch is not finite: a zero loss over its graph, no metrics."""
+    return logp.nan_to_num(0.0, 0.0, 0.0).sum() * 0.0, None, 0.0
 
 
 def minibatch_updates(
@@ -126,14 +135,24 @@ def minibatch_updates(
     for mb in minibatches:
         optimizer.zero_grad(set_to_none=True)
         finite, denominator, parts = True, 0.0, {}
-        for micro in collective.mine(list(torch.tensor_split(mb, grad_accum))):
+        micros = list(torch.tensor_split(mb, grad_accum))
+        if collective.lockstep and any(len(m) == 0 for m in micros):
+            raise UserError(
+                f"distributed.fsdp: a mini-batch of {len(mb)} rows leaves some of optim.grad_accum={grad_accum} "
+                "micro-batches empty, and sharded ranks must all run each one: lower optim.grad_accum or raise "
+                "optim.mini_batch_size"
+            )
+        for micro in collective.mine(micros):
             if len(micro) == 0:
                 continue
-            out = micro_step(micro, finite)
-            if out is None:
+            loss, metrics, micro_denominator = micro_step(micro, finite)
+            if metrics is None:  # not finite: every rank skips the mini-batch (`agree`)
                 finite = False
+                if (
+                    collective.lockstep
+                ):  # sharded ranks reduce gradients inside each backward: all take each one
+                    loss.backward()
                 continue
-            loss, metrics, micro_denominator = out
             denominator += micro_denominator
             loss.backward()
             for k, v in metrics.items():
@@ -165,15 +184,18 @@ class Learner:
         params: list[torch.nn.Parameter],
         autocast: Callable[[], AbstractContextManager] = nullcontext,
         collective: SingleProcess = SINGLE_PROCESS,
+        scorer: torch.nn.Module | None = None,
     ) -> None:
         """`autocast()` wraps each micro-batch's forward (half-precision matmuls over float32 master weights);
-        `collective` is a data-parallel rank's share of the work (trainer/learner_group.py)."""
+        `collective` is a data-parallel rank's share of the work (trainer/learner_group.py); `scorer`, called
+        as `completion_logprobs` without its model, runs the forward (an FSDP rank's root, trainer/sharding.py;
+        default: `completion_logprobs` over `module`)."""
         from transformers import get_scheduler
 
         if not params:
             raise ValueError(f"model {cfg.model.spec!r} has no trainable parameters")
         self.cfg, self.module, self.params, self.autocast = cfg, module, params, autocast
-        self.collective = collective
+        self.collective, self.scorer = collective, scorer
         if (
             cfg.optim.gradient_checkpointing
         ):  # transformers' own; non-reentrant: works with frozen bases (LoRA)
@@ -258,7 +280,7 @@ class Learner:
                 yield mb
                 seen[mb] = True
 
-        def micro_step(micro: Tensor, finite: bool) -> tuple[Tensor, dict[str, float], float] | None:
+        def micro_step(micro: Tensor, finite: bool) -> tuple[Tensor, dict[str, float] | None, float]:
             logp, entropy = self._forward(batch, micro)
             T = logp.shape[1]
             mask = batch.mask[micro, :T]
@@ -270,7 +292,7 @@ class Learner:
             owned[micro[first]] = True
             reference[micro[first], :T] = ref[first]
             if not finite or _unusable(mask, logp.detach(), old, ref):
-                return None  # no backward; pi_old of later micro-batches is still needed
+                return stand_in(logp)  # pi_old of later micro-batches is still needed
             adv = batch.advantages_of(micro, T)
             weights, keep, _ = correction_weights(ref, batch.logp_sampler[micro, :T], mask, algo, adv)
             denominator = loss_denominator(mask & keep, algo, mask)
@@ -279,7 +301,7 @@ class Learner:
                 logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
                 entropy=entropy, response_mask=mask, denominator=1.0,
             )  # fmt: skip
-            return (loss, m, denominator) if torch.isfinite(loss) else None
+            return (loss, m, denominator) if torch.isfinite(loss) else stand_in(logp)
 
         per_step = self.optimizer_steps(B)
         self._schedule_at(step, per_step)
@@ -309,9 +331,9 @@ class Learner:
         from sparserl.engine import completion_logprobs
 
         idx = micro.tolist()
+        score = self.scorer if self.scorer is not None else partial(completion_logprobs, self.module)
         with self.autocast():
-            out = completion_logprobs(
-                self.module,
+            out = score(
                 [batch.prompts[i] for i in idx],
                 [batch.completions[i] for i in idx],
                 temperature=self.cfg.rollout.temperature,
