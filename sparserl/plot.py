@@ -224,6 +224,46 @@ def _unique_labels(runs: list[Run]) -> None:
             r.label = f"{r.path.parent.parent.name}/{r.label}" if r.path.name == METRICS_FILE else str(r.path)
 
 
+# one run: a color per series; several: a color per run and a line style (then marker) per series
+LINE_STYLES = [("-", None), ("--", None), (":", None), ("-.", None), ("-", "x"), ("--", "x"), (":", "x")]
+
+
+def _draw_panel(ax: Any, panel: Panel, runs: list[Run], colors: list[str], smooth: int) -> None:
+    """One panel: every run's series of it (smoothed over `smooth` steps, the raw line faint behind)."""
+    from matplotlib.ticker import MaxNLocator
+
+    multi_series = sum(1 for k, _ in panel.series if any(k in r.series for r in runs)) > 1
+    positive = True
+    for ri, run in enumerate(runs):
+        for si, (key, name) in enumerate(panel.series):
+            if key not in run.series:
+                continue
+            color = colors[(ri if len(runs) > 1 else si) % len(colors)]
+            style, marker = LINE_STYLES[si % len(LINE_STYLES)] if len(runs) > 1 else ("-", None)
+            steps, values = run.series[key]
+            values = [v * panel.scale for v in values]
+            positive &= all(v > 0 for v in values if math.isfinite(v))
+            label = name if len(runs) == 1 else f"{run.label}: {name}" if multi_series else run.label
+            if panel.markers or len(steps) <= 3:
+                marker = "o"
+            smoothed = smooth > 1 and len(values) > smooth
+            if smoothed:  # the raw line faint behind the smoothed one
+                ax.plot(steps, values, linestyle=style, color=color, alpha=0.25, linewidth=1)
+                values = _smooth(values, smooth)
+            ax.plot(steps, values, linestyle=style, color=color, label=label, marker=marker,
+                    linewidth=1.8 if smoothed else 1.6)  # fmt: skip
+    if panel.logy and positive:
+        ax.set_yscale("log")
+    ax.set_title(panel.title, fontsize=11)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if panel.ylabel:
+        ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8, loc="best")
+
+
 def draw_figure(
     fig_spec: Figure, runs: list[Run], out: Path, smooth: int = 0
 ) -> tuple[Path | None, list[str]]:
@@ -244,63 +284,15 @@ def draw_figure(
     cols = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 3.9 * rows), squeeze=False)
-    from matplotlib.ticker import MaxNLocator
-
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    # one run: a color per series; several: a color per run and a line style (then marker) per series
-    styles = [("-", None), ("--", None), (":", None), ("-.", None), ("-", "x"), ("--", "x"), (":", "x")]
     for ax, panel in zip(axes.flat, panels, strict=False):
-        multi_series = sum(1 for k, _ in panel.series if any(k in r.series for r in runs)) > 1
-        positive = True
-        for ri, run in enumerate(runs):
-            for si, (key, name) in enumerate(panel.series):
-                if key not in run.series:
-                    continue
-                color = colors[(ri if len(runs) > 1 else si) % len(colors)]
-                style, marker = styles[si % len(styles)] if len(runs) > 1 else ("-", None)
-                steps, values = run.series[key]
-                values = [v * panel.scale for v in values]
-                positive &= all(v > 0 for v in values if math.isfinite(v))
-                label = (
-                    f"{run.label}: {name}"
-                    if len(runs) > 1 and multi_series
-                    else run.label
-                    if len(runs) > 1
-                    else name
-                )
-                if panel.markers or len(steps) <= 3:
-                    marker = "o"
-                if smooth > 1 and len(values) > smooth:
-                    ax.plot(steps, values, linestyle=style, color=color, alpha=0.25, linewidth=1)
-                    smoothed = _smooth(values, smooth)
-                    ax.plot(
-                        steps,
-                        smoothed,
-                        linestyle=style,
-                        color=color,
-                        label=label,
-                        marker=marker,
-                        linewidth=1.8,
-                    )
-                else:
-                    ax.plot(
-                        steps, values, linestyle=style, color=color, label=label, marker=marker, linewidth=1.6
-                    )
-        if panel.logy and positive:
-            ax.set_yscale("log")
-        ax.set_title(panel.title, fontsize=11)
-        ax.set_xlabel("step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        if panel.ylabel:
-            ax.set_ylabel(panel.ylabel)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8, loc="best")
+        _draw_panel(ax, panel, runs, colors, smooth)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    title = fig_spec.title if len(runs) == 1 else f"{fig_spec.title}: {' vs '.join(r.label for r in runs)}"
     if len(runs) == 1:
         title = f"{fig_spec.title} ({runs[0].label})"
+    else:
+        title = f"{fig_spec.title}: {' vs '.join(r.label for r in runs)}"
     fig.suptitle(title, fontsize=12)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
