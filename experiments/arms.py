@@ -96,14 +96,40 @@ def run(x: Experiment, only: list[str] | None = None, script: str | None = None)
     machine) costs no evaluation."""
     for arm, seed in run_names(x, only):
         if not x.part("curves", arm, seed).is_file():
-            path = train_arm(
-                x.runs, f"{arm}-seed{seed}", [*x.arms[arm], *x.extra, f"trainer.seed={seed}"], [], x.config
-            )
-            rows = [r for r in read_metrics(path) if "reward/mean" in r]
-            curves = {k: [r.get(k) for r in rows] for k in x.curve_keys}
+            path, curves = train_curves(x, arm, seed)
             write_with_goals(x.part("curves", arm, seed), {"run": str(path), "curves": curves}, part_goals(x))
         if script is not None:
             evaluate_run(x, script, arm, seed)
+
+
+def train_curves(x: Experiment, arm: str, seed: int) -> tuple[Path, dict[str, list]]:
+    """Train (or resume, or find finished) one run; its directory and its curves."""
+    path = train_arm(
+        x.runs, f"{arm}-seed{seed}", [*x.arms[arm], *x.extra, f"trainer.seed={seed}"], [], x.config
+    )
+    rows = [r for r in read_metrics(path) if "reward/mean" in r]
+    return path, {k: [r.get(k) for r in rows] for k in x.curve_keys}
+
+
+def retrain(x: Experiment, names: list[str], script: str) -> None:
+    """Train again runs whose curves part is kept but whose model is gone (a new machine), to evaluate them:
+    the new run must give the kept curves (timings aside), else it is another model and nothing is written."""
+    for arm, seed in run_names(x, names):
+        kept = x.part("curves", arm, seed)
+        if not kept.is_file() or x.part("eval", arm, seed).is_file():
+            print(
+                f"{arm}-seed{seed}: {'already evaluated' if kept.is_file() else 'not trained yet'}; skipped"
+            )
+            continue
+        _, curves = train_curves(x, arm, seed)
+        old = json.loads(kept.read_text())["curves"]
+        moved = [k for k in x.curve_keys if not k.startswith("time/") and curves.get(k) != old.get(k)]
+        if moved:
+            raise SystemExit(
+                f"{arm}-seed{seed} trained again does not reproduce its kept curves ({', '.join(moved)} differ): "
+                f"another code or machine gave another model; its run is in {x.runs}, nothing was evaluated"
+            )
+        evaluate_run(x, script, arm, seed)
 
 
 def part_goals(x: Experiment) -> dict:
@@ -259,18 +285,24 @@ def draw(x: Experiment, runs: dict[str, dict], path: Path) -> None:
 
 def main(x: Experiment, goals: Callable[[dict], dict], script: str, train: Callable[..., None] = run) -> int:
     """The stages: rules (always first), `train` (the runs, each evaluated once trained; `run` by default;
-    `run NAME...` trains those runs in that order), eval, report."""
+    `run NAME...` trains those runs in that order), eval, report; `retrain NAME...` on its own."""
     parser = argparse.ArgumentParser(
         description=f"{x.name}: arms x seeds, then held-out evaluation and goals"
     )
     parser.add_argument(
-        "stage", nargs="?", default="all", choices=["all", "rules", "run", "eval", "report", "eval-one"]
+        "stage",
+        nargs="?",
+        default="all",
+        choices=["all", "rules", "run", "eval", "report", "eval-one", "retrain"],
     )
     parser.add_argument("rest", nargs="*")
     args = parser.parse_args()
     write_rules(x)
     if args.stage == "eval-one":
         eval_one(x, args.rest[0], int(args.rest[1]))
+        return 0
+    if args.stage == "retrain":  # runs whose model is gone: trained again (curves checked), then evaluated
+        retrain(x, args.rest, script)
         return 0
     stages = {
         "run": lambda: train(x, args.rest or None, script),

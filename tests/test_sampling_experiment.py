@@ -116,3 +116,27 @@ def test_a_models_evaluation_part_counts_correct_samples_per_prompt(tmp_path, mo
     part = json.loads(x.part("eval", "grpo", 0).read_text())
     assert len(part["correct"]) == 3 and all(0 <= c <= 2 for c in part["correct"])
     assert part["samples"] == 2 and set(part["goals"]) == set(X.GOALS)
+
+
+def test_a_run_trained_again_to_evaluate_must_reproduce_its_kept_curves(tmp_path, monkeypatch):
+    import dataclasses
+    import json
+
+    import arms
+
+    x = dataclasses.replace(X.EXPERIMENT, results_root=tmp_path)
+    kept = {k: [0.5, 0.25] for k in x.curve_keys}
+    x.part("curves", "grpo", 0).parent.mkdir(parents=True)
+    x.part("curves", "grpo", 0).write_text(json.dumps({"curves": kept}))
+    evaluated = []
+    monkeypatch.setattr(arms, "evaluate_run", lambda x, script, arm, seed: evaluated.append((arm, seed)))
+    again = {**kept, "time/step_cpu": [9.0, 9.0]}  # timings may differ
+    monkeypatch.setattr(arms, "train_curves", lambda x, arm, seed: (tmp_path, again))
+    arms.retrain(x, ["grpo-seed0", "dars-seed0"], "script")  # dars-seed0 was never trained: skipped
+    assert evaluated == [("grpo", 0)]
+    monkeypatch.setattr(
+        arms, "train_curves", lambda x, arm, seed: (tmp_path, {**kept, "reward/mean": [0.5, 0.3]})
+    )
+    with pytest.raises(SystemExit, match="does not reproduce its kept curves"):
+        arms.retrain(x, ["grpo-seed0"], "script")
+    assert evaluated == [("grpo", 0)]
