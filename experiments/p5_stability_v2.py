@@ -57,11 +57,10 @@ def part(step: int) -> Path:
 
 def measure(step: int) -> None:
     """Step 2 for one checkpoint (in its own process)."""
-    from safetensors.torch import save_file
-
     from sparserl.config import load_config
     from sparserl.engine import KVConfig
     from sparserl.engine.acceptance import measure_acceptance
+    from sparserl.eval.calibrate_store import write_acceptance
     from sparserl.eval.loading import load_eval_model
     from sparserl.models import encode_prompt
     from sparserl.tasks import make_task
@@ -74,9 +73,7 @@ def measure(step: int) -> None:
     kv = KVConfig(method="block_topk", budget=64, page_size=16, dense_layers=[0, 1])
     alpha = measure_acceptance(loaded.model, loaded.tokenizer, prompts, kv, SAMPLES, NEW_TOKENS, seed=SEED)
     PARTS.mkdir(parents=True, exist_ok=True)
-    tmp = part(step).with_suffix(".tmp")
-    save_file({"positions": alpha.positions, "exact": alpha.exact, "sequences": alpha.sequences}, str(tmp))
-    tmp.replace(part(step))
+    write_acceptance(part(step), alpha)
 
 
 def delta(base: dict, later: dict, bin_index: int) -> dict | None:

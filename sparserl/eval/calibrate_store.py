@@ -57,11 +57,15 @@ class UnitStore:
         return TokenAcceptance(t["positions"], t["topk"], t.get("exact"), t["sequences"])
 
     def save(self, label: str, prompt: int, alpha: TokenAcceptance) -> None:
-        """Write the unit atomically (a file renamed into place: a killed run leaves no half unit)."""
-        tensors = {"positions": alpha.positions, "topk": alpha.topk, "sequences": alpha.sequences}
-        if alpha.exact is not None:
-            tensors["exact"] = alpha.exact
-        path = self._path(label, prompt)
-        tmp = path.with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
-        tmp.replace(path)
+        write_acceptance(self._path(label, prompt), alpha)
+
+
+def write_acceptance(path: Path, alpha: TokenAcceptance) -> None:
+    """A measurement's tokens to safetensors atomically (a file renamed into place: a killed run leaves no half
+    file); `exact` only when measured."""
+    tensors = {"positions": alpha.positions, "topk": alpha.topk, "sequences": alpha.sequences}
+    if alpha.exact is not None:
+        tensors["exact"] = alpha.exact
+    tmp = path.with_suffix(".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    tmp.replace(path)
