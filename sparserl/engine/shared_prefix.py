@@ -173,11 +173,20 @@ class SharedPrefixCache(KVCache):
         return super().nbytes() + self.shared_bytes()
 
     def attention(
-        self, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: float
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor,
+        scale: float,
+        prefix_read: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Softmax over [each row's prefix keys ++ its own keys], one softmax over the concatenated scores (a
         shorter prefix padded with -inf); a group's prefix scores and outputs are one matrix product for all its
-        rows. Returns the output and the probabilities over the row's own slots (as `KVCache.attention`)."""
+        rows. `prefix_read` [rows, Hkv, longest prefix] masks the prefix positions each KV head reads (block-sparse
+        reads; default all). Returns the output and the probabilities over the row's own slots (as
+        `KVCache.attention`)."""
         groups = self.groups
         if not groups:
             return super().attention(layer, q, k, v, valid, scale)
@@ -192,6 +201,8 @@ class SharedPrefixCache(KVCache):
         for prefix, rows in groups:
             part = torch.matmul(_per_head(qg[rows]), prefix.k[layer].transpose(-1, -2))
             scores[rows, :, :, : prefix.length] = _per_row(part, rows.numel())
+        if prefix_read is not None:
+            scores[..., :width].masked_fill_(~prefix_read[:, :, None, :], float("-inf"))
         p32 = scores.softmax(dim=-1, dtype=torch.float32)
         probs = p32.to(v.dtype)
         out = torch.matmul(probs[..., width:], v)

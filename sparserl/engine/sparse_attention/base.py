@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from sparserl.engine.cache import KVCache
-from sparserl.engine.decoder import decode_attention
 from sparserl.engine.kv_config import ALWAYS_READ_PAGES, KVConfig
 from sparserl.engine.shared_prefix import SharedPrefixCache
 from sparserl.errors import UserError
@@ -80,13 +79,6 @@ def gather_slots(store: Tensor, slots: Tensor) -> Tensor:
     return store.view(-1, d).index_select(0, (base + slots).flatten()).view(rows, hkv, -1, d)
 
 
-def gather_shared(store: Tensor, slots: Tensor) -> Tensor:
-    """store[h, slots[r, h, i]] for one shared prefix's layer [Hkv, L, D] and slots [rows, Hkv, R]."""
-    hkv, length, d = store.shape
-    base = torch.arange(hkv, device=slots.device).view(1, hkv, 1) * length
-    return store.reshape(-1, d).index_select(0, (base + slots).flatten()).view(*slots.shape, d)
-
-
 class PageSparseAttention:
     """Reads, per decode step, layer and KV head, only some pages of a whole cache, with one `PageSelector`.
 
@@ -134,12 +126,10 @@ class PageSparseAttention:
         """`read`, then the cache's attention over what was read: one eager island inside a compiled decode step
         (how many pages a step reads, and which fill, are data-dependent shapes), so that the projections, norms
         and MLP around it still compile with static shapes; the output [rows, Hq, 1, D] has a static shape."""
-        read_k, read_v, mask = self.read(cache, layer, q, k, v, valid)
-        if read_k is k:  # read every held slot: the cache's own attention (a shared prefix's included)
-            return cache.attention(layer, q, k, v, valid, scale)
-        return decode_attention(
-            q, read_k, read_v, mask, scale
-        )  # the pages read, a shared prefix's gathered in
+        if isinstance(cache, SharedPrefixCache) and cache.groups and layer in self.sparse_layers:
+            return self._attend_shared(cache, layer, q, k, v, valid, scale)
+        k, v, mask = self.read(cache, layer, q, k, v, valid)
+        return cache.attention(layer, q, k, v, mask, scale)
 
     def read(
         self, cache: KVCache, layer: int, q: Tensor, k: Tensor, v: Tensor, valid: Tensor
@@ -150,23 +140,56 @@ class PageSparseAttention:
         plan = self.plan
         if layer not in self.sparse_layers:
             return k, v, valid
-        shared = isinstance(cache, SharedPrefixCache) and bool(cache.groups)
-        offset = cache.prefix_lengths() if shared else None
         if plan.filled.numel():
-            self._summarise_filled(cache, layer, plan, offset)
+            self._summarise_filled(cache, layer, plan, None)
         if plan.width == 0:
             return k, v, valid
         ps, span = self.page_size, k.shape[2]
-        if shared:
-            pages = self.rank_pages(self._shared_scores(cache, layer, q, plan, offset), plan)
-        else:
-            pages = self.select_pages(cache.row_state[summary_key(layer)], q, plan)  # [rows, Hkv, width]
+        pages = self.select_pages(cache.row_state[summary_key(layer)], q, plan)  # [rows, Hkv, width]
         slots = (pages[..., None] * ps + torch.arange(ps, device=k.device)).flatten(2)
         mask = (pages >= 0).repeat_interleave(ps, dim=-1) & (slots < plan.tokens[:, None, None])
-        if shared:
-            return (*self._gather_shared(cache, layer, slots, offset), mask)
         slots = slots.clamp(0, span - 1)
         return gather_slots(cache.k[layer], slots), gather_slots(cache.v[layer], slots), mask
+
+    def _attend_shared(
+        self,
+        cache: SharedPrefixCache,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor,
+        scale: float,
+    ) -> tuple[Tensor, Tensor]:
+        """`attend` for rows that read a shared prefix (its whole pages) before their own slots: the pages are
+        chosen among [prefix pages ++ own pages] by the same rule; the own pages are gathered from the row, and
+        the prefix's through the cache's shared attention with the pages not chosen masked out (a group's queries
+        against the whole prefix in one product: on a CPU cheaper than gathering the pages row by row)."""
+        plan, ps = self.plan, self.page_size
+        offset = cache.prefix_lengths()
+        if plan.filled.numel():
+            self._summarise_filled(cache, layer, plan, offset)
+        if plan.width == 0:
+            return cache.attention(layer, q, k, v, valid, scale)
+        pages = self.rank_pages(
+            self._shared_scores(cache, layer, q, plan, offset), plan
+        )  # -1 pads at the end
+        first_own = (offset // ps)[:, None, None]
+        prefix_pages = int(offset.max()) // ps  # the longest held prefix, in pages (prefixes are whole pages)
+        chosen = torch.zeros(*pages.shape[:2], prefix_pages + 1, dtype=torch.bool, device=pages.device)
+        chosen.scatter_(2, torch.where((pages >= 0) & (pages < first_own), pages, prefix_pages), True)
+        prefix_read = chosen[..., :prefix_pages].repeat_interleave(
+            ps, dim=-1
+        )  # [rows, Hkv, prefix positions]
+        past = int(plan.pages.max())  # sorts after every own page: marks the prefix's and the padding
+        own = torch.where(pages >= first_own, pages - first_own, past).sort(dim=-1).values
+        own = own[..., : int((own < past).sum(-1).max())]  # the most own pages a row reads
+        slots = (own[..., None] * ps + torch.arange(ps, device=k.device)).flatten(2)
+        own_tokens = (plan.tokens - offset)[:, None, None]
+        mask = (own < past).repeat_interleave(ps, dim=-1) & (slots < own_tokens)
+        slots = slots.clamp(0, k.shape[2] - 1)
+        read_k, read_v = gather_slots(cache.k[layer], slots), gather_slots(cache.v[layer], slots)
+        return cache.attention(layer, q, read_k, read_v, mask, scale, prefix_read=prefix_read)
 
     def select_pages(self, summaries: Tensor, q: Tensor, plan: StepPlan) -> Tensor:
         """`rank_pages` of the scores of a whole cache's page summaries [rows, Hkv, pages, S, D]."""
@@ -196,23 +219,6 @@ class PageSparseAttention:
                 part = self.selector.score(queries[members], expanded).float()
                 scores[members, :, : summaries.shape[1]] = part
         return scores
-
-    @staticmethod
-    def _gather_shared(
-        cache: SharedPrefixCache, layer: int, slots: Tensor, offset: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Keys and values at positions `slots` [rows, Hkv, R]: a row's own slots from its row, those before
-        its `offset` from the prefix it reads (held once; gathered only for the pages read)."""
-        own = (slots - offset[:, None, None]).clamp(0, cache.k[layer].shape[2] - 1)
-        k, v = gather_slots(cache.k[layer], own), gather_slots(cache.v[layer], own)
-        for prefix, members in cache.groups:
-            if not prefix.length:
-                continue
-            at = slots[members].clamp(0, prefix.length - 1)
-            from_prefix = (slots[members] < prefix.length)[..., None]
-            k[members] = torch.where(from_prefix, gather_shared(prefix.k[layer], at), k[members])
-            v[members] = torch.where(from_prefix, gather_shared(prefix.v[layer], at), v[members])
-        return k, v
 
     def rank_pages(self, scores: Tensor, plan: StepPlan) -> Tensor:
         """Page indices [rows, Hkv, plan.width] each KV head reads, in order (-1 pads a row that reads fewer),
