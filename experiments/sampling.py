@@ -88,7 +88,15 @@ def goal_value(name: str, arm: str, target: float, runs: dict) -> dict:
 
 
 def goals(runs: dict) -> dict:
-    return {name: goal_value(name, arm, target, runs) for name, (arm, target) in GOALS.items()}
+    """Every goal's value from the pairs present; judged (met or not) only once all seeds are in."""
+    out = {name: goal_value(name, arm, target, runs) for name, (arm, target) in GOALS.items()}
+    for goal in out.values():
+        if goal["value"] is not None and goal["seeds"] < len(SEEDS):
+            goal["met"] = False
+            goal["reason"] = (
+                f"interim: {goal['seeds']} of {len(SEEDS)} seeds paired so far; not judged until all are"
+            )
+    return out
 
 
 EXPERIMENT = Experiment(

@@ -140,3 +140,12 @@ def test_a_run_trained_again_to_evaluate_must_reproduce_its_kept_curves(tmp_path
     with pytest.raises(SystemExit, match="does not reproduce its kept curves"):
         arms.retrain(x, ["grpo-seed0"], "script")
     assert evaluated == [("grpo", 0)]
+
+
+def test_goals_are_judged_only_once_every_seed_is_in():
+    runs = {f"grpo-seed{s}": {"sampling/solved_prompt_frac": 0.4} for s in X.SEEDS}
+    runs |= {f"dars-seed{s}": {"sampling/solved_prompt_frac": 0.8} for s in X.SEEDS[:2]}
+    interim = X.goals(runs)[next(n for n, (arm, _) in X.GOALS.items() if arm == "dars")]
+    assert interim["value"] == pytest.approx(2.0) and not interim["met"] and "interim" in interim["reason"]
+    runs["dars-seed2"] = {"sampling/solved_prompt_frac": 0.8}
+    assert X.goals(runs)[next(n for n, (arm, _) in X.GOALS.items() if arm == "dars")]["met"]
