@@ -3,7 +3,7 @@ default for groups) against copied into every sample's row (`share_prompts=False
 
     python benchmarks/brorl.py     # -> docs/results/reuse.json: section "brorl" and the BroRL goals
 
-Dense fp32 cache, one thread, temperature 1 with EOS ignored so that every sample draws --new tokens (default 64,
+Dense fp32 cache (or `--kv block_topk:256`, in both arms), one thread, temperature 1 with EOS ignored so that every sample draws --new tokens (default 64,
 the default run's rollout.max_new_tokens), the same seed in both arms (same samples: checked). The arms alternate
 which goes first, --repeats times each; medians of CPU seconds (the machine may be shared: wall seconds depend
 on the others' load). Memory is the engine's `peak_kv_bytes` (keys and values allocated, all layers and rows).
@@ -108,7 +108,7 @@ def goals(payload: dict) -> dict[str, dict]:
 def main() -> dict:
     import torch
 
-    from sparserl.engine import RolloutEngine
+    from sparserl.engine import KVConfig, RolloutEngine
     from sparserl.models import load_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -125,11 +125,20 @@ def main() -> dict:
     ap.add_argument(
         "--section", default="brorl", help="its section; the BroRL goals are written with 'brorl' only"
     )
+    ap.add_argument(
+        "--kv",
+        default="",
+        help="METHOD:BUDGET for a sparse cache in both arms (e.g. block_topk:256); default dense",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model("smollm2-135m")
     prompts = make_prompts(tok, args.prompts, args.prompt)
-    engines = {arm: RolloutEngine(model, tok, share_prompts=arm == "shared") for arm in ("shared", "copied")}
+    method, _, budget = args.kv.partition(":")
+    kv = KVConfig(method=method, budget=int(budget)) if method else None
+    engines = {
+        arm: RolloutEngine(model, tok, kv=kv, share_prompts=arm == "shared") for arm in ("shared", "copied")
+    }
     runs: dict[str, list[dict]] = {arm: [] for arm in engines}
     samples: dict[str, list] = {}
     for engine in engines.values():
@@ -144,7 +153,7 @@ def main() -> dict:
                 flush=True,
             )
     payload = {
-        "model": "smollm2-135m", "dtype": "float32", "threads": 1, "prompts": args.prompts, "n": args.n,
+        "model": "smollm2-135m", "dtype": "float32", "threads": 1, "kv": args.kv or "dense", "prompts": args.prompts, "n": args.n,
         "prompt_tokens": args.prompt,
         "new_tokens": args.new, "repeats": args.repeats, "seed": args.seed,
         **{arm: {k: statistics.median(row[k] for row in rows) for k in rows[0]} for arm, rows in runs.items()},
