@@ -10,8 +10,9 @@ from test_trainer import make_trainer, rows, tiny_cfg, weights
 
 from sparserl.algo import AlgoConfig, correction_reference
 from sparserl.config import ConfigError, load_config
+from sparserl.errors import UserError
 from sparserl.trainer import list_checkpoints
-from sparserl.trainer.update import WeightsDiverged
+from sparserl.trainer.update import SingleProcess, WeightsDiverged, minibatch_updates, stand_in
 
 TIGHT = ["kv.budget=10", "kv.interval=2", "kv.window=2", "rollout.max_new_tokens=16"]
 
@@ -152,3 +153,32 @@ def test_gradient_checkpointing_gives_the_same_gradient(
     assert len(plain) == len(recomputed) > 0
     for a, b in zip(plain, recomputed, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+class _Lockstep(SingleProcess):
+    """A collective whose ranks must all run every micro-batch's forward and backward (as FSDP's do)."""
+
+    lockstep = True
+
+
+def test_ranks_in_lockstep_backward_a_stand_in_for_a_non_finite_micro_batch_and_refuse_empty_ones() -> None:
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    backwards: list[bool] = []
+
+    def micro_step(micro: torch.Tensor, finite: bool):
+        logp = weight * micro.float().sum()
+        logp.register_hook(lambda g: backwards.append(bool(micro.numel())))
+        if 1 in micro.tolist():  # this micro-batch is not finite
+            return stand_in(logp * float("nan"))
+        return logp.sum(), {"actor/loss": 0.0}, 1.0
+
+    sums, taken, skipped = minibatch_updates(
+        [torch.arange(4)], 2, optimizer, micro_step, lambda d, s: True, collective=_Lockstep()
+    )
+    assert (taken, skipped) == (0, 1) and len(backwards) == 2  # both micro-batches took a backward
+    assert torch.equal(weight.detach(), torch.ones(3))  # and nothing stepped
+    with pytest.raises(UserError, match=r"optim.grad_accum=4 micro-batches empty"):
+        minibatch_updates(
+            [torch.arange(3)], 4, optimizer, micro_step, lambda d, s: True, collective=_Lockstep()
+        )

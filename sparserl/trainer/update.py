@@ -148,9 +148,8 @@ def minibatch_updates(
             loss, metrics, micro_denominator = micro_step(micro, finite)
             if metrics is None:  # not finite: every rank skips the mini-batch (`agree`)
                 finite = False
-                if (
-                    collective.lockstep
-                ):  # sharded ranks reduce gradients inside each backward: all take each one
+                # sharded ranks reduce gradients inside each backward: all of them take each one
+                if collective.lockstep:
                     loss.backward()
                 continue
             denominator += micro_denominator
