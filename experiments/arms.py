@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,13 @@ def train_curves(x: Experiment, arm: str, seed: int) -> tuple[Path, dict[str, li
     path = train_arm(
         x.runs, f"{arm}-seed{seed}", [*x.arms[arm], *x.extra, f"trainer.seed={seed}"], [], x.config
     )
-    rows = [r for r in read_metrics(path) if "reward/mean" in r]
-    return path, {k: [r.get(k) for r in rows] for k in x.curve_keys}
+    return path, curves_of(x, path)
+
+
+def curves_of(x: Experiment, run: Path) -> dict[str, list]:
+    """A finished run's `curve_keys`, one value per training step (None where a step did not log it)."""
+    rows = [r for r in read_metrics(run) if "reward/mean" in r]
+    return {k: [r.get(k) for r in rows] for k in x.curve_keys}
 
 
 def retrain(x: Experiment, names: list[str], script: str) -> None:
@@ -169,7 +175,7 @@ def evaluate_run(x: Experiment, script: str, arm: str, seed: int) -> None:
         return
     if not (x.runs / f"{arm}-seed{seed}").is_dir():
         print(f"{arm}-seed{seed}: trained, but its run directory {x.runs / f'{arm}-seed{seed}'} is gone; "
-              "not evaluated (retrain it to evaluate: delete its curves part and run again)", flush=True)  # fmt: skip
+              f"not evaluated (to evaluate it: {x.command} retrain {arm}-seed{seed})", flush=True)  # fmt: skip
         return
     cmd = [sys.executable, script, "eval-one", arm, str(seed)]
     print("$", " ".join(cmd), flush=True)
@@ -263,7 +269,7 @@ def draw(x: Experiment, runs: dict[str, dict], path: Path) -> None:
             for n, seed in enumerate(s for s in x.seeds if f"{arm}-seed{s}" in runs):
                 curves = runs[f"{arm}-seed{seed}"]["curves"]
                 spent = curves.get(x.budget_key) if x.budget_key else None
-                at = [sum(v or 0 for v in spent[: i + 1]) for i in range(len(spent))] if spent else None
+                at = list(accumulate(v or 0 for v in spent)) if spent else None
                 points = [
                     (at[i] if at else i + 1, v) for i, v in enumerate(curves.get(key, [])) if v is not None
                 ]

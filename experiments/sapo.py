@@ -17,8 +17,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from arms import Experiment, evaluate_run, main, paired, part_goals
-from study import read_metrics, train_arm, write_atomic, write_with_goals
+from arms import Experiment, curves_of, evaluate_run, main, paired, part_goals
+from study import train_arm, write_atomic, write_with_goals
 
 from sparserl.signals import stoppable
 
@@ -67,8 +67,7 @@ def run_pairs(x: Experiment, only: list[str] | None = None, script: str | None =
                 runs = [f.result() for f in futures]
             ray.shutdown()
             for (a, _), path in zip(jobs, runs, strict=True):
-                rows = [r for r in read_metrics(path) if "reward/mean" in r]
-                curves = {k: [r.get(k) for r in rows] for k in x.curve_keys}
+                curves = curves_of(x, path)
                 write_with_goals(
                     x.part("curves", a, seed), {"run": str(path), "curves": curves}, part_goals(x)
                 )

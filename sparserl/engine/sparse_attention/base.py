@@ -171,16 +171,14 @@ class PageSparseAttention:
             self._summarise_filled(cache, layer, plan, offset)
         if plan.width == 0:
             return cache.attention(layer, q, k, v, valid, scale)
-        pages = self.rank_pages(
-            self._shared_scores(cache, layer, q, plan, offset), plan
-        )  # -1 pads at the end
+        scores = self._shared_scores(cache, layer, q, plan, offset)
+        pages = self.rank_pages(scores, plan)  # -1 pads at the end
         first_own = (offset // ps)[:, None, None]
         prefix_pages = int(offset.max()) // ps  # the longest held prefix, in pages (prefixes are whole pages)
         chosen = torch.zeros(*pages.shape[:2], prefix_pages + 1, dtype=torch.bool, device=pages.device)
         chosen.scatter_(2, torch.where((pages >= 0) & (pages < first_own), pages, prefix_pages), True)
-        prefix_read = chosen[..., :prefix_pages].repeat_interleave(
-            ps, dim=-1
-        )  # [rows, Hkv, prefix positions]
+        # [rows, Hkv, prefix positions]: the held prefix's positions each KV head reads
+        prefix_read = chosen[..., :prefix_pages].repeat_interleave(ps, dim=-1)
         past = int(plan.pages.max())  # sorts after every own page: marks the prefix's and the padding
         own = torch.where(pages >= first_own, pages - first_own, past).sort(dim=-1).values
         own = own[..., : int((own < past).sum(-1).max())]  # the most own pages a row reads
