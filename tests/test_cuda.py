@@ -75,14 +75,28 @@ def test_cuda_graphs_evicting_under_a_cap_give_the_eager_samples(tiny_cuda):
         torch.testing.assert_close(la.cpu(), lb.cpu(), atol=COMPILE_TOL, rtol=0)
 
 
-def test_cuda_training_follows_the_cpu_run(tmp_path, no_tf32):
+ARMS = {  # the rollout systems whose GPU path differs from the default run's
+    "default": [],
+    "block_topk": [
+        "kv.method=block_topk",
+        "kv.budget=16",
+        "kv.page_size=4",
+        "kv.dense_layers=0",
+    ],  # prompts held once
+    "tree": ["rollout.tree.enable=true", "rollout.n=2", "rollout.tree.forks=1", "algo.adv_transforms=[tree]"],
+}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+def test_cuda_training_follows_the_cpu_run(tmp_path, no_tf32, arm):
     """model.device=cuda trains on the GPU: step 1 samples the same tokens as the CPU run (the sampler's random
     numbers are device-independent; only log-prob rounding differs) and its loss agrees to float32 rounding."""
     from test_trainer import make_trainer, rows, tiny_cfg
 
     runs = {}
     for device in ("cpu", "cuda"):
-        trainer = make_trainer(tiny_cfg(tmp_path, f"model.device={device}", "trainer.steps=2", name=device))
+        cfg = tiny_cfg(tmp_path, f"model.device={device}", "trainer.steps=2", *ARMS[arm], name=device)
+        trainer = make_trainer(cfg)
         assert next(trainer.policy.module.parameters()).device.type == device
         trainer.train()
         runs[device] = {r["step"]: r for r in rows(tmp_path / device) if "reward/mean" in r}
@@ -108,3 +122,19 @@ def test_cuda_run_resumes_exactly_on_the_gpu_and_on_the_cpu(tmp_path, no_tf32):
         if device == "cuda":
             a, b = weights(straight), weights(resumed)
             assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cuda_block_sparse_prompt_held_once_equals_copies(tiny_cuda):
+    """block_topk on the GPU: a group's prompt pages held once (read through the shared attention) give the
+    samples of rows holding copies, within the CPU tolerance (tests/test_shared_prefix.py)."""
+    from test_shared_prefix import assert_same_samples
+
+    model, tok = tiny_cuda
+    kv = KVConfig(method="block_topk", budget=24, page_size=4, dense_layers=[0])
+    out = {}
+    for share in (True, False):
+        engine = RolloutEngine(model, tok, kv=kv, share_prompts=share)
+        engine.eos_ids = set()
+        out[share] = engine.generate(prompts_of(tok), n=4, max_new_tokens=32, seed=3)
+    assert_same_samples(out[True], out[False])
+    assert out[True].stats["read_positions_mean"] < out[True].stats["held_positions_mean"]
