@@ -264,10 +264,11 @@ def timed_rollout(
     temperature 1 with EOS ignored, so that every sample reaches `length` tokens. Returns the rollouts and the
     call's wall and CPU seconds, tokens per CPU second, process memory (peak RSS, its growth over the RSS
     before) and the load averages around it: on a shared machine the wall clock depends on the others' load,
-    CPU seconds much less."""
+    CPU seconds much less. Each sample holds its own copy of the prompt, as the evicting caches do (and as the
+    committed results were measured): benchmarks/brorl.py measures a group's prompt held once."""
     from sparserl.engine import RolloutEngine
 
-    engine = RolloutEngine(model, tokenizer, kv=kv)
+    engine = RolloutEngine(model, tokenizer, kv=kv, share_prompts=False)
     engine.eos_ids = set()
     load = os.getloadavg()[0]
     cpu0 = time.process_time()

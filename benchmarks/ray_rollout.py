@@ -2,10 +2,13 @@
 the weight-push time, on SmolLM2-135M.
 
     python benchmarks/ray_rollout.py            # -> docs/results/ray.json (~0.1 CPU-hours; needs both cores)
+    python benchmarks/ray_rollout.py --pushes   # the push times of both weight syncs only (section `pushes`)
 
 One batch (the default config's task: 8 prompts x 8 samples, 64 new tokens, dense) is decoded by each arm in turn,
 arms alternating, `--repeats` times; wall seconds and generated tokens per second are kept per run, medians and
-ratios reported. The push is timed for the full model in float32 and bfloat16 and for a LoRA adapter (r 16).
+ratios reported. The push is timed for the full model in float32 and bfloat16 and for a LoRA adapter (r 16),
+through the object store (the goals); `--pushes` times it through each `distributed.weight_sync` (1 worker,
+median of `--repeats`, each push's CPU seconds of this process beside its wall seconds).
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ COMMAND = "python benchmarks/ray_rollout.py"
 ARMS = {"in_process": 0, "ray_1_worker": 1, "ray_2_workers": 2}
 
 
-def build(workers: int, lora: bool, out: Path):
+def build(workers: int, lora: bool, out: Path, sync: str = "object_store"):
     from sparserl.config import load_config
     from sparserl.trainer import Trainer
 
     cfg = load_config(None, [
         "algo.preset=dense", "rollout.prompts_per_step=8", "rollout.n=8", f"model.lora={str(lora).lower()}",
-        f"distributed.rollout_workers={workers}", "trainer.threads=1", "trainer.eval_prompts=0",
+        f"distributed.rollout_workers={workers}", f"distributed.weight_sync={sync}", "trainer.threads=1",
+        "trainer.eval_prompts=0",
         "logging.progress=false", "logging.tensorboard=false", f"trainer.output_dir={out}",
         f"trainer.run_name=w{workers}-lora{lora}-{time.time_ns()}", "engine.compile=false",
     ])  # fmt: skip
@@ -48,13 +52,46 @@ def time_rollout(trainer, plans) -> dict:
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
 
 
-def time_push(trainer, dtype) -> float:
+def time_push(trainer, dtype, cpu: bool = False) -> float:
+    """Wall seconds of one push of the trainable tensors in `dtype` (this process's CPU seconds if `cpu`)."""
     from sparserl.rollout.ray_backend import trainable_state
 
     state = {k: v.to(dtype) for k, v in trainable_state(trainer.policy.module).items()}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     trainer.rollouts.backend.push_weights(0, state)
-    return time.perf_counter() - t0
+    return time.process_time() - c0 if cpu else time.perf_counter() - t0
+
+
+def push_times(out: Path, sync: str, repeats: int) -> dict[str, float]:
+    """Median push seconds (wall; `_cpu` keys: this process's CPU) of 1 worker: full fp32, full bf16, LoRA."""
+    import torch
+
+    times: dict[str, float] = {}
+    for lora, dtypes in ((False, (torch.float32, torch.bfloat16)), (True, (torch.float32,))):
+        trainer = build(1, lora, out, sync)
+        time_push(trainer, torch.float32)  # the first push forms a broadcast group: outside the timings
+        for dtype in dtypes:
+            key = "lora_adapter" if lora else f"full_{str(dtype).removeprefix('torch.')}"
+            times[f"{key}_s"] = statistics.median(time_push(trainer, dtype) for _ in range(repeats))
+            times[f"{key}_cpu_s"] = statistics.median(
+                time_push(trainer, dtype, cpu=True) for _ in range(repeats)
+            )
+        trainer.close()
+    return times
+
+
+def pushes_only(out: Path, repeats: int) -> None:
+    """Section `pushes`: each weight sync's push times, syncs alternating `repeats` times (no goals change)."""
+    rounds = [
+        {sync: push_times(out, sync, 3) for sync in ("object_store", "broadcast")} for _ in range(repeats)
+    ]
+    result = {
+        sync: {k: statistics.median(r[sync][k] for r in rounds) for k in rounds[0][sync]}
+        for sync in rounds[0]
+    }
+    result |= {"rounds": rounds, "cpu_threads": 1, "workers": 1, "command": f"{COMMAND} --pushes"}
+    update_result(OUT, "pushes", result, {})
+    print(json.dumps(result, indent=1))
 
 
 @stoppable("benchmarks/ray_rollout.py", "the measurement; re-run it", exits=True)
@@ -65,11 +102,16 @@ def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "ray_bench")
+    parser.add_argument("--pushes", action="store_true", help="only the push times of each weight sync")
     args = parser.parse_args()
     torch.set_num_threads(1)
     # 3 logical CPUs for the 1- and 2-worker arms' actors to exist side by side; arms run one at a time, so
     # at most 2 workers (the 2 cores) compute at once
     ray.init(num_cpus=3, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    if args.pushes:
+        pushes_only(args.out, args.repeats)
+        ray.shutdown()
+        return {}
     trainers = {arm: build(w, False, args.out) for arm, w in ARMS.items()}
     plans = trainers["in_process"].source.plan(8, 0)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
@@ -77,19 +119,9 @@ def main() -> dict:
         for arm, trainer in trainers.items():
             runs[arm].append(time_rollout(trainer, plans))
     med = {arm: statistics.median(r["tokens_per_s"] for r in rs) for arm, rs in runs.items()}
-    pushes = {
-        "full_float32_s": statistics.median(
-            time_push(trainers["ray_1_worker"], torch.float32) for _ in range(3)
-        ),
-        "full_bfloat16_s": statistics.median(
-            time_push(trainers["ray_1_worker"], torch.bfloat16) for _ in range(3)
-        ),
-    }
     for t in trainers.values():
         t.close()
-    lora = build(1, True, args.out)
-    pushes["lora_adapter_s"] = statistics.median(time_push(lora, torch.float32) for _ in range(3))
-    lora.close()
+    pushes = push_times(args.out, "object_store", 3)
     two, one = med["ray_2_workers"] / med["ray_1_worker"], med["ray_1_worker"] / med["in_process"]
     goals = {
         "2 rollout workers >= 1.8x the throughput of 1 worker (one thread each)": {

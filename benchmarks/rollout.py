@@ -183,8 +183,7 @@ def parse_contexts(spec: str) -> list[tuple[int, int]]:
     return pairs  # type: ignore[return-value]
 
 
-@stoppable("benchmarks/rollout.py", "results not written; run it again", exits=True)
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
     ap.add_argument("--batch", type=int, default=16, help="sequences per call")
@@ -211,57 +210,47 @@ def main(argv: list[str] | None = None) -> dict:
         args.batch, args.contexts, args.repeats = 4, [(64, 32)], 1
     if args.group < 1 or args.batch % args.group:
         ap.error(f"--group {args.group} must be >= 1 and divide --batch {args.batch}")
-    out_path = args.out or (None if args.quick else str(RESULTS / "rollout.json"))
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return args
 
-    t0 = time.perf_counter()
-    model, tokenizer = random_model(args.model) if args.random_weights else load_model(args.model)
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too, for both engines
-    model.to(args.device)
-    load_s = time.perf_counter() - t0
-    engine = RolloutEngine(model, tokenizer, compile=args.compile)
-    engine.eos_ids = set()  # EOS ignored, as min_new_tokens does for generate
-    warm = make_prompts(tokenizer, 2, 16)  # one-time costs (allocator, first kernels) outside the timings
-    run_ours(engine, warm, 4, args.seed)
-    run_hf(model, tokenizer, warm, 4, args.seed)
 
-    results = []
-    for prompt_len, new in args.contexts:
-        prompts = make_prompts(tokenizer, args.batch // args.group, prompt_len)
-        runs: dict[str, list[dict[str, float]]] = {"sparserl": [], "hf_generate": []}
-        if args.compile:  # compile for this context's static shapes outside the timings
-            print(
-                f"context {prompt_len}+{new}: compile {run_ours(engine, prompts, new, args.seed, args.group)['total_s']:.1f} s"
-            )
-        for r in range(args.repeats):
-            order = ("sparserl", "hf_generate") if r % 2 == 0 else ("hf_generate", "sparserl")
-            for name in order:  # alternate who goes first: a machine that gets busier hurts both alike
-                if name == "sparserl":
-                    runs[name].append(run_ours(engine, prompts, new, args.seed + r, args.group))
-                else:
-                    runs[name].append(run_hf(model, tokenizer, prompts, new, args.seed + r, args.group))
-            print(
-                f"context {prompt_len}+{new} run {r + 1}/{args.repeats}: "
-                f"ours {runs['sparserl'][-1]['total_s']:.1f} s, generate {runs['hf_generate'][-1]['total_s']:.1f} s",
-                flush=True,
-            )
-        ours, hf = median_of(runs["sparserl"]), median_of(runs["hf_generate"])
-        results.append({
-            "prompt_tokens": prompt_len,
-            "new_tokens": new,
-            "context_tokens": prompt_len + new,
-            "batch": args.batch,
-            "group": args.group,
-            "sparserl": ours,
-            "hf_generate": hf,
-            "speedup_tokens_per_s": ours["tokens_per_s"] / hf["tokens_per_s"],
-            "speedup_prefill": ours["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"],
-            "speedup_decode": ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"],
-            "peak_growth_ratio": ours["peak_growth_mib"] / hf["peak_growth_mib"] if hf["peak_growth_mib"] else None,
-            "runs": runs,
-        })  # fmt: skip
+def measure_context(engine, model, tokenizer, args: argparse.Namespace, prompt_len: int, new: int) -> dict:
+    """Both engines on one context, `--repeats` times alternating who goes first; medians and ratios."""
+    prompts = make_prompts(tokenizer, args.batch // args.group, prompt_len)
+    runs: dict[str, list[dict[str, float]]] = {"sparserl": [], "hf_generate": []}
+    if args.compile:  # compile for this context's static shapes outside the timings
+        print(
+            f"context {prompt_len}+{new}: compile {run_ours(engine, prompts, new, args.seed, args.group)['total_s']:.1f} s"
+        )
+    for r in range(args.repeats):
+        order = ("sparserl", "hf_generate") if r % 2 == 0 else ("hf_generate", "sparserl")
+        for name in order:  # alternate who goes first: a machine that gets busier hurts both alike
+            if name == "sparserl":
+                runs[name].append(run_ours(engine, prompts, new, args.seed + r, args.group))
+            else:
+                runs[name].append(run_hf(model, tokenizer, prompts, new, args.seed + r, args.group))
+        print(
+            f"context {prompt_len}+{new} run {r + 1}/{args.repeats}: "
+            f"ours {runs['sparserl'][-1]['total_s']:.1f} s, generate {runs['hf_generate'][-1]['total_s']:.1f} s",
+            flush=True,
+        )
+    ours, hf = median_of(runs["sparserl"]), median_of(runs["hf_generate"])
+    return {
+        "prompt_tokens": prompt_len,
+        "new_tokens": new,
+        "context_tokens": prompt_len + new,
+        "batch": args.batch,
+        "group": args.group,
+        "sparserl": ours,
+        "hf_generate": hf,
+        "speedup_tokens_per_s": ours["tokens_per_s"] / hf["tokens_per_s"],
+        "speedup_prefill": ours["prefill_tokens_per_s"] / hf["prefill_tokens_per_s"],
+        "speedup_decode": ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"],
+        "peak_growth_ratio": ours["peak_growth_mib"] / hf["peak_growth_mib"] if hf["peak_growth_mib"] else None,
+        "runs": runs,
+    }  # fmt: skip
 
+
+def print_results(args: argparse.Namespace, results: list[dict]) -> None:
     rows = []
     for res in results:
         for name in ("sparserl", "hf_generate"):
@@ -283,6 +272,28 @@ def main(argv: list[str] | None = None) -> dict:
          "peak RSS MiB", "peak growth MiB"],
         rows,
     )  # fmt: skip
+
+
+@stoppable("benchmarks/rollout.py", "results not written; run it again", exits=True)
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out_path = args.out or (None if args.quick else str(RESULTS / "rollout.json"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    t0 = time.perf_counter()
+    model, tokenizer = random_model(args.model) if args.random_weights else load_model(args.model)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too, for both engines
+    model.to(args.device)
+    load_s = time.perf_counter() - t0
+    engine = RolloutEngine(model, tokenizer, compile=args.compile)
+    engine.eos_ids = set()  # EOS ignored, as min_new_tokens does for generate
+    warm = make_prompts(tokenizer, 2, 16)  # one-time costs (allocator, first kernels) outside the timings
+    run_ours(engine, warm, 4, args.seed)
+    run_hf(model, tokenizer, warm, 4, args.seed)
+
+    results = [measure_context(engine, model, tokenizer, args, p, n) for p, n in args.contexts]
+    print_results(args, results)
     report = {
         "benchmark": "rollout: sparserl RolloutEngine (dense) vs transformers generate",
         "command": command_line(),

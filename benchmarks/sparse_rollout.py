@@ -196,8 +196,7 @@ def print_report(rows: list[dict], args) -> None:
     )  # fmt: skip
 
 
-@stoppable("benchmarks/sparse_rollout.py", "results not written; run it again", exits=True)
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
     ap.add_argument("--batch", type=int, default=16, help="samples of the prompt per call")
@@ -229,6 +228,46 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.quick:
         args.batch, args.budget, args.interval, args.lengths = 4, 64, 16, [128]
+    return args
+
+
+def kv_for(method: str, args: argparse.Namespace) -> KVConfig | None:
+    if method == "dense":
+        return None
+    return KVConfig(method=method, budget=args.budget, window=args.window, interval=args.interval,
+                    granularity=args.granularity, seed=args.seed)  # fmt: skip
+
+
+def build_report(args: argparse.Namespace, runs: list[dict], commands: list[str], measured: bool, settings: dict,
+                 load_s: float) -> dict:  # fmt: skip
+    """The results file: every run kept and measured with these settings, their summary and goals."""
+    grid = {(m, n) for m in BENCH_METHODS for n in DEFAULT_LENGTHS}
+    return {
+        "benchmark": "sparse rollouts: dense KV vs eviction methods (sparserl RolloutEngine)",
+        "command": command_line(),
+        # every invocation that added runs
+        "commands": [*dict.fromkeys([*commands, *([command_line()] if measured else [])])],
+        "complete": grid <= {(r["method"], r["length"]) for r in runs},  # dense + every method at 1k/2k/4k
+        "settings": settings,
+        "dtype": "float32",
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos": "ignored"},
+        "kv_cap_gib": args.kv_cap_gib,
+        "max_batch_note": "computed: cap // (positions per sequence x bytes per position); positions = "
+        "prompt + length (dense) or min(budget + interval - 1, prompt + length); every run's measured "
+        "peak_kv_bytes equals batch x positions x bytes per position",
+        "goals": goals_report(summarise(runs, args)),
+        "goal_thresholds": GOALS,
+        "model_load_s": load_s,
+        "machine": machine_info(),
+        "peak_rss_resettable": peak_is_resettable(),
+        "runs": runs,
+        "summary": summarise(runs, args),
+    }
+
+
+@stoppable("benchmarks/sparse_rollout.py", "results not written; run it again", exits=True)
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     out_path = args.out or (None if args.quick else str(RESULTS / "sparse_rollout.json"))
     torch.set_num_threads(args.threads)
 
@@ -267,49 +306,11 @@ def main(argv: list[str] | None = None) -> dict:
         kv = None if method == "dense" else KVConfig(method=method, budget=16, window=4, interval=4)
         run_one(model, tokenizer, kv, prompt, 2, 24, args.seed)
 
-    def report() -> dict:
-        runs, commands = merged()
-        grid = {(m, n) for m in BENCH_METHODS for n in DEFAULT_LENGTHS}
-        return {
-            "benchmark": "sparse rollouts: dense KV vs eviction methods (sparserl RolloutEngine)",
-            "command": command_line(),
-            # every invocation that added runs
-            "commands": [*dict.fromkeys([*commands, *([command_line()] if mine else [])])],
-            "complete": grid
-            <= {(r["method"], r["length"]) for r in runs},  # dense + every method at 1k/2k/4k
-            "settings": settings,
-            "dtype": "float32",
-            "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos": "ignored"},
-            "kv_cap_gib": args.kv_cap_gib,
-            "max_batch_note": "computed: cap // (positions per sequence x bytes per position); positions = "
-            "prompt + length (dense) or min(budget + interval - 1, prompt + length); every run's measured "
-            "peak_kv_bytes equals batch x positions x bytes per position",
-            "goals": goals_report(summarise(runs, args)),
-            "goal_thresholds": GOALS,
-            "model_load_s": load_s,
-            "machine": machine_info(),
-            "peak_rss_resettable": peak_is_resettable(),
-            "runs": runs,
-            "summary": summarise(runs, args),
-        }
-
     for length in args.lengths:
         for method in args.methods:
             if (method, length) in done:
                 continue
-            kv = (
-                None
-                if method == "dense"
-                else KVConfig(
-                    method=method,
-                    budget=args.budget,
-                    window=args.window,
-                    interval=args.interval,
-                    granularity=args.granularity,
-                    seed=args.seed,
-                )
-            )
-            res = run_one(model, tokenizer, kv, prompt, args.batch, length, args.seed)
+            res = run_one(model, tokenizer, kv_for(method, args), prompt, args.batch, length, args.seed)
             positions = held_positions(method, args, len(prompt), length)
             expected = args.batch * positions * res["kv_bytes_per_position"]
             assert res["peak_kv_bytes"] == expected, (method, length, res["peak_kv_bytes"], expected)
@@ -321,8 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
             if out_path:
-                write_json(out_path, report())
-    final = report()
+                write_json(out_path, build_report(args, *merged(), bool(mine), settings, load_s))
+    final = build_report(args, *merged(), bool(mine), settings, load_s)
     print_report(final["summary"], args)
     if out_path:
         print(f"wrote {write_json(out_path, final)}")

@@ -70,6 +70,95 @@ def test_a_killed_worker_is_replaced_and_no_sample_is_lost_or_duplicated(tmp_pat
     assert second.completions == clean[1].completions  # the replacement got version 1's weights
 
 
+@pytest.mark.parametrize("trained", ["full", "lora"])
+def test_broadcast_weights_give_the_in_process_samples(tmp_path, trained):
+    """distributed.weight_sync=broadcast (a gloo group of the trainer and 2 workers here): step 2's samples, drawn
+    with the broadcast weights of version 1, are the in-process backend's; with LoRA only the adapter travels."""
+    extra = ["model.lora=true", "model.lora_r=4", "optim.lr=1e-2"] if trained == "lora" else []
+    local, _, _ = two_steps(tmp_path, f"local-{trained}", *extra)
+    sync = ("distributed.rollout_workers=2", "distributed.weight_sync=broadcast")
+    remote, _, trainer = two_steps(tmp_path, f"broadcast-{trained}", *extra, *sync)
+    assert trainer.rollouts.backend.sync.name == "broadcast"
+    sent = trainer.rollouts.backend.state
+    assert all(("lora_" in name) == (trained == "lora") for name in sent)
+    for a, b in zip(local, remote, strict=True):
+        assert a.completions == b.completions
+        torch.testing.assert_close(a.logp_sampler, b.logp_sampler, atol=1e-5, rtol=0)
+
+
+def test_a_bfloat16_broadcast_lands_in_float32_weights(tmp_path):
+    """A state pushed in bfloat16 (half the bytes on the wire) is received in bfloat16 and copied into the
+    workers' float32 weights: they hold exactly its values."""
+    from sparserl.rollout.ray_backend import trainable_state
+
+    extra = ("distributed.rollout_workers=2", "distributed.weight_sync=broadcast")
+    trainer = make_trainer(tiny_cfg(tmp_path, *extra))
+    try:
+        state = {k: (v + 0.01).to(torch.bfloat16) for k, v in trainable_state(trainer.policy.module).items()}
+        trainer.rollouts.backend.push_weights(1, state)
+        for worker in trainer.rollouts.backend.workers:
+            held = ray.get(
+                worker.__ray_call__.remote(lambda w: dict(w.backend.engine.model.named_parameters()))
+            )
+            assert all(
+                held[k].dtype == torch.float32 and torch.equal(held[k], v.float()) for k, v in state.items()
+            )
+    finally:
+        trainer.close()
+
+
+def test_killed_workers_rejoin_the_weight_broadcast(tmp_path):
+    """A worker killed before a share (replaced mid-run) and one killed before a push (replaced by the push):
+    each time the group is formed anew and every worker ends at the last version, with the clean run's samples."""
+    extra = (
+        "distributed.rollout_workers=2",
+        "rollout.prompts_per_step=4",
+        "distributed.weight_sync=broadcast",
+    )
+    clean, _, _ = two_steps(tmp_path, "clean-broadcast", *extra)
+    trainer = make_trainer(tiny_cfg(tmp_path, "trainer.steps=2", *extra, name="killed-broadcast"))
+    try:
+        backend = trainer.rollouts.backend
+        first, _ = trainer.rollout(1)
+        trainer.learn(1, first)
+        trainer.state.step = 1
+        os.kill(backend.pids[1], signal.SIGKILL)
+        second, metrics = trainer.rollout(2)
+        os.kill(backend.pids[0], signal.SIGKILL)
+        backend.push_weights(2)
+        for worker in backend.workers:  # each holds version 2 now
+            with pytest.raises(ray.exceptions.RayTaskError, match="holds the weights of policy version 2"):
+                ray.get(worker.run.remote([], None, 1, 0))
+    finally:
+        trainer.close()
+    assert metrics["rollout/worker_restarts"] == 1 and backend.restarts == 2
+    assert second.completions == clean[1].completions
+
+
+def test_a_worker_dying_during_a_broadcast_is_replaced_and_the_push_made_again(tmp_path):
+    """A worker killed after the push's liveness check (simulated: the check skipped once) breaks the collective;
+    the push fails within distributed.start_timeout_s, the group is formed anew and every worker gets the version."""
+    extra = (
+        "distributed.rollout_workers=2",
+        "distributed.weight_sync=broadcast",
+        "distributed.start_timeout_s=15",
+    )
+    trainer = make_trainer(tiny_cfg(tmp_path, *extra))
+    try:
+        backend = trainer.rollouts.backend
+        backend.push_weights(1)
+        check, skipped = backend.replace_dead, []
+        backend.replace_dead = lambda: skipped.append(1) if not skipped else check()
+        os.kill(backend.pids[1], signal.SIGKILL)
+        backend.push_weights(2)
+        for worker in backend.workers:
+            with pytest.raises(ray.exceptions.RayTaskError, match="holds the weights of policy version 2"):
+                ray.get(worker.run.remote([], None, 1, 0))
+    finally:
+        trainer.close()
+    assert skipped and backend.restarts == 1
+
+
 def test_an_unschedulable_request_is_named_within_seconds(tmp_path):
     extra = ("distributed.rollout_workers=3", "distributed.start_timeout_s=3")
     with pytest.raises(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from sparserl.config.errors import ConfigError
 
 SWARM_CORRECTIONS = ("ratio1", "sender_logp")
+WEIGHT_SYNC_CHOICES = ("auto", "object_store", "broadcast")  # auto + sparserl.rollout.weight_sync's registry
 
 
 @dataclass
@@ -104,11 +105,21 @@ class DistributedConfig:
         default=1.0, metadata={"help": "CPUs each rollout worker reserves (and the threads its torch uses)."}
     )
     gpus_per_worker: float = field(default=0.0, metadata={"help": "GPUs each rollout worker reserves."})
+    weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "How each policy version's trainable tensors reach the rollout workers: 'object_store' (one "
+            "ray.put, each worker fetches a copy), 'broadcast' (one torch.distributed group of the trainer and "
+            "the workers: gloo on CPU, nccl where the workers hold GPUs), 'auto' (broadcast when "
+            "gpus_per_worker > 0, else object_store)."
+        },
+    )
     start_timeout_s: float = field(
         default=120.0,
         metadata={
             "help": "Seconds to wait for the workers to start; past it the run stops with an error naming the "
-            "resources asked for and those free (never a silent wait)."
+            "resources asked for and those free (never a silent wait). Also bounds forming the weight "
+            "broadcast group and each broadcast."
         },
     )
 
@@ -126,6 +137,10 @@ class DistributedConfig:
             raise ConfigError(
                 f"distributed.cpus_per_worker={self.cpus_per_worker} must be > 0, gpus_per_worker="
                 f"{self.gpus_per_worker} >= 0 and start_timeout_s={self.start_timeout_s} > 0"
+            )
+        if self.weight_sync not in WEIGHT_SYNC_CHOICES:
+            raise ConfigError(
+                f"distributed.weight_sync={self.weight_sync!r}: choose one of {', '.join(WEIGHT_SYNC_CHOICES)}"
             )
         if self.fsdp and self.learners < 2:
             raise ConfigError(

@@ -3,8 +3,9 @@
 Each worker holds its own copy of the model and a local backend (engine + scheduler). The trainer is the single
 controller: `run` splits the requests into one contiguous share per worker (a group's samples stay together,
 so its prompt is prefilled once), gathers each share's plain `Segment`s as it finishes (`ray.wait`), and hands
-them to the layer. Weights travel after every optimizer phase through the object store with their version (the
-trainable tensors only: with LoRA, the adapter); a worker asked to run at a version it does not hold refuses. A
+them to the layer. Weights travel after every optimizer phase with their version (the trainable tensors only:
+with LoRA, the adapter), through the object store or a torch.distributed broadcast (rollout/weight_sync.py,
+`distributed.weight_sync`); a worker asked to run at a version it does not hold refuses. A
 worker that dies mid-run (its process killed) is replaced, sent the current weights, and its share runs again
 on it: its segments had not been handed over, so no sample is lost or duplicated, and none is stale.
 
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from sparserl.engine.decoding import Request, Sampling
+from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import UserError
 from sparserl.rollout.backend import (
     LocalBackend,
@@ -35,6 +37,13 @@ from sparserl.rollout.backend import (
     Segment,
     merge_run_metrics,
     register_backend,
+)
+from sparserl.rollout.weight_sync import (
+    WEIGHT_SYNCS,
+    broadcast,
+    client_store,
+    open_group,
+    resolve_weight_sync,
 )
 
 
@@ -55,6 +64,25 @@ class RolloutWorker:
     def push(self, version: int, state: dict[str, torch.Tensor]) -> int:
         """Load the trainable tensors of policy `version` (in place) and hold that version."""
         load_named(self.backend.engine.model, state)
+        self.backend.push_weights(version)
+        return version
+
+    def join_weight_group(
+        self, host: str, port: int, backend: str, timeout_s: float, rank: int, world: int
+    ) -> bool:
+        """Join the trainer's weight group (`distributed.weight_sync=broadcast`) as `rank`."""
+        self.weight_group = open_group(client_store(host, port, timeout_s), rank, world, backend, timeout_s)
+        self.weight_backend = backend
+        return True
+
+    def receive_weights(self, version: int, sent: list[tuple[str, torch.dtype]]) -> int:
+        """Take policy `version`'s tensors (`sent`: name and travelling dtype, in order) from the trainer's
+        broadcast, into the model's parameters in place."""
+        model = self.backend.engine.model
+        params = dict(model.named_parameters())
+        tensors, dtypes = [params[name] for name, _ in sent], [dtype for _, dtype in sent]
+        broadcast(self.weight_group, tensors, self.weight_backend, rank=-1, dtypes=dtypes)
+        bump_weights_version(model)  # written under autograd's version counters: the packed copy must go
         self.backend.push_weights(version)
         return version
 
@@ -135,7 +163,9 @@ class RayBackend(RolloutBackend):
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             init_ray(ray, distributed)
-        self.restarts, self.workers, self.pids, self.state_ref, self.task_ref = 0, [], [], None, None
+        self.restarts, self.workers, self.pids, self.state, self.task_ref = 0, [], [], None, None
+        sync = resolve_weight_sync(distributed.weight_sync, distributed.gpus_per_worker)
+        self.sync = WEIGHT_SYNCS[sync](ray, distributed.gpus_per_worker, distributed.start_timeout_s)
         try:
             self.model_ref = ray.put(engine.model)
             self.workers = [self._start_worker() for _ in range(distributed.rollout_workers)]
@@ -171,14 +201,17 @@ class RayBackend(RolloutBackend):
         return ray.get(pending)
 
     def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
-        """The trainable tensors (the adapter with LoRA) to every worker, through the object store."""
-        self.state_ref, self.version = self.ray.put(state or trainable_state(self.engine.model)), version
-        pushes = [w.push.remote(version, self.state_ref) for w in self.workers]
-        for i, push in enumerate(pushes):
-            try:
-                self.ray.get(push)
-            except self.ray.exceptions.RayActorError:  # died since its last share: a new one gets the weights
-                self._replace(i)
+        """The trainable tensors (the adapter with LoRA) to every worker (`distributed.weight_sync`). Workers
+        that died since their last call are replaced first; one that dies during the push fails it, and the
+        push is made again after its replacement."""
+        self.replace_dead()
+        self.version, self.state = version, state or trainable_state(self.engine.model)
+        try:
+            self.sync.push(self.workers, version, self.state)
+        except (self.ray.exceptions.RayError, RuntimeError):
+            self.sync.reset()
+            self.replace_dead()
+            self.sync.push(self.workers, version, self.state)
 
     def run(
         self,
@@ -216,8 +249,8 @@ class RayBackend(RolloutBackend):
     def _replace(self, i: int) -> None:
         self.workers[i] = self._start_worker()
         (self.pids[i],) = self.wait_ready([self.workers[i]])
-        if self.state_ref is not None:  # a new worker holds the weights copied at start: send the last push
-            self.ray.get(self.workers[i].push.remote(self.version, self.state_ref))
+        if self.state is not None:  # a new worker holds the weights copied at start: send the last push
+            self.sync.catch_up(self.workers, i, self.version, self.state)
         if self.task_ref is not None:
             self._send_task(self.workers[i])
         self.restarts += 1
