@@ -118,8 +118,7 @@ def profile_step(model, tokenizer, batch: int, prompt_len: int, steps: int, top:
     return [{"op": e.key, "share": e.self_cpu_time_total / total, "calls": e.count} for e in events[:top]]
 
 
-@stoppable("benchmarks/decode_step.py", "results not written; run it again", exits=True)
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model spec for sparserl.models.load_model")
     ap.add_argument(
@@ -136,7 +135,12 @@ def main() -> None:
     ap.add_argument("--warm-cache", action="store_true",
                     help="keep torch's compile cache (default: a fresh one, so the compile cost is the cold one)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS / "decode_step.json", help="JSON output")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+@stoppable("benchmarks/decode_step.py", "results not written; run it again", exits=True)
+def main() -> None:
+    args = parse_args()
     if not args.warm_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="decode_step_inductor_")
     batches = [int(b) for b in args.batches.split(",")]

@@ -137,12 +137,16 @@ def count_packing() -> dict[str, float]:
     return counts
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     p.add_argument("--out", default=None, help="also write the measurement here (JSON)")
     p.add_argument("--record", action="store_true", help="record into docs/results/rl_step.json")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     probe = Probe()
     with probe.phase("imports"):

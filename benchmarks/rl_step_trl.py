@@ -46,6 +46,30 @@ def print_step(arm: str, r: dict[str, Any]) -> None:
           f"{r['completion_tokens_per_s']:.1f} tok/s, reward {r.get('reward_mean', float('nan')):.2f}", flush=True)  # fmt: skip
 
 
+def time_rollout_phases(trainer: Any, cur: dict[str, Any]) -> None:
+    """Wrap the GRPOTrainer's `model.generate` (rollout seconds, calls) and its generate-and-score phase (its
+    seconds, completion tokens) so that each step's row can split the step into rollout, scoring and update."""
+    generate, phase = trainer.model.generate, trainer._generate_and_score_completions
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            cur["rollout_s"] += time.perf_counter() - t0
+            cur["generate_calls"] += 1
+
+    def timed_phase(inputs):
+        t0 = time.perf_counter()
+        out = phase(inputs)
+        cur["phase_s"] += time.perf_counter() - t0
+        cur["completion_tokens"] += int(out["completion_mask"].sum())
+        return out
+
+    trainer.model.generate = timed_generate
+    trainer._generate_and_score_completions = timed_phase
+
+
 def trl_child(args: argparse.Namespace) -> None:
     """One TRL arm run in this process: per-step rows to --child-out."""
     spec = json.loads(Path(args.spec).read_text())
@@ -102,25 +126,7 @@ def trl_child(args: argparse.Namespace) -> None:
         processing_class=tok,
         callbacks=[StepTimer()],
     )
-    generate, phase = trainer.model.generate, trainer._generate_and_score_completions
-
-    def timed_generate(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return generate(*a, **kw)
-        finally:
-            cur["rollout_s"] += time.perf_counter() - t0
-            cur["generate_calls"] += 1
-
-    def timed_phase(inputs):
-        t0 = time.perf_counter()
-        out = phase(inputs)
-        cur["phase_s"] += time.perf_counter() - t0
-        cur["completion_tokens"] += int(out["completion_mask"].sum())
-        return out
-
-    trainer.model.generate = timed_generate
-    trainer._generate_and_score_completions = timed_phase
+    time_rollout_phases(trainer, cur)
     torch.set_num_threads(threads)
     setup_s = time.perf_counter() - t_start
     trainer.train()

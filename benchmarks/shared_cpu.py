@@ -180,8 +180,7 @@ def summarise(setting: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, 
     return row
 
 
-@stoppable("benchmarks/shared_cpu.py", "results not written; run it again", exits=True)
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", default=DEFAULT_SETTINGS,
                     help="THREADS/OMP_WAIT_POLICY/GOMP_SPINCOUNT, comma-separated, '-' = unset "
@@ -205,7 +204,12 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help="internal: be one measuring child process")
     ap.add_argument("--threads", type=int, default=1, help="internal (--child): torch threads")
     ap.add_argument("--phases", default="alone,beside", help="internal (--child): phases in order")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+@stoppable("benchmarks/shared_cpu.py", "results not written; run it again", exits=True)
+def main() -> None:
+    args = parse_args()
     if args.child:
         child(args)
         return
@@ -214,7 +218,7 @@ def main() -> None:
         args.out = Path(tempfile.gettempdir()) / "shared_cpu_quick.json"
     settings = [parse_setting(s) for s in args.settings.split(",")]
     if args.chosen not in [s["setting"] for s in settings]:
-        ap.error(f"--chosen {args.chosen} is not among --settings")
+        raise SystemExit(f"--chosen {args.chosen} is not among --settings")
     runs: dict[str, list[dict[str, Any]]] = {s["setting"]: [] for s in settings}
     kept, discarded = previous_runs(args) if args.resume else ({}, [])
     for rep in range(args.repeats):
