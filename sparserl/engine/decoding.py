@@ -18,7 +18,7 @@ from torch import Tensor
 from sparserl.engine.cache import KVCache
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
-from sparserl.engine.shared_prefix import SharedPrefixCache, shared_inputs
+from sparserl.engine.shared_prefix import SharedPrefixCache, held_once, shared_inputs
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
@@ -163,7 +163,7 @@ class DecodeRun:
         max_new_tokens), less the part of its first input held once when it reads the shared copy (whole pages
         of it under block-sparse reads)."""
         total = int(self.prompt_len[i] + self.limit[i]) if whole else self.input_length(i)
-        return total - len(self.first_input[i]) // self.align * self.align * self.shares(i)
+        return total - held_once(len(self.first_input[i]), self.align) * self.shares(i)
 
     def shared_bytes_after_admit(self, ids: list[int]) -> int:
         """Bytes of the inputs held once (`SharedPrefixCache`) once `ids` are admitted."""

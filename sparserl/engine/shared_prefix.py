@@ -64,6 +64,12 @@ def _per_row(x: Tensor, m: int) -> Tensor:
     return x.view(hkv, m, mg // m, w).transpose(0, 1)
 
 
+def held_once(length: int, align: int) -> int:
+    """Positions of a `length`-position input that are held once: its whole `align`-position pages (all of it at
+    align 1); the rest stays in each reader's own row."""
+    return length // align * align
+
+
 class SharedPrefixCache(KVCache):
     """A `KVCache` whose rows may read a shared prefix before their own slots.
 
@@ -84,6 +90,7 @@ class SharedPrefixCache(KVCache):
     def _views(self) -> None:
         super()._views()
         self._groups: list[tuple[SharedPrefix, Tensor]] | None = None  # the rows moved: regroup when asked
+        self._prefix_lengths: Tensor | None = None
 
     def prefix_id(self, tokens: Sequence[int]) -> int | None:
         """The id of the held prefix of these tokens, if any."""
@@ -95,7 +102,7 @@ class SharedPrefixCache(KVCache):
         if held is not None:
             return held
         n, layers = int(src.length[row]), range(self.num_layers)
-        keep = n // self.align * self.align
+        keep = held_once(n, self.align)
         prefix = SharedPrefix(
             [src.k[i][row, :, :keep].clone() for i in layers],
             [src.v[i][row, :, :keep].clone() for i in layers],
@@ -157,11 +164,13 @@ class SharedPrefixCache(KVCache):
         return self._groups
 
     def prefix_lengths(self) -> Tensor:
-        """[rows] positions each row reads from its shared prefix before its own slots (0: none)."""
-        lengths = torch.zeros_like(self.length)
-        for prefix, rows in self.groups:
-            lengths[rows] = prefix.length
-        return lengths
+        """[rows] positions each row reads from its shared prefix before its own slots (0: none); kept until the
+        rows move (every sparse layer of a step asks)."""
+        if self._prefix_lengths is None:
+            self._prefix_lengths = torch.zeros_like(self.length)
+            for prefix, rows in self.groups:
+                self._prefix_lengths[rows] = prefix.length
+        return self._prefix_lengths
 
     def held(self) -> Tensor:
         return self.length + self.prefix_lengths()
