@@ -216,9 +216,10 @@ def test_rewards_are_scored_on_the_workers(tmp_path):
     assert counters == here.train_view.drain_counters() and counters.get("reward/calls", 0) > 0
 
 
-def user_reward_view(tmp_path, monkeypatch):
-    """A TaskView of the default task rewarded by the built-in reward plus a user function from a module in a
-    folder of its own (on this process's sys.path), isolated in a reward process as `task.reward` makes it."""
+def user_reward_view(tmp_path, monkeypatch, rewards: str = "[builtin, user_reward_mod:f]"):
+    """A TaskView of the default task rewarded by `rewards`: the built-in reward plus a user function from a
+    module in a folder of its own (on this process's sys.path), isolated in a reward process as `task.reward`
+    makes it; `user_reward_mod:batch` rewards each completion with the size of the batch it came in."""
     from sparserl.config import load_config
     from sparserl.models import tiny_model
     from sparserl.rollout.task_view import TaskView
@@ -227,10 +228,11 @@ def user_reward_view(tmp_path, monkeypatch):
     folder = tmp_path / "rewards_here"
     folder.mkdir()
     (folder / "user_reward_mod.py").write_text(
-        "def f(completions, **kwargs):\n    return [0.5] * len(completions)\n"
+        "def f(completions, **kwargs):\n    return [0.5] * len(completions)\n\n\n"
+        "def batch(completions, **kwargs):\n    return [float(len(completions))] * len(completions)\n"
     )
     monkeypatch.syspath_prepend(str(folder))
-    cfg = load_config(None, ["task.reward=[builtin, user_reward_mod:f]"])
+    cfg = load_config(None, [f"task.reward={rewards}"])
     task = make_task(cfg.task, "train")
     return TaskView(task, tiny_model("llama", seed=0)[1]), task, folder
 
@@ -258,3 +260,21 @@ def test_user_reward_functions_run_on_the_workers_and_unimportable_ones_are_name
     finally:
         trainer.close()
         task.close()
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_without_async_rewards_each_worker_scores_its_share_in_one_call(tmp_path, monkeypatch, asynchronous):
+    """rollout.async_rewards=false: the groups wait for the end of the round, then each worker scores its share
+    of whole groups in one call (a reward function sees several groups at once); asynchronous, one group a call.
+    The user function rewards each completion with the size of its batch: 4 groups of 2 on 2 workers."""
+    view, task, _ = user_reward_view(tmp_path, monkeypatch, rewards="[user_reward_mod:batch]")
+    trainer = make_trainer(tiny_cfg(tmp_path, "distributed.rollout_workers=2"))
+    try:
+        rewards = trainer.rollouts.backend.reward_worker(view, asynchronous)
+        for g in range(4):
+            rewards.submit(g, view.scores, ["a", "b"], [task[g], task[g]])
+        got = rewards.wait()
+    finally:
+        trainer.close()
+        task.close()
+    assert got == {g: [2.0, 2.0] if asynchronous else [4.0, 4.0] for g in range(4)}

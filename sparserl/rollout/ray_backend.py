@@ -109,40 +109,51 @@ class RolloutWorker:
 
 
 class WorkerRewards:
-    """The layer's reward worker when the rollout workers score: `submit` sends a group to the next worker
-    (round robin) and returns at once, `wait` gathers every group's rewards and adds the workers' counters to
-    the driver's TaskView."""
+    """The layer's reward worker when the rollout workers score. Asynchronous (`rollout.async_rewards`, the
+    default): `submit` sends each group to the next worker (round robin) and returns at once. Otherwise groups
+    wait for `wait`, and each worker then scores its share of whole groups in one call, so a reward function
+    sees a batch of several groups (TRL's `reward_funcs` convention). `wait` gathers every group's rewards and
+    adds the workers' counters to the driver's TaskView."""
 
-    def __init__(self, backend: RayBackend, task: Any):
-        self.backend, self.task = backend, task
-        self.pending: dict[Any, tuple[Any, list[str], list[Any]]] = {}
+    def __init__(self, backend: RayBackend, task: Any, asynchronous: bool = True):
+        self.backend, self.task, self.asynchronous = backend, task, asynchronous
+        self.pending: list[tuple[Any, list[tuple[Any, list[str], list[Any]]]]] = []  # (ref, its groups)
+        self.queued: list[tuple[Any, list[str], list[Any]]] = []  # (key, texts, examples) until `wait`
         self.turn = 0
 
     def submit(self, key: Any, score: Callable, texts: list[str], examples: list[Any]) -> None:
+        if not self.asynchronous:
+            self.queued.append((key, texts, examples))
+            return
         self.turn = (self.turn + 1) % len(self.backend.workers)
-        self.pending[key] = (self._send(self.turn, texts, examples), texts, examples)
+        self.pending.append((self._send(self.turn, [(key, texts, examples)]), [(key, texts, examples)]))
 
-    def _send(self, i: int, texts: list[str], examples: list[Any]) -> Any:
+    def _send(self, i: int, groups: list[tuple[Any, list[str], list[Any]]]) -> Any:
+        texts = [text for _, group_texts, _ in groups for text in group_texts]
+        examples = [example for _, _, group_examples in groups for example in group_examples]
         return self.backend.workers[i].rewards.remote(texts, examples)
 
     def wait(self) -> dict[Any, list[float]]:
+        size = max(1, -(-len(self.queued) // len(self.backend.workers)))
+        for i, at in enumerate(range(0, len(self.queued), size)):  # one share of whole groups per worker
+            self.pending.append((self._send(i, self.queued[at : at + size]), self.queued[at : at + size]))
         out, ray = {}, self.backend.ray
-        for key, (ref, texts, examples) in self.pending.items():
+        for ref, groups in self.pending:
             try:
                 scores, counters = ray.get(ref)
-            except (
-                ray.exceptions.RayActorError
-            ):  # lost before it answered: a new worker scores the group again
+            except ray.exceptions.RayActorError:  # lost before it answered: a new worker scores them again
                 self.backend.replace_dead()
-                scores, counters = ray.get(self._send(0, texts, examples))
-            out[key] = scores
+                scores, counters = ray.get(self._send(0, groups))
+            at = 0
+            for key, texts, _ in groups:
+                out[key], at = scores[at : at + len(texts)], at + len(texts)
             for name, value in counters.items():
                 self.task.counters[name] = self.task.counters.get(name, 0.0) + value
-        self.pending = {}
+        self.pending, self.queued = [], []
         return out
 
     def close(self) -> None:
-        self.pending = {}
+        self.pending, self.queued = [], []
 
 
 @register_backend("ray")
@@ -268,7 +279,7 @@ class RayBackend(RolloutBackend):
         self.task_ref = self.ray.put(task)
         for worker in self.workers:
             self._send_task(worker)
-        return WorkerRewards(self, task)
+        return WorkerRewards(self, task, asynchronous)
 
     def _send_task(self, worker: Any) -> None:
         try:
