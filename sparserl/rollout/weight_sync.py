@@ -4,8 +4,9 @@
   and a replaced worker is simply sent the last version.
 - `broadcast`: the trainer (rank 0) and the workers form one torch.distributed group, gloo on CPU and nccl where
   the workers hold GPUs (NCCL moves the tensors GPU to GPU, never through the host or the object store); a push
-  is one broadcast per tensor from rank 0, in the names' order. A group cannot take in a new member, so after a
-  worker is replaced the group is formed anew and the last version broadcast to everyone.
+  is a few broadcasts from rank 0 in the names' order: each large tensor alone, runs of small ones packed into
+  one buffer. A group cannot take in a new member, so after a worker is replaced the group is formed anew and
+  the last version broadcast to everyone.
 
 The group is a standalone process group on its own TCPStore (not torch.distributed's default group), so it
 lives beside any other group the processes hold (the learner ranks', a user's), and forming it again is only
