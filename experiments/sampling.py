@@ -70,8 +70,9 @@ def goal_value(name: str, arm: str, target: float, runs: dict) -> dict:
     pairs = [(runs.get(run_name(arm, s)), runs.get(run_name("grpo", s))) for s in SEEDS]
     pairs = [(a, g) for a, g in pairs if a is not None and g is not None]
     base = {"target": target, "command": COMMAND, "seeds": len(pairs)}
-    if arm == "uniqueness":
+    if arm == "uniqueness":  # paired by held-out evaluations, not by curves
         pairs = [(a, g) for a, g in pairs if "auc" in a and "auc" in g]
+        base["seeds"] = len(pairs)
         if not pairs:
             return {**base, "value": None, "met": False, "reason": "not run yet"}
         auc = paired([a["auc"] - g["auc"] for a, g in pairs])

@@ -149,3 +149,11 @@ def test_goals_are_judged_only_once_every_seed_is_in():
     assert interim["value"] == pytest.approx(2.0) and not interim["met"] and "interim" in interim["reason"]
     runs["dars-seed2"] = {"sampling/solved_prompt_frac": 0.8}
     assert X.goals(runs)[next(n for n, (arm, _) in X.GOALS.items() if arm == "dars")]["met"]
+
+
+def test_uniqueness_is_paired_by_evaluations_not_by_curves():
+    """Every seed trained (curves in) but one GRPO model not evaluated yet: 2 pairs, an interim value."""
+    runs = {f"{arm}-seed{s}": {"auc": 0.5, "pass@1": 0.2} for arm in ("grpo", "uniqueness") for s in X.SEEDS}
+    runs["grpo-seed1"] = {"sampling/solved_prompt_frac": 0.4}  # its curves only
+    goal = X.goals(runs)[next(n for n, (arm, _) in X.GOALS.items() if arm == "uniqueness")]
+    assert goal["seeds"] == 2 and not goal["met"] and "interim" in goal["reason"]
