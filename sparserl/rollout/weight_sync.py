@@ -132,18 +132,24 @@ def broadcast(
     options = dist.BroadcastOptions()
     options.rootRank = 0
     for dtype, members in buckets(tensors, dtypes or [t.dtype for t in tensors]):
-        if len(members) == 1:  # the tensor itself when it is already on the device, in that dtype, contiguous
-            flat = members[0].detach().to(device, dtype).contiguous()
+        alone = members[0].detach()
+        # a lone tensor already on the device, in that dtype and contiguous travels (or is received) in place
+        in_place = (
+            len(members) == 1
+            and alone.device.type == device.type
+            and alone.dtype == dtype
+            and alone.is_contiguous()
+        )
+        if in_place:
+            flat = alone
         elif rank == 0:
             flat = torch.cat([t.detach().reshape(-1).to(device, dtype) for t in members])
         else:
             flat = torch.empty(sum(t.numel() for t in members), dtype=dtype, device=device)
         group.broadcast([flat], options).wait()
-        if rank != 0 and (len(members) > 1 or flat.data_ptr() != members[0].data_ptr()):
+        if rank != 0 and not in_place:
             with torch.no_grad():
-                for tensor, part in zip(
-                    members, flat.reshape(-1).split([t.numel() for t in members]), strict=True
-                ):
+                for tensor, part in zip(members, flat.split([t.numel() for t in members]), strict=True):
                     tensor.copy_(part.view_as(tensor))
 
 
