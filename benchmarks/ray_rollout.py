@@ -52,18 +52,19 @@ def time_rollout(trainer, plans) -> dict:
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
 
 
-def time_push(trainer, dtype, cpu: bool = False) -> float:
-    """Wall seconds of one push of the trainable tensors in `dtype` (this process's CPU seconds if `cpu`)."""
+def time_push(trainer, dtype) -> tuple[float, float]:
+    """Wall seconds and this process's CPU seconds of one push of the trainable tensors in `dtype`."""
     from sparserl.rollout.ray_backend import trainable_state
 
     state = {k: v.to(dtype) for k, v in trainable_state(trainer.policy.module).items()}
     t0, c0 = time.perf_counter(), time.process_time()
     trainer.rollouts.backend.push_weights(0, state)
-    return time.process_time() - c0 if cpu else time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def push_times(out: Path, sync: str, repeats: int) -> dict[str, float]:
-    """Median push seconds (wall; `_cpu` keys: this process's CPU) of 1 worker: full fp32, full bf16, LoRA."""
+    """Median push seconds (wall; `_cpu` keys: this process's CPU, of the same pushes) of 1 worker: full fp32,
+    full bf16, LoRA."""
     import torch
 
     times: dict[str, float] = {}
@@ -72,10 +73,8 @@ def push_times(out: Path, sync: str, repeats: int) -> dict[str, float]:
         time_push(trainer, torch.float32)  # the first push forms a broadcast group: outside the timings
         for dtype in dtypes:
             key = "lora_adapter" if lora else f"full_{str(dtype).removeprefix('torch.')}"
-            times[f"{key}_s"] = statistics.median(time_push(trainer, dtype) for _ in range(repeats))
-            times[f"{key}_cpu_s"] = statistics.median(
-                time_push(trainer, dtype, cpu=True) for _ in range(repeats)
-            )
+            walls, cpus = zip(*(time_push(trainer, dtype) for _ in range(repeats)), strict=True)
+            times[f"{key}_s"], times[f"{key}_cpu_s"] = statistics.median(walls), statistics.median(cpus)
         trainer.close()
     return times
 
