@@ -3,8 +3,11 @@ tests/fixtures/behaviour_kept.json, which was written by the code before the sea
 (`python tests/test_behaviour_kept.py --write`, run with that code first on the import path). The distill arm was
 re-pinned by DistillSparse v2 (issue 39), whose objective changed on purpose, and again when block-sparse groups
 came to hold their prompt's whole pages once (issue 36: its peak KV bytes 0.55x, the same samples, the update's
-metrics moved by float rounding, at most 2.3e-5 absolute, on a perplexity near 40); the other arms are the
-original pins.
+metrics moved by float rounding, at most 2.3e-5 absolute, on a perplexity near 40). The three evicting arms
+(default, cap_partial, epochs_kl_lora) were re-pinned when evicting groups came to hold their cut prompt once
+(issue 36, engine/evicting_prefix.py): the same samples, peak KV bytes 0.74x, under the 1 MiB cap more rows
+resident (rollout/occupancy), the update's metrics moved by float rounding (at most 1.9e-4 absolute, on a
+largest importance ratio near 7.4 and a perplexity near 531).
 
 Bit-identical on the CPU kind the fixture was written on (its `cpu_capability`); on another vector unit the
 float sums may round differently, so there the metrics are compared to 1e-5 and the weight digest is skipped.

@@ -81,10 +81,11 @@ def reference_kept(scores: torch.Tensor, held: int, target: int, protected: int,
 def snapshot(cache: KVCache, layer: int, rows: torch.Tensor | slice) -> dict[str, torch.Tensor]:
     """A copy of what scoring reads from one layer of the cache for the given rows."""
     idx = torch.arange(cache.rows)[rows]
+    keys, _, _, held = cache.eviction_slots(layer, idx)  # a shared prompt's held slots first, then own ones
     return {
-        "keys": cache.k[layer][idx].clone(),
+        "keys": keys.clone(),
         "queries": cache.queries[layer][idx].clone(),
-        "length": cache.length[idx].clone(),
+        "length": held.clone(),
         "query_count": cache.query_count[idx].clone(),
     }
 

@@ -111,7 +111,9 @@ def test_groups_share_singletons_and_continuations_copy(tiny):
     assert shared_inputs(inputs) == {tuple(a), tuple(c + [5, 6])}  # groups and children forked at one token
     e = engines(model, tok)
     sparse = KVConfig(method="rkv", budget=24, window=4, interval=4)
-    assert not RolloutEngine(model, tok, kv=sparse).share_prompts  # an evicting row keeps its own bounded set
+    assert RolloutEngine(
+        model, tok, kv=sparse
+    ).share_prompts  # each row a mask over it (test_evicting_prefix)
     assert RolloutEngine(model, tok, kv=KVConfig(method="block_topk", budget=64)).share_prompts  # whole pages
     mixed = [
         Request(a, 0, 0, 6),

@@ -73,6 +73,17 @@ class KVCache:
         self.length, self.query_count = s["length"][:n], s["query_count"][:n]
         self.row_state = _RowState(self, {k[6:]: t[:n] for k, t in s.items() if k.startswith("state.")})
 
+    def mark_static_addresses(self) -> None:
+        """Tell torch.compile that the live rows' tensors keep their addresses from step to step, so that the
+        CUDA graph of the compiled step reads and writes them in place instead of copying them in and out at
+        every replay (`guard=False`: a new address, after a resize, records a new graph, not a recompile)."""
+        tensors = [*self.k, *self.v, *self.pos, *self.queries, self.length, self.query_count]
+        tensors += [t for per_layer in self.extras.values() for t in per_layer] + list(
+            self.row_state.values()
+        )
+        for t in tensors:
+            torch._dynamo.mark_static_address(t, guard=False)
+
     @property
     def rows(self) -> int:
         return self._rows
@@ -140,6 +151,24 @@ class KVCache:
     def valid(self, span: int, extra: int = 0) -> Tensor:
         """[rows, span] mask of held slots, counting `extra` pending slots per row."""
         return torch.arange(span, device=self.length.device)[None, :] < (self.length + extra)[:, None]
+
+    def eviction_slots(
+        self, layer: int, rows: Tensor | slice
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor]:
+        """What an eviction method scores in one layer of the given rows: keys [r, Hkv, S, D], positions
+        [r, Hkv, S] and per-slot extras of each row's held slots in chronological order, and the number each
+        row holds [r] (S: the most); `keep_slots` takes indices into these slots."""
+        length = self.length[rows]
+        span = int(length.max())
+        extras = {name: store[layer][rows, :, :span] for name, store in self.extras.items()}
+        return self.k[layer][rows, :, :span], self.pos[layer][rows, :, :span], extras, length
+
+    def keep_slots(self, rows: Tensor | slice, slots: list[Tensor]) -> None:
+        """Keep, in every layer, the slots [r, H, B] of `eviction_slots` that `slots[layer]` lists (each row
+        then holds B)."""
+        for layer, kept in enumerate(slots):
+            self.keep(rows, layer, kept)
+        self.length[rows] = slots[0].shape[-1]
 
     def keep(self, rows: Tensor | slice, layer: int, slots: Tensor) -> None:
         """Keep only `slots` [rows, H, B] (chronological) of the given rows in one layer, packed left.

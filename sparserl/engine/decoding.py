@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from sparserl.engine.cache import KVCache
+from sparserl.engine.evicting_prefix import EvictingPrefixCache
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
 from sparserl.engine.shared_prefix import SharedPrefixCache, held_once, shared_inputs
@@ -118,8 +119,13 @@ class DecodeRun:
         shape = (dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, 0, engine.kv.window, dec.dtype,
                  dev)  # fmt: skip
         extras = engine.evictor.method.extras if engine.evictor else ()
-        share = {"align": self.align} if self.shared else {}
-        self.cache = (SharedPrefixCache if self.shared else KVCache)(*shape, extras=extras, **share)
+        if (
+            self.shared and engine.evictor is not None
+        ):  # readers evict on their own paths (the prompt cut first)
+            self.cache = EvictingPrefixCache(*shape, extras=extras, width=engine.kv.max_budget)
+        else:
+            share = {"align": self.align} if self.shared else {}
+            self.cache = (SharedPrefixCache if self.shared else KVCache)(*shape, extras=extras, **share)
         self.sample_of_row = torch.zeros(0, dtype=torch.long, device=dev)
         self.logits: Tensor | None = None
         self.compiled = engine.compiled_step is not None
@@ -142,8 +148,11 @@ class DecodeRun:
         most = max(need, self.longest)  # no request of the run ever holds more
         if self.compiled:
             most = in_blocks(most)
-        if self.engine.evictor is not None:  # charged the bound from the start: it never grows
-            return min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
+        if self.engine.evictor is not None:  # charged the bound from the start (copies: it never grows), or
+            bound = min(
+                most, self.engine.kv.max_budget + self.engine.kv.interval - 1
+            )  # as a row's own slots grow
+            return min(in_blocks(need), bound) if self.shared else bound
         if self.kv_memory_cap is None:  # nothing to share: allocate once (no growth, no copies)
             return most
         return min(in_blocks(need), most)
@@ -265,8 +274,11 @@ class DecodeRun:
         need = max(self.own_length(i) for i in ids) + 1
         self._resize(max(self.cache.capacity, self.fit_capacity(need)), self.cache.rows + len(ids))
         self.cache.append_readers(torch.tensor(pids, device=self.cache.length.device))
-        logits = torch.stack([self.cache.prefixes[p].logits for p in pids])
-        self._joined(ids, logits, torch.zeros_like(self.events[: len(ids)]), transient)
+        held = [
+            self.cache.prefixes[p] for p in pids
+        ]  # a prefix holding fewer positions was cut after prefill
+        cut = torch.tensor([int(h.positions < len(p)) for h, p in zip(held, prompts, strict=True)])
+        self._joined(ids, torch.stack([h.logits for h in held]), cut.to(self.events.device), transient)
 
     def _prefill(self, inputs: list[list[int]]) -> tuple[KVCache, Tensor, Tensor]:
         """Distinct inputs prefilled densely into a small cache, cut to the budget by an evicting method (events:
@@ -389,7 +401,7 @@ class DecodeRun:
         with cache.padded(bucket):
             cache.length[n:] = 0
             if self.engine.cuda_graphs:
-                mark_static_addresses(cache)
+                cache.mark_static_addresses()
             self.engine.note_compile(bucket, cache.capacity)
             logits = self.engine.compiled_step(feed, pos, cache, cache.capacity)
             self.engine.note_compiled()
@@ -401,7 +413,7 @@ class DecodeRun:
         engine = self.engine
         c0 = time.perf_counter()
         due = self.count[ids] % engine.kv.interval == 0  # counted over the whole completion, resumed or not
-        over = due & (self.cache.length[rows] >= engine.step_budget)
+        over = due & (self.cache.held()[rows] >= engine.step_budget)
         picked = over.nonzero().squeeze(-1)
         engine.evictor.compress_to(
             self.cache, rows[picked], engine.step_budget[picked] - 1, engine.kv.window - 1
@@ -435,13 +447,3 @@ class DecodeRun:
         """Sample i's tokens generated in this run and their sampler log-probs (its prefix excluded)."""
         a, b = int(self.start_count[i]), int(self.count[i])
         return self.tokens[i, a:b].tolist(), self.logps[i, a:b].float().cpu()
-
-
-def mark_static_addresses(cache: KVCache) -> None:
-    """Tell torch.compile that the cache's tensors keep their addresses from step to step, so that the CUDA graph
-    of the compiled step reads and writes them in place instead of copying them in and out at every replay
-    (`guard=False`: a new address, after a resize, records a new graph rather than recompiling)."""
-    tensors = [*cache.k, *cache.v, *cache.pos, *cache.queries, cache.length, cache.query_count]
-    tensors += [t for per_layer in cache.extras.values() for t in per_layer] + list(cache.row_state.values())
-    for t in tensors:
-        torch._dynamo.mark_static_address(t, guard=False)

@@ -18,6 +18,7 @@ from sparserl.engine.compression import make_evictor
 from sparserl.engine.context_length import prompt_fits
 from sparserl.engine.decoder import Decoder, prefill_attention
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
+from sparserl.engine.evicting_prefix import EvictingPrefixCache
 from sparserl.engine.kv_config import KVConfig
 from sparserl.engine.module_mode import module_mode
 from sparserl.engine.padding import right_pad
@@ -116,9 +117,11 @@ def register_sparse_path(model: nn.Module, switch: Callable[[], AbstractContextM
 class RolloutEngine:
     """Samples n completions per prompt. The KV cache is preallocated and, with an eviction method, bounded.
 
-    A prompt is prefilled once (dense). With `share_prompts` (default) and a dense eager cache, a group's prompt
-    KV is held once and read by its n samples (`engine/shared_prefix.py`); else it is copied to each. `dtype` is the compute dtype of the
-    rollout and its KV cache (default: the weights' own; bfloat16 over float32 weights runs a bfloat16 copy).
+    A prompt is prefilled once (dense). With `share_prompts` (default) and an eager cache, a group's prompt KV is
+    held once and read by its n samples (`engine/shared_prefix.py`; evicting samples each keep a mask over it,
+    `engine/evicting_prefix.py`; H2O's per-slot state keeps copies); else it is copied to each. `dtype` is the
+    compute dtype of the rollout and its KV cache (default: the weights' own; bfloat16 over float32 weights runs a
+    bfloat16 copy).
     With `compile`, the decode step runs through `torch.compile` with static shapes (the live rows padded to a
     bucket of rows, attention over the whole preallocated capacity: one graph per (bucket, capacity), see
     `DecodeRun._compiled_step`), so that on CUDA it can be captured in a graph; the tokens and log-probs are the
@@ -174,9 +177,11 @@ class RolloutEngine:
         self.sparse = (
             make_sparse_attention(self.kv, self.decoder.num_layers) if self.kv.sparse_attention else None
         )
-        # a prompt held once is read by a data-dependent number of row groups: eager decode steps only; an
-        # evicting cache's rows each keep their own bounded set (each row evicts on its own path)
-        self.share_prompts = share_prompts and not (self.kv.evicting or compile)
+        # a prompt held once is read by a data-dependent number of row groups: eager decode steps only; evicting
+        # rows keep their own bounded sets, part of them in the prompt held once, unless the method keeps
+        # per-slot state (`EvictingPrefixCache`)
+        shareable = self.evictor is None or EvictingPrefixCache.supports(self.evictor.method)
+        self.share_prompts = share_prompts and shareable and not compile
         self.schedule = self.kv.budget_schedule
         self.step_budget: Tensor | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)

@@ -42,6 +42,11 @@ class SharedPrefix:
     def length(self) -> int:
         return self.k[0].shape[1]
 
+    @property
+    def positions(self) -> int:
+        """Positions of the input it stands for: held once and in the readers' tail (fewer: cut by eviction)."""
+        return self.length + self.tail_k[0].shape[1]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.tail_k, *self.tail_v))
 
@@ -145,11 +150,15 @@ class SharedPrefixCache(KVCache):
 
     def retire(self, rows: Tensor) -> Tensor:
         order = super().retire(rows)
+        self.release_unread()
+        return order
+
+    def release_unread(self) -> None:
+        """Drop the prefixes no live row reads."""
         read = set(self.row_state[PREFIX].unique().tolist())
         for pid in [p for p in self.prefixes if p not in read]:
             del self.prefixes[pid]
         self._ids = {tokens: pid for tokens, pid in self._ids.items() if pid in self.prefixes}
-        return order
 
     @property
     def groups(self) -> list[tuple[SharedPrefix, Tensor]]:

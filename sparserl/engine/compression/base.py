@@ -98,34 +98,27 @@ class Evictor:
             return
         if rows.numel() == cache.rows:  # every row (the usual case): index by slice, copying nothing
             rows = slice(None)
-        shared: Tensor | None = None
-        for layer in range(cache.num_layers):
-            if shared is None:
-                slots = self.select(cache, layer, rows, target, keep_recent)
-                if self.cfg.granularity == "shared":
-                    shared = slots
-            else:
-                slots = shared
-            cache.keep(rows, layer, slots)
-        cache.length[rows] = target
+        slots = [self.select(cache, 0, rows, target, keep_recent)]
+        shared = self.cfg.granularity == "shared"  # the first layer's choice in every layer
+        for layer in range(1, cache.num_layers):
+            slots.append(slots[0] if shared else self.select(cache, layer, rows, target, keep_recent))
+        cache.keep_slots(rows, slots)
 
     def select(
         self, cache: KVCache, layer: int, rows: Tensor | slice, target: int, keep_recent: int
     ) -> Tensor:
         """Slot indices [r, Hkv, target] to keep, in chronological order."""
-        length = cache.length[rows]
-        span = int(length.max())
-        keys = cache.k[layer][rows, :, :span]
-        slot = torch.arange(span, device=keys.device)[None, :]
+        keys, positions, extras, length = cache.eviction_slots(layer, rows)
+        slot = torch.arange(keys.shape[2], device=keys.device)[None, :]
         recent_start = (length - keep_recent)[:, None]
         view = SlotView(
             keys=keys,
-            positions=cache.pos[layer][rows, :, :span],
+            positions=positions,
             held=slot < length[:, None],
             candidates=slot < recent_start,
             queries=cache.queries[layer][rows],
             num_queries=cache.query_count[rows].clamp(max=cache.queries[layer].shape[2]),
-            extras={name: store[layer][rows, :, :span] for name, store in cache.extras.items()},
+            extras=extras,
             scale=self.scale,
         )
         scores = self.method.score(view).float()
