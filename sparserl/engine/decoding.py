@@ -122,7 +122,8 @@ class DecodeRun:
         if (
             self.shared and engine.evictor is not None
         ):  # readers evict on their own paths (the prompt cut first)
-            self.cache = EvictingPrefixCache(*shape, extras=extras, width=engine.kv.max_budget)
+            width = min(engine.kv.max_budget, max(map(len, self.first_input)))
+            self.cache = EvictingPrefixCache(*shape, extras=extras, width=width)
         else:
             share = {"align": self.align} if self.shared else {}
             self.cache = (SharedPrefixCache if self.shared else KVCache)(*shape, extras=extras, **share)

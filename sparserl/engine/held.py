@@ -44,13 +44,17 @@ class HeldRecorder:
         self._length: dict[int, int] = {}
 
     def __call__(self, step: int, cache: KVCache, samples: Tensor) -> None:
-        lengths = cache.length.tolist()
+        lengths = cache.held().tolist()  # a prompt held once counts the slots a row still holds in it
+        slots: list[Tensor] = []
         for row, sample in enumerate(samples.tolist()):
             if sample < 0:
                 continue
             n = lengths[row]
             if self._length.get(sample, -1) + 1 != n:  # a sample's first step, or a cut
-                pos = torch.stack([cache.pos[layer][row, :, :n] for layer in range(cache.num_layers)])
+                slots = slots or [
+                    cache.eviction_slots(layer, slice(None))[1] for layer in range(cache.num_layers)
+                ]
+                pos = torch.stack([slots[layer][row, :, :n] for layer in range(cache.num_layers)])
                 record = self.records.setdefault(sample, HeldRecord())
                 record.fed.append(int(pos.max()))
                 record.held.append(pos.cpu())
