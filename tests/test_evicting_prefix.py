@@ -121,3 +121,24 @@ def test_a_row_holding_no_prompt_slot_stops_reading_it(tiny):
             run.step()
         assert len(run.cache.prefixes) == 0 and not run.cache.row_state[PREFIX].any()
         assert torch.equal(run.cache.held(), run.cache.length)
+
+
+def test_under_a_cap_the_cut_prompt_is_charged_once_and_samples_match(tiny):
+    """Continuous batching under a cap: the 66-token prompt is charged as the 24 positions it is cut to, rows at
+    their bound (27 slots); preempted samples come back as copies; every sample is the copied run's."""
+    model, tok = tiny
+    e = engines(model, tok, KVConfig(method="snapkv", budget=24, window=4, interval=4))
+    prompt = prompts_of(tok)[2]
+    requests = [Request(prompt, key, 7, length) for key, length in enumerate([40, 9, 30, 22, 45, 5, 35, 17])]
+    run = e[True].start_run(requests, Sampling())
+    bpp = run.bytes_per_position
+    assert len(prompt) == 66 and run.shared_bytes_after_admit([0, 1]) == 24 * bpp
+    cap = 24 * bpp + 3 * 27 * bpp
+    seen: list[int] = []
+    with e[True].step_hook(lambda step, cache, samples: seen.append(cache.nbytes())):
+        shared, _, stats = Scheduler(e[True], cap).run(requests, Sampling())
+    copied, _, _ = Scheduler(e[False]).run(requests, Sampling())
+    assert stats.admissions > 3 and max(seen) <= cap
+    for i in range(len(requests)):
+        (ta, la), (tb, lb) = shared.completion(i), copied.completion(i)
+        assert ta == tb and (la - lb).abs().max() < SHARED_TOL

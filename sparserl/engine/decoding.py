@@ -165,7 +165,7 @@ class DecodeRun:
     def shares(self, i: int) -> bool:
         """Whether an admission of sample i reads its first input held once: an input two or more samples start
         from (a group's prompt; the prompt + prefix of children forked at one token; `shared_inputs`), the
-        sample having drawn nothing since (a preempted one comes back as a copy), in a dense cache."""
+        sample having drawn nothing since (a preempted one comes back as a copy)."""
         return int(self.count[i]) == int(self.start_count[i]) and self.first_input[i] in self.shared
 
     def own_length(self, i: int, whole: bool = False) -> int:
@@ -176,10 +176,12 @@ class DecodeRun:
         return total - held_once(len(self.first_input[i]), self.align) * self.shares(i)
 
     def shared_bytes_after_admit(self, ids: list[int]) -> int:
-        """Bytes of the inputs held once (`SharedPrefixCache`) once `ids` are admitted."""
+        """Bytes of the inputs held once (`SharedPrefixCache`) once `ids` are admitted (evicting: cut first)."""
         new = {self.first_input[i] for i in ids if self.shares(i)}
-        new = [p for p in new if self.cache.prefix_id(p) is None]
-        return self.cache.shared_bytes() + sum(len(p) for p in new) * self.bytes_per_position
+        held = torch.tensor([len(p) for p in new if self.cache.prefix_id(p) is None], dtype=torch.long)
+        if self.engine.evictor is not None:
+            held = torch.minimum(held, self.engine.schedule.budget(held))
+        return self.cache.shared_bytes() + int(held.sum()) * self.bytes_per_position
 
     def bytes_after_admit(self, ids: list[int], whole: bool = False) -> int:
         """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have
