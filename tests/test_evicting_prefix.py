@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_shared_prefix import SHARED_TOL, prompts_of
+from test_shared_prefix import SHARED_TOL, admitted_runs, prompts_of
 
 from sparserl.engine import KVConfig, RolloutEngine
 from sparserl.engine.decoding import Request, Sampling
@@ -86,12 +86,7 @@ def test_rows_hold_their_own_tokens_beside_the_prompt_once_and_never_more_than_t
     e = engines(model, tok, kv)
     n, new = 8, 150
     requests = [Request(prompt, key, 0, new) for key in range(n)]
-    runs = {}
-    for share, engine in e.items():
-        with engine.decoding():
-            run = engine.start_run(requests, Sampling())
-            run.admit(list(range(n)))
-            runs[share] = run
+    runs = admitted_runs(e, requests)
     bpp, cache = runs[True].bytes_per_position, runs[True].cache
     assert len(prompt) > 200 and isinstance(cache, EvictingPrefixCache)
     assert cache.shared_bytes() == 160 * bpp and int(cache.length.max()) == 0

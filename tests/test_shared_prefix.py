@@ -83,17 +83,21 @@ def test_a_prefix_one_token_short_is_caught(tiny, monkeypatch):
     )
 
 
+def admitted_runs(engines_by_share: dict[bool, RolloutEngine], requests: list[Request]) -> dict:
+    """A decoding run of each engine with every request admitted (nothing decoded yet)."""
+    runs = {}
+    for share, engine in engines_by_share.items():
+        with engine.decoding():
+            runs[share] = engine.start_run(requests, Sampling())
+            runs[share].admit(list(range(len(requests))))
+    return runs
+
+
 def test_the_prompt_kv_is_held_once_not_copied(tiny):
     model, tok = tiny
     e = engines(model, tok)
     prompt, n, new = prompts_of(tok)[2], 16, 8
-    requests = [Request(prompt, key, 0, new) for key in range(n)]
-    runs = {}
-    for share, engine in e.items():
-        with engine.decoding():
-            run = engine.start_run(requests, Sampling())
-            run.admit(list(range(n)))
-            runs[share] = run
+    runs = admitted_runs(e, [Request(prompt, key, 0, new) for key in range(n)])
     bpp = runs[True].bytes_per_position
     shared, copied = runs[True].cache, runs[False].cache
     assert isinstance(shared, SharedPrefixCache) and not isinstance(copied, SharedPrefixCache)
