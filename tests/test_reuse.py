@@ -75,6 +75,7 @@ def test_changed_weights_keep_the_accepted_prefix_and_sample_on(tmp_path):
             draft = cache[g.prompt_id][j]
             assert s.reused_prefix <= len(draft) and s.tokens[: s.reused_prefix] == draft[: s.reused_prefix]
     assert got.sampling["spec_reused_tokens"] == sum(reused)
+    assert got.sampling["spec_verify_s"] > 0 and got.sampling["source_score_s"] > 0  # both passes timed
     assert got.sampling["generated_tokens"] == sum(
         len(s.tokens) - s.reused_prefix for g in got.groups for s in g.samples
     )

@@ -22,7 +22,13 @@ from sparserl.rollout.reuse import accepted_length, verification_uniforms
 from sparserl.rollout.sources import Draft, GroupPlan, GroupSource
 from sparserl.rollout.task_view import TaskView
 
-SPEC_COUNTS = ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_whole_drafts")
+SPEC_COUNTS = (
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_whole_drafts",
+    "spec_verify_s",
+)
 
 
 @dataclass
@@ -112,7 +118,9 @@ class RolloutLayer:
         ]
         scored = [(s, d) for s, d in todo if d.tokens and (d.logps is None or d.verify)]
         prompt = self.task.prompt_ids(row)
+        t0 = time.perf_counter()
         now = self.backend.score([prompt] * len(scored), [d.tokens for _, d in scored], self.cfg.temperature)
+        self.spec_counts["spec_verify_s"] += time.perf_counter() - t0
         verified = {id(s): lp for (s, _), lp in zip(scored, now, strict=True)}
         for s, d in todo:
             cut, logps = self._kept(s, d, verified.get(id(s)))
@@ -153,8 +161,10 @@ class RolloutLayer:
             rounds.append(more)
             scored += [g for g in more.groups if all(g is not h for h in scored)]
         trained = source.select(scored, k)
+        t0 = time.perf_counter()
         if source.needs_scores:
             self._score_samples(trained)
+        score_s = time.perf_counter() - t0
         source.observe(trained, first.leftover)
         segments = {i: seg for r in rounds for i, seg in r.by_sample.items()}
         recorded = [segments.get(id(s)) for g in trained for s in g.samples] if segments else []
@@ -174,6 +184,9 @@ class RolloutLayer:
             sampling["spec_accepted_frac"] = c["spec_accepted_tokens"] / max(1, c["spec_draft_tokens"])
             sampling["spec_whole_frac"] = c["spec_whole_drafts"] / c["spec_drafts"]
             sampling["spec_reused_tokens"] = float(c["spec_accepted_tokens"])
+            sampling["spec_verify_s"] = c["spec_verify_s"]
+        if source.needs_scores:
+            sampling["source_score_s"] = score_s
         return Collected(trained, first.leftover, metrics, recorded, sampling=sampling)
 
     def collect(
