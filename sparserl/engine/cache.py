@@ -78,10 +78,8 @@ class KVCache:
         CUDA graph of the compiled step reads and writes them in place instead of copying them in and out at
         every replay (`guard=False`: a new address, after a resize, records a new graph, not a recompile)."""
         tensors = [*self.k, *self.v, *self.pos, *self.queries, self.length, self.query_count]
-        tensors += [t for per_layer in self.extras.values() for t in per_layer] + list(
-            self.row_state.values()
-        )
-        for t in tensors:
+        tensors += [t for per_layer in self.extras.values() for t in per_layer]
+        for t in [*tensors, *self.row_state.values()]:
             torch._dynamo.mark_static_address(t, guard=False)
 
     @property

@@ -119,9 +119,7 @@ class DecodeRun:
         shape = (dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, 0, engine.kv.window, dec.dtype,
                  dev)  # fmt: skip
         extras = engine.evictor.method.extras if engine.evictor else ()
-        if (
-            self.shared and engine.evictor is not None
-        ):  # readers evict on their own paths (the prompt cut first)
+        if self.shared and engine.evictor is not None:  # rows evict on their own paths, the prompt cut first
             width = min(engine.kv.max_budget, max(map(len, self.first_input)))
             self.cache = EvictingPrefixCache(*shape, extras=extras, width=width)
         else:
@@ -149,10 +147,9 @@ class DecodeRun:
         most = max(need, self.longest)  # no request of the run ever holds more
         if self.compiled:
             most = in_blocks(most)
-        if self.engine.evictor is not None:  # charged the bound from the start (copies: it never grows), or
-            bound = min(
-                most, self.engine.kv.max_budget + self.engine.kv.interval - 1
-            )  # as a row's own slots grow
+        if self.engine.evictor is not None:  # copies: the bound from the start, never grown; rows reading a
+            # prompt held once: blocks as their own slots grow, up to the bound
+            bound = min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
             return min(in_blocks(need), bound) if self.shared else bound
         if self.kv_memory_cap is None:  # nothing to share: allocate once (no growth, no copies)
             return most
@@ -277,9 +274,8 @@ class DecodeRun:
         need = max(self.own_length(i) for i in ids) + 1
         self._resize(max(self.cache.capacity, self.fit_capacity(need)), self.cache.rows + len(ids))
         self.cache.append_readers(torch.tensor(pids, device=self.cache.length.device))
-        held = [
-            self.cache.prefixes[p] for p in pids
-        ]  # a prefix holding fewer positions was cut after prefill
+        # a prefix holding fewer positions than its input was cut after prefill (a compression event)
+        held = [self.cache.prefixes[p] for p in pids]
         cut = torch.tensor([int(h.positions < len(p)) for h, p in zip(held, prompts, strict=True)])
         self._joined(ids, torch.stack([h.logits for h in held]), cut.to(self.events.device), transient)
 
