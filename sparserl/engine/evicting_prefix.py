@@ -44,8 +44,8 @@ class PrefixWindow:
 
 
 class EvictingPrefixCache(SharedPrefixCache):
-    """A `SharedPrefixCache` whose readers evict: `width` is the longest prefix it may hold (the largest
-    budget: a prompt is cut to its budget before it is held)."""
+    """A `SharedPrefixCache` whose readers evict: `width` is the longest prefix it may hold (the largest budget,
+    or the longest input if shorter: a prompt is cut to its budget before it is held)."""
 
     def __init__(self, *args, width: int, **kwargs):
         if kwargs.get("extras"):
@@ -103,8 +103,18 @@ class EvictingPrefixCache(SharedPrefixCache):
         """Own slots plus the prefix slots still held (as many in every layer and head)."""
         return self.length + self.row_state[HELD][:, 0, 0].sum(-1)
 
-    def attention(self, layer, q, k, v, valid, scale, prefix_read=None):
-        """`SharedPrefixCache.attention` reading only the prefix slots each row and head still holds."""
+    def attention(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor,
+        scale: float,
+        prefix_read: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """`SharedPrefixCache.attention` reading only the prefix slots each row and head still holds (the
+        mask replaces `prefix_read`: block-sparse reads never evict)."""
         width = max((prefix.length for prefix, _ in self.groups), default=0)
         read = self.row_state[HELD][:, layer, :, :width]
         return super().attention(layer, q, k, v, valid, scale, prefix_read=read)
