@@ -12,7 +12,7 @@ hold at a length is read off one table.
 - **The best schedule**: per bin the smallest budget whose P5 lower bound is >= `--tau` (calibrate's rule), and
   its speed-up over dense at each length (dense CPU s per step / the chosen budget's).
 
-    python benchmarks/frontier.py --resume          # ~4 CPU hours at one thread (tail ~3 h, speed ~1 h)
+    python benchmarks/frontier.py --resume   # ~11 CPU hours at one thread: a unit took 0.5, 0.7, 2.0, 3.4 CPU-min at 1k-6k (budget 256)
     python benchmarks/frontier.py --quick           # tiny model, short lengths: a smoke run, a temp file
 
 Writes docs/results/sparrow_frontier.json and adds its goals to docs/results/sparrow.json's `goals`.
@@ -89,7 +89,9 @@ def tail_table(model, tok, args: argparse.Namespace, budgets: list[int]) -> tupl
 
     task = make_task(TaskConfig(name="long_arithmetic"), "test")
     targets = [int(x) - args.new_tokens for x in args.lengths.split(",")]
-    prompts, described = graded_length_prompts(task, tok, targets, args.prompts)
+    context = getattr(model.config, "max_position_embeddings", None)  # each prompt + its tokens must fit
+    room = context - args.new_tokens if context else None
+    prompts, described = graded_length_prompts(task, tok, targets, args.prompts, max_tokens=room)
     kv_options = {"page_size": args.page_size, "dense_layers": dense_layers(args)}
     s = CalibrationSettings("block_topk", kv_options, n=args.n, max_new_tokens=args.new_tokens,
                             bin_width=args.bin_width, tau=args.tau, ignore_eos=True)  # fmt: skip

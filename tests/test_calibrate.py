@@ -279,7 +279,8 @@ def test_command_calibrates_then_checks_on_other_prompts(tmp_path: Path, capsys:
 
 def test_command_resumes_from_its_finished_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A calibration stopped after its first unit goes on with --resume: the finished unit is read, not sampled
-    again, and the report is the uninterrupted one's; other flags on the same --out are refused."""
+    again, and the report is the uninterrupted one's; a unit measured under other flags (or another prompt) is
+    measured again, never mixed in."""
     import sparserl.eval.calibrate as calibration
 
     args = command_args(tmp_path, prompts=2, budgets="12:20:1.5")  # a grid: 12, 16, 20 (pages of 4)
@@ -298,8 +299,12 @@ def test_command_resumes_from_its_finished_units(tmp_path: Path, monkeypatch: py
     resumed = json.loads((tmp_path / "out" / "calibration.json").read_text())
     assert resumed["table"] == [row | {"wall_s": r["wall_s"]} for row, r in zip(whole["table"],
                                 resumed["table"], strict=True)]  # fmt: skip
-    with pytest.raises(UserError, match="--resume: .* holds a calibration with other settings"):
-        calibrate_command(command_args(tmp_path, prompts=2, budgets="12:20:1.5", resume=True, n=3))
+    measured.clear()
+    assert calibrate_command(command_args(tmp_path, prompts=2, budgets="12:20:1.5", resume=True, n=3)) == 0
+    assert len(measured) == 6  # every unit's fingerprint names n=4: all measured again
+    measured.clear()
+    assert calibrate_command(command_args(tmp_path, prompts=2, budgets="12:20:1.5", resume=True, n=3)) == 0
+    assert measured == []  # and kept under n=3
 
 
 def test_budget_grid_steps_and_thin_cells_are_flagged():
@@ -366,3 +371,22 @@ def test_graded_length_prompts_land_near_their_targets(tmp_path: Path):
         calibrate_command(command_args(tmp_path, lengths="600"))
     with pytest.raises(UserError, match=r"--lengths 100: this task's prompt is \d+ tokens before any filler"):
         calibrate_command(command_args(tmp_path, data="long_arithmetic", lengths="100"))
+
+
+def test_graded_prompts_past_a_limit_lose_filler_until_they_fit():
+    """A filler line costs a few percent more in some problems, so a prompt can overshoot a target set near the
+    context (the frontier's 8192 gave 8,249 tokens): with max_tokens those lose lines until they fit; the others
+    are the same prompts as without the limit."""
+    from sparserl.eval.calibrate_prompts import graded_length_prompts
+    from sparserl.models import tiny_model
+    from sparserl.tasks import TaskConfig, make_task
+
+    _, tok = tiny_model("llama", seed=0)
+    task = make_task(TaskConfig(name="long_arithmetic"), "test")
+    free, described = graded_length_prompts(task, tok, [900], 6)
+    limit = sorted(len(p) for p in free)[3]  # the three longest overshoot it
+    capped, capped_described = graded_length_prompts(task, tok, [900], 6, max_tokens=limit)
+    assert all(len(p) <= limit for p in capped) and max(map(len, free)) > limit
+    for a, b, d in zip(free, capped, capped_described, strict=True):
+        assert (a == b) == (len(a) <= limit) and d["tokens"] == len(b)
+    assert [d["distractors"] for d in capped_described] != [d["distractors"] for d in described]

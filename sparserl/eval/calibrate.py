@@ -167,18 +167,17 @@ def _measure_rows(
     """The table's rows: per (label, KV policy), its bins padded to the longest row, and the wall time spent
     measuring it in this process. With `store_dir`, every finished (policy, prompt) unit is kept there and, with
     `resume`, units already there are read instead of measured again."""
-    labels = [label for label, _ in rows]
-    digest = fingerprint(asdict(s), labels, [list(p) for p in prompt_ids])
-    store = UnitStore(store_dir, digest, resume) if store_dir is not None else None
+    store = UnitStore(store_dir, resume) if store_dir is not None else None
     measured, total = [], len(rows) * len(prompt_ids)
     for label, kv in rows:
         t0, parts = time.perf_counter(), []
         for p, prompt in enumerate(prompt_ids):
-            alpha = store.load(label, p) if store is not None else None
+            digest = fingerprint(asdict(s), label, asdict(kv), list(prompt))
+            alpha = store.load(label, p, digest) if store is not None else None
             if alpha is None:
                 alpha = measure_unit(model, tokenizer, prompt, kv, s)
                 if store is not None:
-                    store.save(label, p, alpha)
+                    store.save(label, p, alpha, digest)
             parts.append(alpha)
             if progress is not None:
                 progress(len(measured) * len(prompt_ids) + p + 1, total, f"{label}, prompt {p + 1}")

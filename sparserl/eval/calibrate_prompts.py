@@ -5,6 +5,7 @@ each, instead of whole 8k-token generations."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -35,10 +36,17 @@ def distractors_for(length: int, base: int, per_line: float) -> int:
 
 
 def graded_length_prompts(
-    task: Any, tokenizer: Any, lengths: list[int], per_length: int, offset: int = 0
+    task: Any,
+    tokenizer: Any,
+    lengths: list[int],
+    per_length: int,
+    offset: int = 0,
+    max_tokens: int | None = None,
 ) -> tuple[list[list[int]], list[dict[str, int]]]:
     """`per_length` prompts (problems offset, offset + 1, ...) at each target length, and what each is
-    (target, problem index, filler lines, tokens). Only long_arithmetic has filler to scale."""
+    (target, problem index, filler lines, tokens). Only long_arithmetic has filler to scale. A filler line's
+    cost varies by a few percent between problems, so a prompt near the model's context can overshoot it: with
+    `max_tokens`, a prompt longer than that has filler lines taken off until it fits (the others unchanged)."""
     if getattr(task, "name", "") != "long_arithmetic":
         raise UserError(
             f"--lengths needs --data long_arithmetic (its filler lines set the prompt length); got "
@@ -52,8 +60,11 @@ def graded_length_prompts(
         lines = distractors_for(length, base, per_line)
         scaled = make_task(replace(task.cfg, num_distractors=lines), task.split)
         for index in range(offset, offset + per_length):
-            prompts.append(encode_prompt(tokenizer, scaled[index].messages))
-            described.append(
-                {"target": length, "index": index, "distractors": lines, "tokens": len(prompts[-1])}
-            )
+            ids, used = encode_prompt(tokenizer, scaled[index].messages), lines
+            while max_tokens is not None and len(ids) > max_tokens and used > 0:
+                used = max(0, used - math.ceil((len(ids) - max_tokens) / per_line))
+                fewer = make_task(replace(task.cfg, num_distractors=used), task.split)
+                ids = encode_prompt(tokenizer, fewer[index].messages)
+            prompts.append(ids)
+            described.append({"target": length, "index": index, "distractors": used, "tokens": len(ids)})
     return prompts, described
