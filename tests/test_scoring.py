@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_engine import BATCH_TOL, chat
 
-from sparserl.engine import completion_logprobs
+from sparserl.engine import completion_logprobs, score
 from sparserl.engine.scoring import micro_batches
 from sparserl.models import tiny_model
 
@@ -43,6 +43,33 @@ def test_micro_batches_keep_every_row_once():
     prompts, completions = [[1, 2]] * 5, [[3] * k for k in (4, 1, 3, 2, 5)]
     chunks = list(micro_batches(prompts, completions, token_budget=12))
     assert sorted(i for c in chunks for i in c) == list(range(5))
+
+
+def test_micro_batches_count_a_shared_prompt_once():
+    """Rows of one long prompt share a chunk when its passes fit the budget (the prompt once, then every row's
+    completion), though each whole row alone nearly fills it; per row, they go one a chunk."""
+    prompts, completions = [list(range(100))] * 4, [[7] * 5] * 4
+    assert list(micro_batches(prompts, completions, token_budget=128)) == [[0, 1, 2, 3]]
+    assert len(list(micro_batches(prompts, completions, 128, shared_prompts=False))) == 4
+    # the prompt KV repeated to the rows is bounded: 5 rows x 100 positions / SHARED_KV_PER_TOKEN (4) <= 128
+    many = list(micro_batches([list(range(100))] * 64, [[7] * 5] * 64, token_budget=128))
+    assert max(len(c) for c in many) == 5 and sorted(i for c in many for i in c) == list(range(64))
+
+
+def test_score_runs_a_long_shared_prompt_once():
+    """`score` at a budget below one whole row per sample still runs the group's prompt once (counted at the
+    embedding), with the log-probs of a budget that holds everything."""
+    model, tok = tiny_model("llama", seed=0)
+    prompt = chat(tok, "a prompt long enough to matter " * 8)
+    completions = [[40, 41, 42], [43, 44], [45, 46, 47, 48], [50]]
+    embedded = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: embedded.append(i[0].numel()))
+    tight = score(model, [prompt] * 4, completions, token_budget=len(prompt) + 4)
+    hook.remove()
+    assert sum(embedded) == len(prompt) - 1 + 4 * 5  # the prompt but its last token once, then 4 padded rows
+    roomy = score(model, [prompt] * 4, completions, token_budget=10**6)
+    for a, b in zip(tight, roomy, strict=True):
+        assert (a - b).abs().max() < BATCH_TOL
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

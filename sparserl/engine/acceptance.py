@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from sparserl.algo.acceptance import AcceptanceBin, acceptance_by_bin, acceptance_exact, acceptance_topk
 from sparserl.engine.kv_config import KVConfig
 from sparserl.engine.rollout import RolloutEngine, Sample
-from sparserl.engine.scoring import micro_batches, score_distributions
+from sparserl.engine.scoring import micro_batches, score_distributions, shares_prompts
 
 
 @dataclass
@@ -85,7 +85,7 @@ def rollout_acceptance(
     exact = all(s.distributions.full_logprobs is not None for s in samples)
     completions = [s.completion_ids for s in samples]
     positions, topk, full, sequences = [], [], [], []
-    for chunk in micro_batches(prompt_ids, completions, token_budget):
+    for chunk in micro_batches(prompt_ids, completions, token_budget, shares_prompts(model)):
         dense = score_distributions(
             model, [prompt_ids[i] for i in chunk], [completions[i] for i in chunk],
             temperature, top_p, top_k, top_logprobs=k, full_logprobs=exact, token_budget=token_budget,

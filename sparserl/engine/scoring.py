@@ -38,11 +38,7 @@ def _completion_logits(
         groups.setdefault(tuple(p), []).append(i)
     targets, mask = completion_targets(completion_ids)
     t_c = targets.shape[1]
-    if (
-        recomputes_activations(lm)
-        or layers_sharded(lm)
-        or all(len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items())
-    ):
+    if not shares_prompts(lm) or all(len(rows) == 1 or len(prompt) < 2 for prompt, rows in groups.items()):
         hidden = _hidden_at_completions(lm, list(prompt_ids), list(completion_ids), t_c, device)
     else:
         parts = [
@@ -52,6 +48,12 @@ def _completion_logits(
         order = torch.tensor([i for rows, _ in parts for i in rows], device=device)
         hidden = torch.cat([h for _, h in parts])[order.argsort()]  # back to the callers' row order
     return lm.lm_head(hidden).float(), targets.to(device), mask.to(device)
+
+
+def shares_prompts(model: nn.Module) -> bool:
+    """Whether `_completion_logits` runs a prompt that several rows share once (see `micro_batches`)."""
+    lm = causal_lm(model)
+    return not (recomputes_activations(lm) or layers_sharded(lm))
 
 
 def layers_sharded(lm: nn.Module) -> bool:
@@ -205,21 +207,70 @@ class _TargetLogprobs(torch.autograd.Function):
 
 
 def micro_batches(
-    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], token_budget: int
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    token_budget: int,
+    shared_prompts: bool = True,
 ) -> Iterator[list[int]]:
-    """Indices of the completions, shortest first, in chunks of at most `token_budget` padded tokens (at least
-    one completion per chunk)."""
+    """Indices of the completions, shortest first, in chunks of at most `token_budget` tokens (at least one
+    completion per chunk), counted as `_completion_logits` runs them. Per row (no `shared_prompts`, or no prompt
+    shared in the chunk): one forward of every row padded to the chunk's longest. Shared: the largest of the
+    passes it runs (each group's prompt alone, then its rows' completions, whose hidden states and logits stay
+    for the chunk), and the prompt KV it repeats to the rows over `SHARED_KV_PER_TOKEN`. Counting a shared prompt
+    once is what lets a group of long prompts share its pass at all (4 samples of a 6k-token prompt came one a
+    chunk at the default budget, each re-running the prompt)."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"score: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
     width = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
     order = sorted(range(len(width)), key=width.__getitem__)
     start = 0
     while start < len(order):
+        cost = _ChunkCost(shared_prompts)
+        cost.add(prompt_ids[order[start]], completion_ids[order[start]])
         end = start + 1
-        while end < len(order) and width[order[end]] * (end - start + 1) <= token_budget:
+        while (
+            end < len(order)
+            and cost.with_row(prompt_ids[order[end]], completion_ids[order[end]]) <= token_budget
+        ):
+            cost.add(prompt_ids[order[end]], completion_ids[order[end]])
             end += 1
         yield order[start:end]
         start = end
+
+
+SHARED_KV_PER_TOKEN = 4
+"""A shared pass repeats its prompt's KV to every row (transformers' cache copies it): a chunk may hold 4 prompt
+positions of KV per token of its budget (8192: 32,768 positions, 1.4 GiB for SmolLM2 in float32), enough for 4
+samples of an 8k prompt to share one pass; a per-row chunk holds one per token (its own cache)."""
+
+
+class _ChunkCost:
+    """The tokens a chunk of rows runs in `_completion_logits`, kept as rows are added (see `micro_batches`)."""
+
+    def __init__(self, shared_prompts: bool) -> None:
+        self.shared_prompts = shared_prompts
+        self.groups: dict[tuple[int, ...], tuple[int, int]] = {}  # prompt -> (rows, longest completion)
+        self.rows, self.widest = 0, 0
+
+    def _grown(
+        self, prompt: Sequence[int], completion: Sequence[int]
+    ) -> dict[tuple[int, ...], tuple[int, int]]:
+        rows, longest = self.groups.get(tuple(prompt), (0, 0))
+        return {**self.groups, tuple(prompt): (rows + 1, max(longest, len(completion)))}
+
+    def add(self, prompt: Sequence[int], completion: Sequence[int]) -> None:
+        self.groups = self._grown(prompt, completion)
+        self.rows, self.widest = self.rows + 1, max(self.widest, len(prompt) + len(completion))
+
+    def with_row(self, prompt: Sequence[int], completion: Sequence[int]) -> int:
+        """The chunk's tokens were this row added to it."""
+        groups = self._grown(prompt, completion)
+        if not self.shared_prompts or all(rows == 1 for rows, _ in groups.values()):
+            return (self.rows + 1) * max(self.widest, len(prompt) + len(completion))  # whole rows, padded
+        prompt_pass = max(len(p) - 1 for p in groups)  # each group's prompt runs alone, one after another
+        completions = sum(rows * (1 + longest) for rows, longest in groups.values())  # their logits stay
+        copies = sum(rows * len(p) for p, (rows, _) in groups.items())  # the prompt KV the cache repeats
+        return max(prompt_pass, completions, copies // SHARED_KV_PER_TOKEN)
 
 
 @torch.no_grad()
@@ -233,7 +284,7 @@ def score(
     """Per-token log-probs (float32, CPU) of each completion, micro-batched to `token_budget` padded tokens."""
     out: list[Tensor | None] = [None] * len(prompt_ids)
     with module_mode(model, training=False):  # dropout off while scoring
-        for chunk in micro_batches(prompt_ids, completion_ids, token_budget):
+        for chunk in micro_batches(prompt_ids, completion_ids, token_budget, shares_prompts(model)):
             logp, _ = completion_logprobs(
                 model, [prompt_ids[i] for i in chunk], [completion_ids[i] for i in chunk], temperature
             )
@@ -261,7 +312,7 @@ def score_distributions(
     check_distribution_request(top_logprobs, causal_lm(model).lm_head.out_features, "score_distributions")
     out: list[TokenDistributions | None] = [None] * len(prompt_ids)
     with module_mode(model, training=False):  # dropout off while scoring
-        for chunk in micro_batches(prompt_ids, completion_ids, token_budget):
+        for chunk in micro_batches(prompt_ids, completion_ids, token_budget, shares_prompts(model)):
             logits, _, _ = _completion_logits(
                 model, [prompt_ids[i] for i in chunk], [completion_ids[i] for i in chunk]
             )
