@@ -12,7 +12,7 @@ hold at a length is read off one table.
 - **The best schedule**: per bin the smallest budget whose P5 lower bound is >= `--tau` (calibrate's rule), and
   its speed-up over dense at each length (dense CPU s per step / the chosen budget's).
 
-    python benchmarks/frontier.py --resume   # ~11 CPU hours at one thread: a unit took 0.5, 0.7, 2.0, 3.4 CPU-min at 1k-6k (budget 256)
+    python benchmarks/frontier.py --resume   # ~5 CPU-hours left at one thread (an 8k unit 2.4 CPU-min, budget 256)
     python benchmarks/frontier.py --quick           # tiny model, short lengths: a smoke run, a temp file
 
 Writes docs/results/sparrow_frontier.json and adds its goals to docs/results/sparrow.json's `goals`.
