@@ -2,6 +2,7 @@
 optimizer step at several learning rates, against the KL between the two policies on those responses.
 
     python benchmarks/spec_reuse.py            # -> docs/results/reuse.json (~0.2 CPU-hours at one thread)
+    python benchmarks/spec_reuse.py --cost     # section spec_cost: step 2's rollout time, SPEC-RL or not (~10 CPU-min)
 
 Each arm trains one step (8 prompts x 4 samples, the default config's task and length, dense rollouts, LoRA)
 at learning rate lr, then runs step 2 on the same 8 prompts with `rollout.spec.enable=true`: every sample has
@@ -87,6 +88,58 @@ def arm(lr: float, seed: int, out: Path) -> dict:
         }
 
 
+COST_KEYS = ("time/rollout", "sampling/spec_verify_s", "sampling/source_score_s", "sampling/generated_tokens",
+             "sampling/spec_accepted_frac")  # fmt: skip
+
+
+def cost_arm(spec: bool, seed: int, out: Path) -> dict:
+    """Where a step's rollout time goes, with and without SPEC-RL: the experiment's config (experiments/reuse.yaml)
+    on its first 8 prompts, one step, one update, then step 2 on the same prompts (with SPEC-RL, every sample
+    has its step-1 response as a draft: the best case, one update between visits)."""
+    from sparserl.config import load_config
+    from sparserl.tasks import make_task
+    from sparserl.trainer import Trainer
+
+    overrides = [
+        f"rollout.spec.enable={str(spec).lower()}", f"trainer.seed={seed}", "trainer.steps=2",
+        "trainer.save_every=0", f"trainer.output_dir={out}", f"trainer.run_name=cost-spec{int(spec)}-seed{seed}",
+    ]  # fmt: skip
+    cfg = load_config(ROOT / "experiments" / "reuse.yaml", overrides)
+    task = FirstRows(make_task(cfg.task), PROMPTS)
+    steps = []
+    with Trainer(cfg, task=task, eval_task=task) as trainer:
+        for step in (1, 2):
+            t0 = time.process_time()
+            batch, metrics = trainer.rollout(step)
+            cpu = time.process_time() - t0
+            steps.append({"step": step, "rollout_and_score_cpu_s": cpu,
+                          **{k: metrics[k] for k in COST_KEYS if k in metrics}})  # fmt: skip
+            if step == 1:
+                trainer.learn(1, batch)
+                trainer.state.step = 1
+    return {"spec": spec, "seed": seed, "steps": steps}
+
+
+def cost(seeds: int, out: Path) -> dict:
+    """`cost_arm` with and without SPEC-RL per seed, the arms alternating in order from seed to seed."""
+    arms = []
+    for seed in range(seeds):
+        for spec in (seed % 2 == 0, seed % 2 == 1):
+            arms.append(cost_arm(spec, seed, out))
+    step2 = {spec: [a["steps"][1] for a in arms if a["spec"] == spec] for spec in (False, True)}
+    medians = {
+        ("spec" if spec else "plain"): {
+            k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"
+        }
+        for spec, rows in step2.items()
+    }
+    result = {"arms": arms, "step2_medians": medians, "config": "experiments/reuse.yaml", "prompts": PROMPTS,
+              "command": f"{COMMAND} --cost"}  # fmt: skip
+    update_result(OUT, "spec_cost", result, {})
+    print(json.dumps(medians, indent=1))
+    return result
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     from scipy import stats
 
@@ -98,10 +151,15 @@ def main() -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "spec_reuse")
+    parser.add_argument(
+        "--cost", action="store_true", help="where step 2's rollout time goes, SPEC-RL or not"
+    )
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
+    if args.cost:
+        return cost(args.seeds, args.out)
     arms = [arm(lr, seed, args.out) for seed in range(args.seeds) for lr in LRS]
     identity = [a["accepted_frac"] for a in arms if a["lr"] == 0.0]
     changed = [a for a in arms if a["lr"] > 0]

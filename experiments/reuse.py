@@ -11,11 +11,13 @@ The decision rules are in docs/results/reuse.json (with the goals the benchmarks
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
 
-from arms import Experiment, main
+from arms import Experiment, main, paired
+from study import write_atomic
 
 from sparserl.signals import stoppable
 
@@ -72,6 +74,31 @@ def goals(runs: dict) -> dict:
     return {SPEED: speed, QUALITY: quality}
 
 
+def comparison(runs: dict) -> dict:
+    """Reported, not judged: per arm against GRPO, paired by seed, the held-out mean@8 difference and the ratio
+    of rollout seconds over epochs 2-6 (GRPO's / the arm's)."""
+    out = {}
+    for arm in ("spec", "tree"):
+        pairs = [(runs.get(f"{arm}-seed{s}"), runs.get(f"grpo-seed{s}")) for s in EXPERIMENT.seeds]
+        pairs = [(a, g) for a, g in pairs if a and g]
+        held = [a["eval_mean"] - g["eval_mean"] for a, g in pairs if "eval_mean" in a and "eval_mean" in g]
+        if held:
+            out[f"{arm} - grpo: held-out mean@8"] = paired(held)
+        if pairs:
+            out[f"grpo / {arm}: rollout seconds over epochs 2-6"] = paired(
+                [later_epochs_time(g) / later_epochs_time(a) for a, g in pairs]
+            )
+    return out
+
+
+def judged_and_compared(runs: dict) -> dict:
+    """The goals; the comparison is written beside the runs (docs/results/reuse/comparison.json)."""
+    comp = comparison(runs)
+    write_atomic(EXPERIMENT.results_root / "reuse" / "comparison.json", json.dumps(comp, indent=1) + "\n")
+    print(json.dumps(comp, indent=1))
+    return goals(runs)
+
+
 def with_eval_means(goals_fn):
     """The held-out mean reward of each evaluated run (mean@8) added before judging."""
 
@@ -99,7 +126,7 @@ EXPERIMENT = Experiment(
 
 @stoppable("experiments/reuse.py", "the part being written; finished parts are kept, re-run to go on")
 def run_experiment() -> int:
-    return main(EXPERIMENT, with_eval_means(goals), __file__)
+    return main(EXPERIMENT, with_eval_means(judged_and_compared), __file__)
 
 
 if __name__ == "__main__":
