@@ -76,9 +76,23 @@ def test_changed_weights_keep_the_accepted_prefix_and_sample_on(tmp_path):
             assert s.reused_prefix <= len(draft) and s.tokens[: s.reused_prefix] == draft[: s.reused_prefix]
     assert got.sampling["spec_reused_tokens"] == sum(reused)
     assert got.sampling["spec_verify_s"] > 0 and got.sampling["source_score_s"] > 0  # both passes timed
+    assert "spec_saved_s" in got.sampling
     assert got.sampling["generated_tokens"] == sum(
         len(s.tokens) - s.reused_prefix for g in got.groups for s in g.samples
     )
+
+
+def test_spec_saved_seconds_on_hand_made_counts():
+    """The reused tokens at the step's seconds per drawn token (the rounds' time but the verification's),
+    less the two teacher-forced passes; nothing drawn: the passes' cost alone."""
+    from sparserl.rollout.layer import spec_metrics
+
+    counts = {"spec_drafts": 4, "spec_draft_tokens": 100, "spec_accepted_tokens": 60, "spec_whole_drafts": 1,
+              "spec_verify_s": 2.0}  # fmt: skip
+    got = spec_metrics(counts, generated=40, rounds_s=6.0, score_s=1.0)
+    assert got["spec_saved_s"] == pytest.approx(60 * (6.0 - 2.0) / 40 - 2.0 - 1.0)
+    assert got["spec_accepted_frac"] == 0.6 and got["spec_whole_frac"] == 0.25
+    assert spec_metrics(counts, generated=0, rounds_s=6.0, score_s=1.0)["spec_saved_s"] == -3.0
 
 
 def test_resume_is_exact_with_the_cache_in_the_checkpoint(tmp_path):

@@ -153,6 +153,7 @@ class RolloutLayer:
         `max_extra_rounds` more rounds, none with partial rollouts), its choice of the groups to train on;
         the groups go back to it (`observe`). `Collected.sampling` says what the rounds cost and gave."""
         self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
+        t_rounds = time.perf_counter()
         first = self.collect(version, seed, source.plan(k, version))
         scored, rounds = list(first.groups), [first]
         first_flat = _zero_variance_frac(first.groups)  # before a later round extends these groups
@@ -162,6 +163,7 @@ class RolloutLayer:
             scored += [g for g in more.groups if all(g is not h for h in scored)]
         trained = source.select(scored, k)
         t0 = time.perf_counter()
+        rounds_s = t0 - t_rounds
         if source.needs_scores:
             self._score_samples(trained)
         score_s = time.perf_counter() - t0
@@ -180,11 +182,7 @@ class RolloutLayer:
         }
         sampling = round_metrics(scored, trained, first_flat, len(rounds), version, first.leftover)
         if self.spec_counts["spec_drafts"]:
-            c = self.spec_counts
-            sampling["spec_accepted_frac"] = c["spec_accepted_tokens"] / max(1, c["spec_draft_tokens"])
-            sampling["spec_whole_frac"] = c["spec_whole_drafts"] / c["spec_drafts"]
-            sampling["spec_reused_tokens"] = float(c["spec_accepted_tokens"])
-            sampling["spec_verify_s"] = c["spec_verify_s"]
+            sampling |= spec_metrics(self.spec_counts, sampling["generated_tokens"], rounds_s, score_s)
         if source.needs_scores:
             sampling["source_score_s"] = score_s
         return Collected(trained, first.leftover, metrics, recorded, sampling=sampling)
@@ -283,6 +281,21 @@ def _staleness(groups: list[GroupRecord], version: int) -> dict[str, float]:
         "staleness_mean": float(stale.mean()) if some else 0.0,
         "staleness_max": float(stale.max()) if some else 0.0,
         "off_policy_token_frac": float((stale > 0).double().mean()) if some else 0.0,
+    }
+
+
+def spec_metrics(c: dict[str, float], generated: float, rounds_s: float, score_s: float) -> dict[str, float]:
+    """SPEC-RL's step (logged under sampling/): acceptance, reused tokens, verification seconds, and
+    `spec_saved_s`, an estimate of the rollout seconds it saved: the reused tokens at this step's seconds per
+    generated token (the rounds' time but the verification's, over the tokens drawn), less the verification
+    and the scoring for the cache (negative when they cost more than decoding the reused tokens would have)."""
+    per_token = (rounds_s - c["spec_verify_s"]) / generated if generated else 0.0
+    return {
+        "spec_accepted_frac": c["spec_accepted_tokens"] / max(1, c["spec_draft_tokens"]),
+        "spec_whole_frac": c["spec_whole_drafts"] / c["spec_drafts"],
+        "spec_reused_tokens": float(c["spec_accepted_tokens"]),
+        "spec_verify_s": c["spec_verify_s"],
+        "spec_saved_s": c["spec_accepted_tokens"] * per_token - c["spec_verify_s"] - score_s,
     }
 
 
