@@ -1,9 +1,9 @@
 """Issue 35's SAPO experiment: two nodes (independent trainers, each its own policy and seed) on one local Ray
-cluster, SmolLM2-135M arithmetic (experiments/sampling.yaml's task), each training on 4 local + 4 shared groups a
-step against 8 local + 0 shared, the same seeds. Reward curves and each node's held-out accuracy (each model in
+cluster, SmolLM2-135M arithmetic (experiments/sapo.yaml: 1-2 digit sums, 4 samples a prompt), each training on 4
+local + 4 shared groups a step against 8 local + 0 shared, the same seeds. Reward curves and each node's held-out accuracy (each model in
 its own process). Needs both cores: the two nodes of a pair run side by side, at one thread each.
 
-    python experiments/sapo.py            # everything not done yet (resumable per node); ~3 CPU-hours
+    python experiments/sapo.py            # everything not done yet (resumable per node); ~3.6 CPU-hours
     python experiments/sapo.py report
 
 No goal of issue 35 is judged here (its goals are the Ray benchmarks'); the comparison is reported paired by
@@ -22,7 +22,7 @@ from study import train_arm, write_atomic, write_with_goals
 
 from sparserl.signals import stoppable
 
-STEPS = 30
+STEPS = 15
 MODES = {"shared": ["rollout.prompts_per_step=4", "distributed.swarm.shared_groups=4"],
          "local": ["rollout.prompts_per_step=8", "distributed.swarm.shared_groups=0"]}  # fmt: skip
 ARMS = {
@@ -31,14 +31,18 @@ ARMS = {
     for node in (0, 1)
 }
 RULES = {
-    "setting": f"experiments/sampling.yaml's task and model, {STEPS} steps, 8 samples a prompt; node 1 runs at "
-    "trainer.seed + 100; per seed and mode the two nodes run side by side on one local Ray (one thread each) "
-    "sharing a pool named after the mode and seed; 'shared': 4 local + 4 drawn groups a step (SAPO's best "
-    "split), 'local': 8 local, nothing drawn (still published)",
-    "held_out": "64 test-split prompts x 16 samples, temperature 1.0, seed 4321, dense; each model in its own process",
+    "setting": f"experiments/sapo.yaml (SmolLM2-135M, LoRA, 1-2 digit sums, 4 samples a prompt), {STEPS} steps; "
+    "node 1 runs at trainer.seed + 100; per seed and mode the two nodes run side by side on one local Ray (one "
+    "thread each) sharing a pool named after the mode and seed; 'shared': 4 local + 4 drawn groups a step (SAPO's "
+    "best split), 'local': 8 local, nothing drawn (still published)",
+    "held_out": "32 test-split prompts x 8 samples, temperature 1.0, seed 4321, dense; each model in its own process",
     "comparison": "per node, paired by seed (df = 2): held-out pass@1 and mean training reward, shared - local, "
     "with the paired 95% t interval; reported, not judged (no target in the issue)",
-    "budget": "under 4 CPU-hours: 12 runs x ~12 CPU-min + 12 evaluations x ~4 CPU-min (estimate)",
+    "budget": f"under 4 CPU-hours: 12 runs x {STEPS} steps x ~65 CPU-s (a step of 8 prompts x 4 samples in "
+    "experiments/reuse.py's runs; a shared node decodes half of them) + 12 evaluations x ~1.5 CPU-min = ~3.6 "
+    "CPU-hours, ~1.8 hours of wall time on both cores. Revised before any run: the first design (experiments/"
+    "sampling.yaml's 1-3 digit sums, 8 samples a prompt, 30 steps, 64 x 16 held-out samples) was estimated at 12 "
+    "CPU-min a run, but a step of it takes ~115 CPU-s (issue 37's runs): ~12 CPU-hours",
 }
 
 
@@ -99,12 +103,14 @@ def goals(runs: dict) -> dict:
 
 EXPERIMENT = Experiment(
     name="sapo",
-    config=Path(__file__).resolve().parent / "sampling.yaml",
+    config=Path(__file__).resolve().parent / "sapo.yaml",
     arms=ARMS,
     rules=RULES,
     goal_targets={},
     curve_keys=("reward/mean", "sampling/swarm_external_groups", "time/step"),
     plot_keys=("reward/mean",),
+    eval_prompts=32,
+    eval_samples=8,
 )
 
 
