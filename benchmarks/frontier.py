@@ -14,6 +14,9 @@ hold at a length is read off one table.
 
     python benchmarks/frontier.py --resume   # ~5 CPU-hours left at one thread (an 8k unit 2.4 CPU-min, budget 256)
     python benchmarks/frontier.py --quick           # tiny model, short lengths: a smoke run, a temp file
+    python benchmarks/frontier.py --resume --parts tail --device cuda   # the units on a GPU (fp32, no TF32)
+
+Each unit records the device it ran on (its metadata); the speed table is always this machine's CPU seconds.
 
 Writes docs/results/sparrow_frontier.json and adds its goals to docs/results/sparrow.json's `goals`.
 `--resume` keeps the finished calibration units (docs/results/sparrow_frontier_units/).
@@ -67,6 +70,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dense-layers", default="0,1", help="block_topk: layers that stay dense")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--resume", action="store_true", help="keep the finished calibration units")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the tail's calibration units run (cpu, cuda); speed is CPU seconds",
+    )
+    ap.add_argument(
+        "--parts", choices=["all", "tail"], default="all",
+        help="tail: measure the calibration units only (e.g. on a GPU), keep them, write no table",
+    )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny model, lengths 400,700, a temp file")
     ap.add_argument("--out", type=Path, default=OUT, help=f"JSON output (default {OUT})")
     args = ap.parse_args(argv)
@@ -151,6 +163,19 @@ def frontier(report: dict, speed: dict[int, dict[str, float]], args: argparse.Na
     return {"rows": rows, "best_schedule": best, "schedule": report["schedule"]}
 
 
+def units_by_device(units: Path) -> dict[str, int]:
+    """How many kept calibration units each device measured (their metadata; units from before it was
+    recorded count as cpu)."""
+    from safetensors import safe_open
+
+    counts: dict[str, int] = {}
+    for path in sorted(units.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            device = (f.metadata() or {}).get("device", "cpu")
+        counts[device] = counts.get(device, 0) + 1
+    return counts
+
+
 def goals(table: dict) -> dict:
     command = "python benchmarks/frontier.py --resume"
     best = table["best_schedule"]
@@ -175,13 +200,17 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok = load_model(args.model)
     low, high, ratio = args.budgets.split(":")
     budgets = budget_grid(int(low), int(high), float(ratio), args.page_size)
-    report, described = tail_table(model, tok, args, budgets)
-    speed = speed_table(model, tok, args, budgets)
+    report, described = tail_table(model.to(args.device), tok, args, budgets)
+    if args.parts == "tail":
+        print(f"calibration units kept in {args.out.with_name(args.out.stem + '_units')}")
+        return report
+    speed = speed_table(model.to("cpu"), tok, args, budgets)
     table = frontier(report, speed, args)
     judged = goals(table)
     out = {"benchmark": "Sparrow frontier: P5 (90% interval) and decode speed-up per block_topk budget x length",
            "command": command_line(), "settings": vars(args) | {"out": str(args.out)}, "budgets": budgets,
            "prompts": described, "cpu_step_s": speed, "frontier": table, "machine": machine_info(),
+           "units_by_device": units_by_device(args.out.with_name(args.out.stem + "_units")),
            "goals": judged}  # fmt: skip
     args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
     if not args.quick:

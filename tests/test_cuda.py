@@ -138,3 +138,27 @@ def test_cuda_block_sparse_prompt_held_once_equals_copies(tiny_cuda):
         out[share] = engine.generate(prompts_of(tok), n=4, max_new_tokens=32, seed=3)
     assert_same_samples(out[True], out[False])
     assert out[True].stats["read_positions_mean"] < out[True].stats["held_positions_mean"]
+
+
+def calibration_unit(model, tok, tmp_path, device: str):
+    """One calibration unit (block_topk, a prompt x 4 samples, exact alpha) on `device`, kept and read back."""
+    from sparserl.eval.calibrate import CalibrationSettings, measure_unit
+    from sparserl.eval.calibrate_store import UnitStore
+
+    s = CalibrationSettings("block_topk", {"page_size": 4, "dense_layers": [0]}, n=4, max_new_tokens=24,
+                            bin_width=16, tau=0.8, ignore_eos=True)  # fmt: skip
+    alpha = measure_unit(model.to(device), tok, prompts_of(tok)[0], s.kv(budget=16), s)
+    store = UnitStore(tmp_path / device, resume=False)
+    store.save("16", 0, alpha, "digest", device)
+    return store.load("16", 0, "digest")
+
+
+def test_cuda_calibration_unit_matches_the_cpu_one(tiny_cuda, tmp_path):
+    """`benchmarks/frontier.py --device cuda`'s units: the same tokens' alpha as on the CPU (float32 without
+    TF32), within the sampler/scorer tolerance, and a unit measured on the GPU is stored and read back."""
+    model, tok = tiny_cuda
+    gpu = calibration_unit(model, tok, tmp_path, "cuda")
+    cpu = calibration_unit(model, tok, tmp_path, "cpu")
+    assert torch.equal(gpu.positions, cpu.positions) and gpu.exact.device.type == "cpu"
+    assert (gpu.exact - cpu.exact).abs().median() < AGREE_TOL
+    assert abs(float(gpu.exact.quantile(0.05)) - float(cpu.exact.quantile(0.05))) < 1e-3

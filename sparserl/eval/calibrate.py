@@ -177,7 +177,7 @@ def _measure_rows(
             if alpha is None:
                 alpha = measure_unit(model, tokenizer, prompt, kv, s)
                 if store is not None:
-                    store.save(label, p, alpha, digest)
+                    store.save(label, p, alpha, digest, next(model.parameters()).device.type)
             parts.append(alpha)
             if progress is not None:
                 progress(len(measured) * len(prompt_ids) + p + 1, total, f"{label}, prompt {p + 1}")

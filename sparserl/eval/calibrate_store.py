@@ -54,8 +54,10 @@ class UnitStore:
         t = load_file(path)
         return TokenAcceptance(t["positions"], t["topk"], t.get("exact"), t["sequences"])
 
-    def save(self, label: str, prompt: int, alpha: TokenAcceptance, digest: str) -> None:
-        write_acceptance(self._path(label, prompt), alpha, {"fingerprint": digest})
+    def save(self, label: str, prompt: int, alpha: TokenAcceptance, digest: str, device: str = "cpu") -> None:
+        """Keep a finished unit with its fingerprint and the device it was measured on (same numbers up to
+        rounding: float32 without TF32 either way)."""
+        write_acceptance(self._path(label, prompt), alpha, {"fingerprint": digest, "device": device})
 
 
 def write_acceptance(path: Path, alpha: TokenAcceptance, metadata: dict[str, str] | None = None) -> None:
@@ -65,5 +67,5 @@ def write_acceptance(path: Path, alpha: TokenAcceptance, metadata: dict[str, str
     if alpha.exact is not None:
         tensors["exact"] = alpha.exact
     tmp = path.with_suffix(".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     tmp.replace(path)
