@@ -6,7 +6,8 @@ the weight-push time, on SmolLM2-135M.
 
 One batch (the default config's task: 8 prompts x 8 samples, 64 new tokens, dense) is decoded by each arm in turn,
 arms alternating, `--repeats` times; wall seconds and generated tokens per second are kept per run, medians and
-ratios reported. The push is timed for the full model in float32 and bfloat16 and for a LoRA adapter (r 16),
+ratios reported. The arm `two_processes` decodes the same batch in two halves in two plain processes side by
+side (no Ray): what two one-thread decoders get from this machine, the ceiling the 2-worker goal meets. The push is timed for the full model in float32 and bfloat16 and for a LoRA adapter (r 16),
 through the object store (the goals); `--pushes` times it through each `distributed.weight_sync` (1 worker,
 median of `--repeats`, each push's CPU seconds of this process beside its wall seconds).
 """
@@ -50,6 +51,53 @@ def time_rollout(trainer, plans) -> dict:
     wall = time.perf_counter() - t0
     tokens = sum(len(s.tokens) for g in got.groups for s in g.samples)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
+
+
+def _half_worker(conn, out: Path) -> None:
+    """A plain process (no Ray) holding its own in-process trainer at one thread: decodes the plans it is sent
+    and answers with its wall seconds and tokens, until sent None."""
+    import torch
+
+    torch.set_num_threads(1)
+    trainer = build(0, False, out)
+    conn.send("ready")
+    while (plans := conn.recv()) is not None:
+        conn.send(time_rollout(trainer, plans))
+    trainer.close()
+
+
+class TwoProcesses:
+    """The control arm for the 2-worker goal: the batch split in two halves (the 2 workers' split, 4 groups
+    each) decoded by two plain processes side by side, so that what the machine itself gives two one-thread
+    decoders is measured apart from what Ray costs."""
+
+    def __init__(self, out: Path) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for _ in range(2):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_half_worker, args=(child, out), daemon=True)
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        for conn in self.pipes:
+            conn.recv()  # built: the model loads are not timed
+
+    def rollout(self, plans) -> dict:
+        half = len(plans) // 2
+        t0 = time.perf_counter()
+        for conn, part in zip(self.pipes, (plans[:half], plans[half:]), strict=True):
+            conn.send(part)
+        tokens = sum(conn.recv()["tokens"] for conn in self.pipes)
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
+
+    def close(self) -> None:
+        for conn, proc in zip(self.pipes, self.procs, strict=True):
+            conn.send(None)
+            proc.join(timeout=60)
 
 
 def time_push(trainer, dtype) -> tuple[float, float]:
@@ -113,11 +161,14 @@ def main() -> dict:
         return {}
     trainers = {arm: build(w, False, args.out) for arm, w in ARMS.items()}
     plans = trainers["in_process"].source.plan(8, 0)
-    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    control = TwoProcesses(args.out)
+    runs: dict[str, list[dict]] = {arm: [] for arm in [*ARMS, "two_processes"]}
     for _ in range(args.repeats):  # arms alternate
         for arm, trainer in trainers.items():
             runs[arm].append(time_rollout(trainer, plans))
+        runs["two_processes"].append(control.rollout(plans))
     med = {arm: statistics.median(r["tokens_per_s"] for r in rs) for arm, rs in runs.items()}
+    control.close()
     for t in trainers.values():
         t.close()
     pushes = push_times(args.out, "object_store", 3)
@@ -135,6 +186,7 @@ def main() -> dict:
             "command": COMMAND},
     }  # fmt: skip
     result = {"tokens_per_s_median": med, "runs": runs, "push_s": pushes, "cpu_threads": 1,
+              "two_processes_vs_in_process": med["two_processes"] / med["in_process"],
               "batch": "8 prompts x 8 samples, 64 new tokens, dense, SmolLM2-135M fp32"}  # fmt: skip
     update_result(OUT, "throughput", result, goals)
     print(json.dumps({"goals": goals, **result}, indent=1))
