@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--parts", choices=["all", "tail"], default="all",
-        help="tail: measure the calibration units only (e.g. on a GPU), keep them, write no table",
+        help="tail: measure the calibration units only (e.g. on a GPU), keep them (resuming), write no table",
     )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny model, lengths 400,700, a temp file")
     ap.add_argument("--out", type=Path, default=OUT, help=f"JSON output (default {OUT})")
@@ -164,8 +164,8 @@ def frontier(report: dict, speed: dict[int, dict[str, float]], args: argparse.Na
 
 
 def units_by_device(units: Path) -> dict[str, int]:
-    """How many kept calibration units each device measured (their metadata; units from before it was
-    recorded count as cpu)."""
+    """How many unit files the store holds per device that measured them (their metadata; units from before
+    it was recorded count as cpu)."""
     from safetensors import safe_open
 
     counts: dict[str, int] = {}
@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 on a GPU too: the units compare with CPU ones
+    if args.parts == "tail":
+        args.resume = True  # a tail-only run adds units, never clears those measured elsewhere
     model, tok = load_model(args.model)
     low, high, ratio = args.budgets.split(":")
     budgets = budget_grid(int(low), int(high), float(ratio), args.page_size)

@@ -7,14 +7,16 @@ the weight-push time, on SmolLM2-135M.
 One batch (the default config's task: 8 prompts x 8 samples, 64 new tokens, dense) is decoded by each arm in turn,
 arms alternating, `--repeats` times; wall seconds and generated tokens per second are kept per run, medians and
 ratios reported. The arm `two_processes` decodes the same batch in two halves in two plain processes side by
-side (no Ray): what two one-thread decoders get from this machine, the ceiling the 2-worker goal meets. The push is timed for the full model in float32 and bfloat16 and for a LoRA adapter (r 16),
-through the object store (the goals); `--pushes` times it through each `distributed.weight_sync` (1 worker,
+side (no Ray): what two one-thread decoders get from this machine, the ceiling the 2-worker goal meets. The
+push is timed for the full model in float32 and bfloat16 and for a LoRA adapter (r 16), through the object
+store (the goals); `--pushes` times it through each `distributed.weight_sync` (1 worker,
 median of `--repeats`, each push's CPU seconds of this process beside its wall seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -80,24 +82,39 @@ class TwoProcesses:
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_half_worker, args=(child, out), daemon=True)
             proc.start()
+            child.close()  # the child's end lives in the child only: its death reads as EOF here
             self.pipes.append(parent)
             self.procs.append(proc)
-        for conn in self.pipes:
-            conn.recv()  # built: the model loads are not timed
+        for conn, proc in zip(self.pipes, self.procs, strict=True):
+            self._receive(conn, proc)  # built: the model loads are not timed
+
+    @staticmethod
+    def _receive(conn, proc, timeout_s: float = 600.0):
+        """The child's answer, or an error naming it when it died or went silent for `timeout_s`."""
+        waited = 0.0
+        while not conn.poll(5.0):
+            waited += 5.0
+            if not proc.is_alive() or waited >= timeout_s:
+                raise RuntimeError(f"two_processes: decoder process {proc.pid} died or did not answer")
+        return conn.recv()
 
     def rollout(self, plans) -> dict:
         half = len(plans) // 2
         t0 = time.perf_counter()
         for conn, part in zip(self.pipes, (plans[:half], plans[half:]), strict=True):
             conn.send(part)
-        tokens = sum(conn.recv()["tokens"] for conn in self.pipes)
+        answers = [self._receive(conn, proc) for conn, proc in zip(self.pipes, self.procs, strict=True)]
         wall = time.perf_counter() - t0
+        tokens = sum(a["tokens"] for a in answers)
         return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall}
 
     def close(self) -> None:
         for conn, proc in zip(self.pipes, self.procs, strict=True):
-            conn.send(None)
+            with contextlib.suppress(OSError):
+                conn.send(None)
             proc.join(timeout=60)
+            if proc.is_alive():
+                proc.terminate()
 
 
 def time_push(trainer, dtype) -> tuple[float, float]:
@@ -163,12 +180,14 @@ def main() -> dict:
     plans = trainers["in_process"].source.plan(8, 0)
     control = TwoProcesses(args.out)
     runs: dict[str, list[dict]] = {arm: [] for arm in [*ARMS, "two_processes"]}
-    for _ in range(args.repeats):  # arms alternate
-        for arm, trainer in trainers.items():
-            runs[arm].append(time_rollout(trainer, plans))
-        runs["two_processes"].append(control.rollout(plans))
+    try:
+        for _ in range(args.repeats):  # arms alternate
+            for arm, trainer in trainers.items():
+                runs[arm].append(time_rollout(trainer, plans))
+            runs["two_processes"].append(control.rollout(plans))
+    finally:
+        control.close()
     med = {arm: statistics.median(r["tokens_per_s"] for r in rs) for arm, rs in runs.items()}
-    control.close()
     for t in trainers.values():
         t.close()
     pushes = push_times(args.out, "object_store", 3)
@@ -187,6 +206,7 @@ def main() -> dict:
     }  # fmt: skip
     result = {"tokens_per_s_median": med, "runs": runs, "push_s": pushes, "cpu_threads": 1,
               "two_processes_vs_in_process": med["two_processes"] / med["in_process"],
+              "ray_2_workers_vs_two_processes": med["ray_2_workers"] / med["two_processes"],
               "batch": "8 prompts x 8 samples, 64 new tokens, dense, SmolLM2-135M fp32"}  # fmt: skip
     update_result(OUT, "throughput", result, goals)
     print(json.dumps({"goals": goals, **result}, indent=1))

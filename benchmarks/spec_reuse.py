@@ -129,7 +129,7 @@ def cost(seeds: int, out: Path) -> dict:
     step2 = {spec: [a["steps"][1] for a in arms if a["spec"] == spec] for spec in (False, True)}
     medians = {
         ("spec" if spec else "plain"): {
-            k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "step"
+            k: statistics.median(r[k] for r in rows) for k in set.intersection(*map(set, rows)) - {"step"}
         }
         for spec, rows in step2.items()
     }

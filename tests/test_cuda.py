@@ -160,5 +160,7 @@ def test_cuda_calibration_unit_matches_the_cpu_one(tiny_cuda, tmp_path):
     gpu = calibration_unit(model, tok, tmp_path, "cuda")
     cpu = calibration_unit(model, tok, tmp_path, "cpu")
     assert torch.equal(gpu.positions, cpu.positions) and gpu.exact.device.type == "cpu"
+    # a sample may draw another token at a rounding boundary and go on from another prefix: the median
+    # difference is robust to a few such tokens, the P5 (what a unit is for) to more
     assert (gpu.exact - cpu.exact).abs().median() < AGREE_TOL
     assert abs(float(gpu.exact.quantile(0.05)) - float(cpu.exact.quantile(0.05))) < 1e-3

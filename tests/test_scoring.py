@@ -54,6 +54,9 @@ def test_micro_batches_count_a_shared_prompt_once():
     # the prompt KV repeated to the rows is bounded: 5 rows x 100 positions / SHARED_KV_PER_TOKEN (4) <= 128
     many = list(micro_batches([list(range(100))] * 64, [[7] * 5] * 64, token_budget=128))
     assert max(len(c) for c in many) == 5 and sorted(i for c in many for i in c) == list(range(64))
+    # every row's completion is padded to the chunk's longest (its logits): a long one is counted for all rows
+    mixed = list(micro_batches([list(range(100))] * 8 + [list(range(10))], [[7] * 10] * 8 + [[7] * 100], 256))
+    assert all(len(c) * 101 <= 256 for c in mixed if 8 in c)
 
 
 def test_score_runs_a_long_shared_prompt_once():

@@ -17,9 +17,10 @@ from torch import Tensor, nn
 from transformers import PreTrainedTokenizerBase
 
 from sparserl.algo.acceptance import AcceptanceBin, acceptance_by_bin, acceptance_exact, acceptance_topk
+from sparserl.engine.decoder import causal_lm
 from sparserl.engine.kv_config import KVConfig
 from sparserl.engine.rollout import RolloutEngine, Sample
-from sparserl.engine.scoring import micro_batches, score_distributions, shares_prompts
+from sparserl.engine.scoring import layers_sharded, micro_batches, score_distributions
 
 
 @dataclass
@@ -71,7 +72,7 @@ def rollout_acceptance(
 ) -> TokenAcceptance:
     """alpha of every token of `samples` (generated with `top_logprobs`, and `full_logprobs` for the exact value;
     `prompt_ids[i]` is sample i's prompt) against the dense policy `model` scored on the same prefixes with the
-    same sampling settings. The dense side is computed and dropped `token_budget` padded tokens at a time, so its
+    same sampling settings. The dense side is computed and dropped `token_budget` tokens at a time, so its
     full distributions never all sit in memory at once."""
     if len(prompt_ids) != len(samples):
         raise ValueError(f"rollout_acceptance: {len(prompt_ids)} prompts but {len(samples)} samples")
@@ -85,7 +86,8 @@ def rollout_acceptance(
     exact = all(s.distributions.full_logprobs is not None for s in samples)
     completions = [s.completion_ids for s in samples]
     positions, topk, full, sequences = [], [], [], []
-    for chunk in micro_batches(prompt_ids, completions, token_budget, shares_prompts(model)):
+    shared = not layers_sharded(causal_lm(model))  # the scorer runs without grad in eval mode: it shares
+    for chunk in micro_batches(prompt_ids, completions, token_budget, shared):
         dense = score_distributions(
             model, [prompt_ids[i] for i in chunk], [completions[i] for i in chunk],
             temperature, top_p, top_k, top_logprobs=k, full_logprobs=exact, token_budget=token_budget,

@@ -264,12 +264,12 @@ class _ChunkCost:
 
     def with_row(self, prompt: Sequence[int], completion: Sequence[int]) -> int:
         """The chunk's tokens were this row added to it."""
-        groups = self._grown(prompt, completion)
-        if not self.shared_prompts or all(rows == 1 for rows, _ in groups.values()):
-            return (self.rows + 1) * max(self.widest, len(prompt) + len(completion))  # whole rows, padded
+        groups, rows = self._grown(prompt, completion), self.rows + 1
+        if not self.shared_prompts or all(n == 1 or len(p) < 2 for p, (n, _) in groups.items()):
+            return rows * max(self.widest, len(prompt) + len(completion))  # whole rows, padded
         prompt_pass = max(len(p) - 1 for p in groups)  # each group's prompt runs alone, one after another
-        completions = sum(rows * (1 + longest) for rows, longest in groups.values())  # their logits stay
-        copies = sum(rows * len(p) for p, (rows, _) in groups.items())  # the prompt KV the cache repeats
+        completions = rows * (1 + max(longest for _, longest in groups.values()))  # all padded alike: logits
+        copies = sum(n * len(p) for p, (n, _) in groups.items())  # the prompt KV repeated (held to the end)
         return max(prompt_pass, completions, copies // SHARED_KV_PER_TOKEN)
 
 
@@ -281,7 +281,8 @@ def score(
     temperature: float = 1.0,
     token_budget: int = 8192,
 ) -> list[Tensor]:
-    """Per-token log-probs (float32, CPU) of each completion, micro-batched to `token_budget` padded tokens."""
+    """Per-token log-probs (float32, CPU) of each completion, micro-batched to `token_budget` tokens
+    (`micro_batches`)."""
     out: list[Tensor | None] = [None] * len(prompt_ids)
     with module_mode(model, training=False):  # dropout off while scoring
         for chunk in micro_batches(prompt_ids, completion_ids, token_budget, shares_prompts(model)):
@@ -308,7 +309,7 @@ def score_distributions(
     """The dense policy's next-token distribution at every position of each completion (the prefix the sampler
     saw for that token), processed like the sampler's (temperature, top-k, top-p; `sampling.processed_logprobs`):
     its `top_logprobs` most likely ids and log-probs [T, k], and all log-probs [T, V] with `full_logprobs`
-    (4 bytes x V per token). Micro-batched to `token_budget` padded tokens."""
+    (4 bytes x V per token). Micro-batched to `token_budget` tokens (`micro_batches`)."""
     check_distribution_request(top_logprobs, causal_lm(model).lm_head.out_features, "score_distributions")
     out: list[TokenDistributions | None] = [None] * len(prompt_ids)
     with module_mode(model, training=False):  # dropout off while scoring

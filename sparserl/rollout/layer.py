@@ -286,17 +286,20 @@ def _staleness(groups: list[GroupRecord], version: int) -> dict[str, float]:
 
 def spec_metrics(c: dict[str, float], generated: float, rounds_s: float, score_s: float) -> dict[str, float]:
     """SPEC-RL's step (logged under sampling/): acceptance, reused tokens, verification seconds, and
-    `spec_saved_s`, an estimate of the rollout seconds it saved: the reused tokens at this step's seconds per
-    generated token (the rounds' time but the verification's, over the tokens drawn), less the verification
-    and the scoring for the cache (negative when they cost more than decoding the reused tokens would have)."""
-    per_token = (rounds_s - c["spec_verify_s"]) / generated if generated else 0.0
-    return {
+    `spec_saved_s`, a rough estimate of the rollout seconds it saved: the reused tokens at this step's seconds
+    per drawn token (the rounds' time but the verification's, prefill and planning included, over the tokens
+    drawn), less the verification and the scoring for the cache; negative when they cost more than decoding
+    the reused tokens would have, absent when nothing was drawn (no rate to price the reused tokens at)."""
+    out = {
         "spec_accepted_frac": c["spec_accepted_tokens"] / max(1, c["spec_draft_tokens"]),
-        "spec_whole_frac": c["spec_whole_drafts"] / c["spec_drafts"],
+        "spec_whole_frac": c["spec_whole_drafts"] / max(1, c["spec_drafts"]),
         "spec_reused_tokens": float(c["spec_accepted_tokens"]),
         "spec_verify_s": c["spec_verify_s"],
-        "spec_saved_s": c["spec_accepted_tokens"] * per_token - c["spec_verify_s"] - score_s,
     }
+    if generated:
+        per_token = (rounds_s - c["spec_verify_s"]) / generated
+        out["spec_saved_s"] = c["spec_accepted_tokens"] * per_token - c["spec_verify_s"] - score_s
+    return out
 
 
 def round_metrics(
