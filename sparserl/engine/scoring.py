@@ -225,14 +225,10 @@ def micro_batches(
     order = sorted(range(len(width)), key=width.__getitem__)
     start = 0
     while start < len(order):
-        cost = _ChunkCost(shared_prompts)
-        cost.add(prompt_ids[order[start]], completion_ids[order[start]])
-        end = start + 1
-        while (
-            end < len(order)
-            and cost.with_row(prompt_ids[order[end]], completion_ids[order[end]]) <= token_budget
+        cost, end = _ChunkCost(shared_prompts), start
+        while end < len(order) and cost.admits(
+            prompt_ids[order[end]], completion_ids[order[end]], token_budget
         ):
-            cost.add(prompt_ids[order[end]], completion_ids[order[end]])
             end += 1
         yield order[start:end]
         start = end
@@ -252,21 +248,19 @@ class _ChunkCost:
         self.groups: dict[tuple[int, ...], tuple[int, int]] = {}  # prompt -> (rows, longest completion)
         self.rows, self.widest = 0, 0
 
-    def _grown(
-        self, prompt: Sequence[int], completion: Sequence[int]
-    ) -> dict[tuple[int, ...], tuple[int, int]]:
-        rows, longest = self.groups.get(tuple(prompt), (0, 0))
-        return {**self.groups, tuple(prompt): (rows + 1, max(longest, len(completion)))}
+    def admits(self, prompt: Sequence[int], completion: Sequence[int], budget: int) -> bool:
+        """Add the row if the chunk's tokens stay within `budget` with it (a chunk's first row always)."""
+        n, longest = self.groups.get(tuple(prompt), (0, 0))
+        groups = {**self.groups, tuple(prompt): (n + 1, max(longest, len(completion)))}
+        rows, widest = self.rows + 1, max(self.widest, len(prompt) + len(completion))
+        if self.rows and self._tokens(groups, rows, widest) > budget:
+            return False
+        self.groups, self.rows, self.widest = groups, rows, widest
+        return True
 
-    def add(self, prompt: Sequence[int], completion: Sequence[int]) -> None:
-        self.groups = self._grown(prompt, completion)
-        self.rows, self.widest = self.rows + 1, max(self.widest, len(prompt) + len(completion))
-
-    def with_row(self, prompt: Sequence[int], completion: Sequence[int]) -> int:
-        """The chunk's tokens were this row added to it."""
-        groups, rows = self._grown(prompt, completion), self.rows + 1
+    def _tokens(self, groups: dict[tuple[int, ...], tuple[int, int]], rows: int, widest: int) -> int:
         if not self.shared_prompts or all(n == 1 or len(p) < 2 for p, (n, _) in groups.items()):
-            return rows * max(self.widest, len(prompt) + len(completion))  # whole rows, padded
+            return rows * widest  # whole rows, padded
         prompt_pass = max(len(p) - 1 for p in groups)  # each group's prompt runs alone, one after another
         completions = rows * (1 + max(longest for _, longest in groups.values()))  # all padded alike: logits
         copies = sum(n * len(p) for p, (n, _) in groups.items())  # the prompt KV repeated (held to the end)
