@@ -91,6 +91,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def units_dir(args: argparse.Namespace) -> Path:
+    """Where the calibration units are kept: beside the JSON output (<stem>_units/)."""
+    return args.out.with_name(args.out.stem + "_units")
+
+
 def dense_layers(args: argparse.Namespace) -> list[int]:
     return [int(x) for x in args.dense_layers.split(",") if x.strip()]
 
@@ -107,8 +112,7 @@ def tail_table(model, tok, args: argparse.Namespace, budgets: list[int]) -> tupl
     kv_options = {"page_size": args.page_size, "dense_layers": dense_layers(args)}
     s = CalibrationSettings("block_topk", kv_options, n=args.n, max_new_tokens=args.new_tokens,
                             bin_width=args.bin_width, tau=args.tau, ignore_eos=True)  # fmt: skip
-    units = args.out.with_name(args.out.stem + "_units")
-    report = calibrate(model, tok, prompts, budgets, s, store_dir=units, resume=args.resume)
+    report = calibrate(model, tok, prompts, budgets, s, store_dir=units_dir(args), resume=args.resume)
     return report, described
 
 
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     budgets = budget_grid(int(low), int(high), float(ratio), args.page_size)
     report, described = tail_table(model.to(args.device), tok, args, budgets)
     if args.parts == "tail":
-        print(f"calibration units kept in {args.out.with_name(args.out.stem + '_units')}")
+        print(f"calibration units kept in {units_dir(args)}")
         return report
     speed = speed_table(model.to("cpu"), tok, args, budgets)
     table = frontier(report, speed, args)
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"benchmark": "Sparrow frontier: P5 (90% interval) and decode speed-up per block_topk budget x length",
            "command": command_line(), "settings": vars(args) | {"out": str(args.out)}, "budgets": budgets,
            "prompts": described, "cpu_step_s": speed, "frontier": table, "machine": machine_info(),
-           "units_by_device": units_by_device(args.out.with_name(args.out.stem + "_units")),
+           "units_by_device": units_by_device(units_dir(args)),
            "goals": judged}  # fmt: skip
     args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
     if not args.quick:

@@ -81,6 +81,14 @@ def write_rules(x: Experiment) -> None:
                      {**goals, **old.get("goals", {})})  # fmt: skip
 
 
+def write_comparison(x: Experiment, comparison: dict) -> None:
+    """A comparison the experiment reports without judging, beside its parts (docs/results/<name>/
+    comparison.json, printed too); its `goals` mapping is empty: the experiment's goals are in <name>.json."""
+    out = {"judged_in": str(x.results.relative_to(ROOT)), "comparison": comparison}
+    write_with_goals(x.results_root / x.name / "comparison.json", out, {})
+    print(json.dumps(comparison, indent=1))
+
+
 def run_names(x: Experiment, only: list[str] | None = None) -> list[tuple[str, int]]:
     """The (arm, seed) runs to train, in order: every one (seed by seed), or those `only` names
     ("arm-seedN"), in the order given."""

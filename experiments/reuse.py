@@ -11,13 +11,11 @@ The decision rules are in docs/results/reuse.json (with the goals the benchmarks
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from arms import Experiment, main, paired
-from study import write_atomic
+from arms import Experiment, main, paired, write_comparison
 
 from sparserl.signals import stoppable
 
@@ -51,9 +49,14 @@ def later_epochs_time(entry: dict) -> float:
     return sum(entry["curves"]["time/rollout"][STEPS_PER_EPOCH:])
 
 
+def paired_runs(runs: dict, arm: str) -> list[tuple[dict, dict]]:
+    """(the arm's run, GRPO's) for every seed where both finished."""
+    pairs = [(runs.get(f"{arm}-seed{s}"), runs.get(f"grpo-seed{s}")) for s in EXPERIMENT.seeds]
+    return [(a, g) for a, g in pairs if a and g]
+
+
 def goals(runs: dict) -> dict:
-    pairs = [(runs.get(f"spec-seed{s}"), runs.get(f"grpo-seed{s}")) for s in EXPERIMENT.seeds]
-    pairs = [(a, g) for a, g in pairs if a and g]
+    pairs = paired_runs(runs, "spec")
     base = {"command": EXPERIMENT.command, "seeds": len(pairs)}
     if not pairs:
         unmeasured = {"value": None, "met": False, "reason": "not run yet", **base}
@@ -79,8 +82,7 @@ def comparison(runs: dict) -> dict:
     of rollout seconds over epochs 2-6 (GRPO's / the arm's)."""
     out = {}
     for arm in ("spec", "tree"):
-        pairs = [(runs.get(f"{arm}-seed{s}"), runs.get(f"grpo-seed{s}")) for s in EXPERIMENT.seeds]
-        pairs = [(a, g) for a, g in pairs if a and g]
+        pairs = paired_runs(runs, arm)
         held = [a["eval_mean"] - g["eval_mean"] for a, g in pairs if "eval_mean" in a and "eval_mean" in g]
         if held:
             out[f"{arm} - grpo: held-out mean@8"] = paired(held)
@@ -93,9 +95,7 @@ def comparison(runs: dict) -> dict:
 
 def judged_and_compared(runs: dict) -> dict:
     """The goals; the comparison is written beside the runs (docs/results/reuse/comparison.json)."""
-    comp = comparison(runs)
-    write_atomic(EXPERIMENT.results_root / "reuse" / "comparison.json", json.dumps(comp, indent=1) + "\n")
-    print(json.dumps(comp, indent=1))
+    write_comparison(EXPERIMENT, comparison(runs))
     return goals(runs)
 
 

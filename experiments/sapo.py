@@ -12,13 +12,12 @@ seed, with the rules written in docs/results/sapo.json before any run.
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from arms import Experiment, curves_of, evaluate_run, main, paired, part_goals
-from study import train_arm, write_atomic, write_with_goals
+from arms import Experiment, curves_of, evaluate_run, main, paired, part_goals, write_comparison
+from study import train_arm, write_with_goals
 
 from sparserl.signals import stoppable
 
@@ -95,9 +94,7 @@ def comparison(runs: dict) -> dict:
 def goals(runs: dict) -> dict:
     """None judged; the comparison is written beside the runs."""
     comp = comparison(runs)
-    path = EXPERIMENT.results_root / "sapo" / "comparison.json"
-    write_atomic(path, json.dumps(comp, indent=1) + "\n")
-    print(json.dumps(comp, indent=1))
+    write_comparison(EXPERIMENT, comp)
     return {}
 
 
