@@ -12,6 +12,7 @@ seed, with the rules written in docs/results/sapo.json before any run.
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,7 @@ from study import train_arm, write_with_goals
 from sparserl.signals import stoppable
 
 STEPS = 15
+RAY_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "ray.json"
 MODES = {"shared": ["rollout.prompts_per_step=4", "distributed.swarm.shared_groups=4"],
          "local": ["rollout.prompts_per_step=8", "distributed.swarm.shared_groups=0"]}  # fmt: skip
 ARMS = {
@@ -92,10 +94,27 @@ def comparison(runs: dict) -> dict:
 
 
 def goals(runs: dict) -> dict:
-    """None judged; the comparison is written beside the runs."""
+    """None judged; the comparison is written beside the runs and, with each arm's means, into ray.json (the
+    issue's results file, whose goals are the Ray benchmarks')."""
     comp = comparison(runs)
     write_comparison(EXPERIMENT, comp)
+    ray = json.loads(RAY_RESULTS.read_text()) if RAY_RESULTS.is_file() else {"goals": {}}
+    ray["sapo"] = {"results": "docs/results/sapo.json", "means": arm_means(runs), "comparison": comp}
+    write_with_goals(RAY_RESULTS, ray, ray.get("goals", {}))
     return {}
+
+
+def arm_means(runs: dict) -> dict:
+    """Per arm, the mean over its evaluated seeds of held-out pass@1 and mean training reward."""
+    out = {}
+    for arm in ARMS:
+        for key in ("pass@1", "reward/mean"):
+            vals = [
+                runs[f"{arm}-seed{s}"][key] for s in EXPERIMENT.seeds if key in runs.get(f"{arm}-seed{s}", {})
+            ]
+            if vals:
+                out.setdefault(arm, {})[key] = sum(vals) / len(vals)
+    return out
 
 
 EXPERIMENT = Experiment(

@@ -3,6 +3,7 @@ comparisons and goals follow the rules written before the runs."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -39,3 +40,22 @@ def test_reuse_goals_follow_their_rules():
     assert speed["value"] == pytest.approx(2.0) and speed["met"]
     assert quality["gap"] == pytest.approx(abs(0.4633333 - 0.45), abs=1e-6) and quality["met"]
     assert reuse.goals({})[reuse.SPEED]["met"] is False
+
+
+def test_sapo_report_adds_its_section_to_ray_json(tmp_path, monkeypatch):
+    """The SAPO section lands in the issue's results file beside the Ray benchmarks' sections and goals, with
+    each arm's means over the seeds it was evaluated on."""
+    ray = tmp_path / "ray.json"
+    ray.write_text('{"goals": {"push": {"met": true}}, "pushes": {"fp32": 1.0}}')
+    monkeypatch.setattr(sapo, "RAY_RESULTS", ray)
+    monkeypatch.setattr(sapo, "write_comparison", lambda x, comp: None)  # not the committed comparison
+    runs = {
+        f"{arm}-seed{s}": {"pass@1": 0.1 * (s + 1), "reward/mean": 0.5} for arm in sapo.ARMS for s in (0, 1)
+    }
+    runs["local_node0-seed2"] = {"pass@1": 0.6}  # an arm evaluated on one more seed, without training reward
+    assert sapo.goals(runs) == {}
+    got = json.loads(ray.read_text())
+    assert got["goals"] == {"push": {"met": True}} and got["pushes"] == {"fp32": 1.0}
+    assert got["sapo"]["means"]["local_node0"]["pass@1"] == pytest.approx(0.3)  # (0.1 + 0.2 + 0.6) / 3
+    assert got["sapo"]["means"]["local_node0"]["reward/mean"] == pytest.approx(0.5)
+    assert got["sapo"]["comparison"]["node1 pass@1: shared - local"]["mean"] == pytest.approx(0.0)
