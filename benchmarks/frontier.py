@@ -12,7 +12,7 @@ hold at a length is read off one table.
 - **The best schedule**: per bin the smallest budget whose P5 lower bound is >= `--tau` (calibrate's rule), and
   its speed-up over dense at each length (dense CPU s per step / the chosen budget's).
 
-    python benchmarks/frontier.py --resume   # ~5 CPU-hours left at one thread (159 units ~4, speed table ~1)
+    python benchmarks/frontier.py --resume   # ~3.5 CPU-hours left at one thread (98 units ~2.5, speed table ~1)
     python benchmarks/frontier.py --quick           # tiny model, short lengths: a smoke run, a temp file
     python benchmarks/frontier.py --resume --parts tail --device cuda   # the units on a GPU (fp32, no TF32)
 
