@@ -12,18 +12,20 @@ seed, with the rules written in docs/results/sapo.json before any run.
 
 from __future__ import annotations
 
-import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from arms import Experiment, curves_of, evaluate_run, main, paired, part_goals, write_comparison
+from arms import ROOT, Experiment, curves_of, evaluate_run, main, paired, part_goals, write_comparison
 from study import train_arm, write_with_goals
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import update_result  # noqa: E402  (ray.json's sections are merged as its benchmarks merge them)
 
 from sparserl.signals import stoppable
 
 STEPS = 15
-RAY_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "ray.json"
+RAY_RESULTS = ROOT / "docs" / "results" / "ray.json"
 MODES = {"shared": ["rollout.prompts_per_step=4", "distributed.swarm.shared_groups=4"],
          "local": ["rollout.prompts_per_step=8", "distributed.swarm.shared_groups=0"]}  # fmt: skip
 ARMS = {
@@ -98,9 +100,8 @@ def goals(runs: dict) -> dict:
     issue's results file, whose goals are the Ray benchmarks')."""
     comp = comparison(runs)
     write_comparison(EXPERIMENT, comp)
-    ray = json.loads(RAY_RESULTS.read_text()) if RAY_RESULTS.is_file() else {"goals": {}}
-    ray["sapo"] = {"results": "docs/results/sapo.json", "means": arm_means(runs), "comparison": comp}
-    write_with_goals(RAY_RESULTS, ray, ray.get("goals", {}))
+    section = {"results": "docs/results/sapo.json", "means": arm_means(runs), "comparison": comp}
+    update_result(RAY_RESULTS, "sapo", section, {})
     return {}
 
 
