@@ -10,6 +10,7 @@ copy of the cache), and new rows are appended into storage reserved beyond the l
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -81,6 +82,14 @@ class KVCache:
         tensors += [t for per_layer in self.extras.values() for t in per_layer]
         for t in [*tensors, *self.row_state.values()]:
             torch._dynamo.mark_static_address(t, guard=False)
+
+    def clone(self) -> KVCache:
+        """An independent copy (every stored tensor cloned): how a kept prefill is handed out again."""
+        twin = copy.copy(self)
+        twin._store = {name: t.clone() for name, t in self._store.items()}
+        twin.paged_state = dict(self.paged_state)
+        twin._views()
+        return twin
 
     @property
     def rows(self) -> int:

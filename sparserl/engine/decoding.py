@@ -282,13 +282,9 @@ class DecodeRun:
     def _prefill(self, inputs: list[list[int]]) -> tuple[KVCache, Tensor, Tensor]:
         """Distinct inputs prefilled densely into a small cache, cut to the budget by an evicting method (events:
         1 where cut) and summarised for block-sparse reads; returns the cache, next-token logits and events."""
-        engine, dev, dec = self.engine, self.cache.length.device, self.engine.decoder
+        engine, dev = self.engine, self.cache.length.device
         lengths = torch.tensor([len(p) for p in inputs], device=dev)
-        tmp = KVCache(
-            dec.num_layers, len(inputs), dec.num_kv_heads, dec.num_heads, dec.head_dim, int(lengths.max()),
-            engine.kv.window, dec.dtype, dev, extras=self.cache._extra_names,
-        )  # fmt: skip
-        logits = engine._prefill(inputs, lengths, tmp)
+        tmp, logits = engine.prefilled(inputs, lengths, self.cache._extra_names)
         events = torch.zeros(len(inputs), dtype=torch.long, device=dev)
         if engine.evictor is not None:
             c0 = time.perf_counter()

@@ -22,6 +22,7 @@ from sparserl.engine.evicting_prefix import EvictingPrefixCache
 from sparserl.engine.kv_config import KVConfig
 from sparserl.engine.module_mode import module_mode
 from sparserl.engine.padding import right_pad
+from sparserl.engine.prefill_reuse import reused
 from sparserl.engine.sampling import DistributionRecorder, TokenDistributions, check_distribution_request
 from sparserl.engine.sparse_attention import make_sparse_attention
 
@@ -339,6 +340,21 @@ class RolloutEngine:
                     yield
             finally:
                 self.decoder.release()
+
+    def prefilled(
+        self, inputs: list[list[int]], lengths: Tensor, extras: tuple[str, ...]
+    ) -> tuple[KVCache, Tensor]:
+        """A small cache of `inputs` prefilled densely (before any cut or page summary), and their next-token
+        logits: the same under every budget of a method, so a calibration's candidates reuse it (prefill_reuse)."""
+        dec, dev = self.decoder, lengths.device
+
+        def dense() -> tuple[KVCache, Tensor]:
+            tmp = KVCache(dec.num_layers, len(inputs), dec.num_kv_heads, dec.num_heads, dec.head_dim,
+                          int(lengths.max()), self.kv.window, dec.dtype, dev, extras=extras)  # fmt: skip
+            return tmp, self._prefill(inputs, lengths, tmp)
+
+        key = ("decode", id(self.model), dec.dtype, dev, self.kv.method, self.kv.window, *map(tuple, inputs))
+        return reused(key, dense, lambda kept: (kept[0].clone(), kept[1].clone()))
 
     def _prefill(self, prompt_ids, prompt_len: Tensor, cache: KVCache) -> Tensor:
         """Dense forward over the right-padded prompts, filling the cache; returns next-token logits [P, V]."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator, Sequence
+from copy import deepcopy
 
 import torch
 from torch import Tensor, nn
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 from sparserl.engine.decoder import causal_lm
 from sparserl.engine.module_mode import module_mode
 from sparserl.engine.padding import right_pad
+from sparserl.engine.prefill_reuse import reused
 from sparserl.engine.sampling import (
     TokenDistributions,
     check_distribution_request,
@@ -118,7 +120,11 @@ def _shared_prompt_hidden(lm, prompt: list[int], completions, t_c: int, device) 
         return _hidden_at_completions(lm, [prompt] * len(completions), completions, t_c, device)
     head = torch.tensor([prompt[:-1]], dtype=torch.long, device=device)
     name = _cache_name(lm.model)
-    past = getattr(lm.model(input_ids=head, use_cache=True), name)
+    past = reused(  # without grad, the same for every call on this prompt: a calibration's budgets reuse it
+        ("score", id(lm), tuple(prompt)),
+        lambda: getattr(lm.model(input_ids=head, use_cache=True), name),
+        deepcopy,
+    )
     past.batch_repeat_interleave(len(completions))
     ids, attn = right_padded([[prompt[-1], *c] for c in completions], device)
     attn = torch.cat([attn.new_ones(len(completions), head.shape[1]), attn], dim=1)

@@ -27,6 +27,7 @@ from sparserl.algo.acceptance import (
 )
 from sparserl.engine.acceptance import TokenAcceptance, measure_acceptance
 from sparserl.engine.kv_config import KV_METHODS, KVConfig
+from sparserl.engine.prefill_reuse import reusing_prefills
 from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
 from sparserl.eval.calibrate_store import UnitStore, fingerprint
@@ -165,24 +166,33 @@ def _measure_rows(
     resume: bool,
 ) -> list[dict[str, Any]]:
     """The table's rows: per (label, KV policy), its bins padded to the longest row, and the wall time spent
-    measuring it in this process. With `store_dir`, every finished (policy, prompt) unit is kept there and, with
-    `resume`, units already there are read instead of measured again."""
+    measuring it in this process. Prompt by prompt: a prompt's units share its prefills (engine/prefill_reuse.py;
+    their time is charged to the first row that measures the prompt). With `store_dir`, every finished (policy,
+    prompt) unit is kept there and, with `resume`, units already there are read instead of measured again."""
     store = UnitStore(store_dir, resume) if store_dir is not None else None
-    measured, total = [], len(rows) * len(prompt_ids)
-    for label, kv in rows:
-        t0, parts = time.perf_counter(), []
-        for p, prompt in enumerate(prompt_ids):
-            digest = fingerprint(asdict(s), label, asdict(kv), list(prompt))
-            alpha = store.load(label, p, digest) if store is not None else None
-            if alpha is None:
-                alpha = measure_unit(model, tokenizer, prompt, kv, s)
-                if store is not None:
-                    store.save(label, p, alpha, digest, next(model.parameters()).device.type)
-            parts.append(alpha)
-            if progress is not None:
-                progress(len(measured) * len(prompt_ids) + p + 1, total, f"{label}, prompt {p + 1}")
-        bins = TokenAcceptance.concatenated(parts).binned(s.bin_width, s.tau, s.resamples)[s.estimate]
-        measured.append((label, kv, bins, time.perf_counter() - t0))
+    parts: dict[str, list[TokenAcceptance]] = {label: [] for label, _ in rows}
+    wall = dict.fromkeys(parts, 0.0)
+    done, total = 0, len(rows) * len(prompt_ids)
+    for p, prompt in enumerate(prompt_ids):
+        with reusing_prefills():
+            for label, kv in rows:
+                t0 = time.perf_counter()
+                digest = fingerprint(asdict(s), label, asdict(kv), list(prompt))
+                alpha = store.load(label, p, digest) if store is not None else None
+                if alpha is None:
+                    alpha = measure_unit(model, tokenizer, prompt, kv, s)
+                    if store is not None:
+                        store.save(label, p, alpha, digest, next(model.parameters()).device.type)
+                parts[label].append(alpha)
+                wall[label] += time.perf_counter() - t0
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"{label}, prompt {p + 1}")
+    measured = [
+        (label, kv, TokenAcceptance.concatenated(parts[label]).binned(s.bin_width, s.tau, s.resamples)[s.estimate],
+         wall[label])
+        for label, kv in rows
+    ]  # fmt: skip
     count = max((len(bins) for _, _, bins, _ in measured), default=0)
     return [
         {
