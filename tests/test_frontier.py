@@ -22,3 +22,10 @@ def test_quick_frontier_table(tmp_path):
     assert [b["length"] for b in table["best_schedule"]] == [400, 700]
     assert set(out["goals"]) == {frontier.GOAL_TABLE, frontier.GOAL_BEST}
     assert out["goals"][frontier.GOAL_TABLE]["value"] == 700 and not out["goals"][frontier.GOAL_TABLE]["met"]
+
+
+def test_a_bin_no_target_length_ends_in_shows_p5_alone():
+    """Prompts land near, not at, their targets: a bin can hold tokens but no length (no speed measured)."""
+    cell = {"p5": 0.9, "length": None, "speedup_vs_dense": None}
+    table = {"rows": [{"budget": 64, "cells": [cell, cell | {"length": 400, "speedup_vs_dense": 1.5}]}]}
+    assert frontier.table_lines(table) == ["    64  0.90  0.90/1.50x"]
