@@ -29,3 +29,9 @@ def test_a_bin_no_target_length_ends_in_shows_p5_alone():
     cell = {"p5": 0.9, "length": None, "speedup_vs_dense": None}
     table = {"rows": [{"budget": 64, "cells": [cell, cell | {"length": 400, "speedup_vs_dense": 1.5}]}]}
     assert frontier.table_lines(table) == ["    64  0.90  0.90/1.50x"]
+
+
+def test_goals_skip_a_measured_bin_without_a_length():
+    cell = {"p5": 0.9, "length": None, "speedup_vs_dense": None}
+    table = {"rows": [{"budget": 64, "cells": [cell | {"length": 8192}, cell]}], "best_schedule": []}
+    assert frontier.goals(table)[frontier.GOAL_TABLE]["value"] == 8192

@@ -72,6 +72,17 @@ def test_reuse_only_inside_the_scope_and_without_grad():
     assert len(calls) == 5  # outside, first inside, "other", with grad, outside again
 
 
+def test_a_scope_inside_another_is_the_outer_one():
+    """The frontier's speed table opens a scope per length around time_decode_steps, which opens its own."""
+    calls = []
+    with torch.no_grad(), reusing_prefills():
+        reused("k", lambda: calls.append(1) or torch.ones(1), torch.clone)
+        with reusing_prefills():
+            reused("k", lambda: calls.append(1) or torch.ones(1), torch.clone)
+        reused("k", lambda: calls.append(1) or torch.ones(1), torch.clone)
+    assert len(calls) == 1
+
+
 def test_the_benchmark_smoke_run_finds_the_units_identical(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import prefill_reuse

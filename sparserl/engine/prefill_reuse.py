@@ -28,7 +28,11 @@ _KEPT: ContextVar[dict[Hashable, object] | None] = ContextVar("sparserl_kept_pre
 
 @contextmanager
 def reusing_prefills() -> Iterator[None]:
-    """Within this scope, prefills of the same input by the same model are computed once (see the module)."""
+    """Within this scope, prefills of the same input by the same model are computed once (see the module). A
+    scope inside another is the outer one: what is kept lives until the outermost scope ends."""
+    if _KEPT.get() is not None:
+        yield
+        return
     token = _KEPT.set({})
     try:
         yield
