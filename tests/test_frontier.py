@@ -19,6 +19,8 @@ def test_quick_frontier_table(tmp_path):
         measured = [c for c in row["cells"] if c["p5"] is not None]
         assert {c["length"] for c in measured} == {400, 700}
         assert all(c["p5_low"] <= c["p5_high"] and c["speedup_vs_dense"] > 0 for c in measured)
+        assert all(c["speedup_shared_prompt"] > 0 for c in measured)
+    assert set(out["cpu_step_s"]) == {"own_context", "shared_prompt"}
     assert [b["length"] for b in table["best_schedule"]] == [400, 700]
     assert set(out["goals"]) == {frontier.GOAL_TABLE, frontier.GOAL_BEST}
     assert out["goals"][frontier.GOAL_TABLE]["value"] == 700 and not out["goals"][frontier.GOAL_TABLE]["met"]

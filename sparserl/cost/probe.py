@@ -134,19 +134,23 @@ def check_timing_request(prompt_lens: list[int], steps: int, repeats: int) -> No
 
 def time_decode_steps(
     model, tokenizer, prompt_lens: list[int], kvs: list[KVConfig], batch: int, steps: int, threads: int,
-    repeats: int, compile: bool = False,
+    repeats: int, compile: bool = False, share_prompts: bool = True,
 ) -> dict[tuple[str, int], StepTimes]:  # fmt: skip
     """Per (kv.method, prompt length), the engine's decode step time on `model` (`batch` samples of one random
     prompt, `steps` new tokens, EOS ignored), clocked between the step-hook calls that end the decode steps, so
     the prefill is left out: the steps timed are those at contexts length + 2 ... length + steps - 1. Lengths
     and methods alternate so that a drifting machine hits all alike. With `compile`, the engines run
-    `engine.compile=true` (each cache size compiles once, before the first step clocked)."""
+    `engine.compile=true` (each cache size compiles once, before the first step clocked). `share_prompts`: the
+    batch reads the prompt held once (the engine's default for a group), or, False, every row holds its own copy
+    (what rows whose long context is their own generation cost)."""
     from sparserl.engine import RolloutEngine
     from sparserl.engine.prefill_reuse import reusing_prefills
 
     check_timing_request(prompt_lens, steps, repeats)
     clocks: list[tuple[float, float]] = []
-    engines = [RolloutEngine(model, tokenizer, kv=kv, compile=compile) for kv in kvs]
+    engines = [
+        RolloutEngine(model, tokenizer, kv=kv, compile=compile, share_prompts=share_prompts) for kv in kvs
+    ]
     for engine in engines:
         engine.eos_ids = set()
         engine.step_hooks.append(lambda *_: clocks.append((time.perf_counter(), time.process_time())))
