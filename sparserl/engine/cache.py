@@ -11,6 +11,7 @@ copy of the cache), and new rows are appended into storage reserved beyond the l
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -297,11 +298,13 @@ class KVCache:
 
 
 class _RowState(dict):
-    """`cache.row_state`: setting an entry stores it with the cache's rows (it then moves with them)."""
+    """`cache.row_state`: setting an entry stores it with the cache's rows (it then moves with them). It refers
+    to its cache weakly: a strong reference back would make every cache a reference cycle, its gigabytes freed
+    only whenever Python's cycle collector next runs instead of when the cache's last user lets go."""
 
     def __init__(self, cache: KVCache, views: dict[str, Tensor]):
         super().__init__(views)
-        self._cache = cache
+        self._cache = weakref.proxy(cache)
 
     def __setitem__(self, name: str, value: Tensor) -> None:
         if value.shape[0] != self._cache.rows:
