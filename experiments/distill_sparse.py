@@ -40,7 +40,7 @@ COMMAND = "python experiments/distill_sparse.py"
 CONFIG = Path(__file__).resolve().parent / "distill_sparse.yaml"
 SEEDS = (0, 1, 2)
 TAU_TRAIN, TAU = 0.78, 0.86
-GRID = (32, 128, 1.25)  # budget_grid: 32, 48, 64, 80, 96, 128 (pages of 16)
+GRID = (48, 128, 1.25)  # budget_grid: 48, 64, 80, 96, 128 (pages of 16; block_topk reads at least 3 pages)
 SWEEP_LRS, SWEEP_STEPS = (1e-5, 3e-5, 1e-4), 8
 HELDOUT_OFFSET = (
     6000  # held-out P5 prompts: test rows after the calibration ones (5000-5015), away from eval (0-63)
@@ -64,6 +64,9 @@ RULES = {
     "accuracy_goal": f"dense held-out pass@1 (64 test prompts x 16 samples, temperature 1), paired by seed: met "
     f"when the one-sided 95% lower bound (t, df = 2) of (distill - sparse) is > -{MARGIN} (non-inferiority, the "
     "TOST's lower test with the margin fixed here)",
+    "amended": "before any run, 2026-11-28: the grid started at 32, which block_topk refuses (it always reads "
+    "the first page and the two most recent, 3 x 16 = 48 positions); the first run stopped at that error before "
+    "measuring anything, and the grid now starts at 48",
     "budget": "at most 8 CPU-hours. Measured before any run (one step of each arm at budget 64, one thread): "
     "the sparse arm ~65 CPU-s a step, the distill arm ~150 (its adapter's dense teacher pass, sparse replay "
     "forward and backward over the step's 32 samples, ~75 s, and the alpha probe before and after, ~21 s, here "

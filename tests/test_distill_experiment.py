@@ -71,3 +71,12 @@ def test_rules_are_written_before_the_runs(tmp_path):
     saved = json.loads(x.results.read_text())
     assert saved["rules"] == X.RULES and set(saved["goals"]) == set(X.GOALS)
     assert all(g["value"] is None and not g["met"] for g in saved["goals"].values())
+
+
+def test_the_budget_grid_suits_block_topk():
+    """Every budget the experiment calibrates over is one block_topk accepts (its first run stopped on a grid
+    that started below the three always-read pages)."""
+    from sparserl.eval.calibrate import budget_grid, candidate_kv_configs
+
+    budgets = budget_grid(*X.GRID, X.KV["page_size"])
+    assert len(candidate_kv_configs(X.settings(X.TAU), budgets)) == len(budgets)
