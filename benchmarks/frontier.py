@@ -15,7 +15,7 @@ hold at a length is read off one table.
 - **The best schedule**: per bin the smallest budget whose P5 lower bound is >= `--tau` (calibrate's rule), and
   its speed-up over dense at each length (dense CPU s per step / the chosen budget's).
 
-    python benchmarks/frontier.py --resume   # all 240 units kept: the speed table alone, ~50 CPU-min
+    python benchmarks/frontier.py --resume   # all 240 units kept: the speed table alone, ~40 CPU-min
     python benchmarks/frontier.py --quick           # tiny model, short lengths: a smoke run, a temp file
     python benchmarks/frontier.py --resume --parts tail --device cuda   # the units on a GPU (fp32, no TF32)
 
