@@ -3,7 +3,7 @@
 A calibration measures each prompt under every candidate budget: the sampler's prefill (before any eviction or
 page summary) and the dense scorer's prompt pass are the same computation each time, and for a long prompt they
 are most of a unit's cost (an 8k-token prompt on SmolLM2, one CPU thread: 52 s sampling prefill + 62 s dense
-scoring against 32 s for 128 decode steps). Inside `reusing_prefills()`, the engine's `DecodeRun._prefill` and
+scoring against 32 s for 128 decode steps). Inside `reusing_prefills()`, `RolloutEngine.prefilled` and
 the scorer's shared prompt pass keep what they computed under a key of everything it depends on and hand out
 copies of it, so the numbers are the same bit for bit and the caller's later changes never reach the kept one.
 
