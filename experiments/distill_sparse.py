@@ -24,15 +24,15 @@ with layers 0-1 dense, token TIS, 25 steps x 4 prompts x 8 samples x 64 tokens).
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from arms import ROOT, Experiment, eval_one, evaluate_all, paired, report, run, write_rules
+from arms import ROOT, Experiment, eval_one, evaluate_all, paired, part_goals, report, run, write_rules
 from sparse_parts import CAL_PROMPTS, KV, cached, positions_read, read_part
+from study import write_with_goals
 
 from sparserl.signals import stoppable
 
@@ -132,7 +132,7 @@ def base_calibration() -> dict:
         return {"table": report["table"], "schedule_tau086": report["schedule"], "schedule": schedule,
                 "fixed_budget": max(b for _, b in schedule)}  # fmt: skip
 
-    return cached(PARTS / "calibration" / "base.json", make)
+    return cached(PARTS / "calibration" / "base.json", make, part_goals(EXPERIMENT))
 
 
 def mean_p5(model, tok, prompts, budget: int) -> float:
@@ -169,7 +169,7 @@ def probe(run_dir: Path, out: Path, full: bool) -> dict:
             result["p5_off"] = mean_p5(model, tok, held_out, budget)
         return result
 
-    return cached(out, make)
+    return cached(out, make, part_goals(EXPERIMENT))
 
 
 def in_own_process(*args: str) -> None:
@@ -198,7 +198,7 @@ def sweep() -> float:
 def schedule_override() -> str:
     path = PARTS / "calibration" / "schedule.json"
     if not path.is_file():
-        path.write_text(json.dumps({"schedule": base_calibration()["schedule"]}) + "\n")
+        write_with_goals(path, {"schedule": base_calibration()["schedule"]}, part_goals(EXPERIMENT))
     return f"kv.schedule={path}"
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from study import ROOT, write_atomic
+from study import ROOT, write_with_goals
 
 CONFIG = ROOT / "configs" / "default.yaml"
 KV = {"page_size": 16, "dense_layers": [0, 1]}  # block_topk as the sparse-path experiments run it
@@ -33,16 +33,18 @@ def read_part_if_done(path: Path, missing: Any = None) -> Any:
     return read_part(path) if path.is_file() else missing
 
 
-def cached(path: Path, make) -> dict:
-    """`make()` written to `path` once (through a temporary file, so a killed run leaves no half-written part);
-    later runs read it back."""
+def cached(path: Path, make, goals: dict | None = None) -> dict:
+    """`make()` written to `path` once with the `goals` mapping on top (a part's: judged elsewhere; a report may
+    stamp it again), through a temporary file so a killed run leaves no half-written part; later runs read it
+    back."""
     if path.is_file():
         return read_part(path)
     t0 = time.perf_counter()
     out = make()
     out["seconds"] = time.perf_counter() - t0
-    write_atomic(path, json.dumps(out, indent=1, default=str) + "\n")
-    print(f"wrote {path.relative_to(ROOT)} ({out['seconds']:.0f} s)", flush=True)
+    write_with_goals(path, out, goals or {})
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    print(f"wrote {shown} ({out['seconds']:.0f} s)", flush=True)
     return out
 
 

@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 
 import distill_sparse as X  # noqa: E402
+from arms import part_goals  # noqa: E402
 
 P5, POSITIONS, ACCURACY = list(X.GOALS)
 
@@ -80,3 +81,13 @@ def test_the_budget_grid_suits_block_topk():
 
     budgets = budget_grid(*X.GRID, X.KV["page_size"])
     assert len(candidate_kv_configs(X.settings(X.TAU), budgets)) == len(budgets)
+
+
+def test_a_cached_part_carries_the_goals_mapping_and_reads_back_without_it(tmp_path):
+    from sparse_parts import cached
+
+    path = tmp_path / "part.json"
+    assert cached(path, lambda: {"p5_on": 0.9}, part_goals(X.EXPERIMENT))["p5_on"] == 0.9
+    assert set(json.loads(path.read_text())["goals"]) == set(X.GOALS)
+    assert cached(path, lambda: pytest.fail("measured again"))["p5_on"] == 0.9
+    assert "goals" not in cached(path, lambda: {})
