@@ -136,9 +136,8 @@ def speed_table(model, tok, args: argparse.Namespace, budgets: list[int]) -> dic
     cpu = {r: {n: {a: [] for a in arms} for n in lengths} for r in REGIMES}
     for repeat in range(args.repeats):
         for length in lengths:
-            with (
-                reusing_prefills()
-            ):  # every arm and regime shares one prefill of the prompt (it is not clocked)
+            # every arm and regime shares one prefill of the prompt (it is not clocked)
+            with reusing_prefills():
                 for (regime, share), (name, kv) in itertools.product(REGIMES.items(), arms.items()):
                     got = time_decode_steps(model, tok, [length - args.window], [kv], args.batch, args.window,
                                             args.threads, 1, share_prompts=share)  # fmt: skip

@@ -48,14 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=OUT, help=f"JSON output (default {OUT})")
     args = ap.parse_args(argv)
     if args.quick:
-        args.model, args.length, args.budgets, args.n, args.new_tokens, args.repeats = (
-            "tiny-llama",
-            400,
-            "24,48",
-            2,
-            16,
-            1,
-        )
+        args.model, args.length, args.budgets = "tiny-llama", 400, "24,48"
+        args.n, args.new_tokens, args.repeats = 2, 16, 1
         if args.out == OUT:
             args.out = Path(tempfile.gettempdir()) / "prefill_reuse_quick.json"
     return args
