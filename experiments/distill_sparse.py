@@ -19,6 +19,7 @@ with layers 0-1 dense, token TIS, 25 steps x 4 prompts x 8 samples x 64 tokens).
 6. `report`: the goals, by the rules committed in docs/results/distill_sparse.json before any run.
 
     python experiments/distill_sparse.py              # everything not done yet
+    python experiments/distill_sparse.py run sparse-seed0 sparse-seed1   # those runs (trained, evaluated, probed)
     python experiments/distill_sparse.py report       # the goals from the parts done so far
 """
 
@@ -30,7 +31,18 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from arms import ROOT, Experiment, eval_one, evaluate_all, paired, part_goals, report, run, write_rules
+from arms import (
+    ROOT,
+    Experiment,
+    eval_one,
+    evaluate_all,
+    paired,
+    part_goals,
+    report,
+    run,
+    run_names,
+    write_rules,
+)
 from sparse_parts import CAL_PROMPTS, KV, cached, positions_read, read_part
 from study import write_with_goals
 
@@ -202,19 +214,21 @@ def schedule_override() -> str:
     return f"kv.schedule={path}"
 
 
-def train() -> None:
-    """Stages 1-3, then 5 (the probes) for every finished run."""
+def train(only: list[str] | None = None) -> None:
+    """Stages 1-3 for every run (or those `only` names, "arm-seedN"), each evaluated (stage 4) and probed
+    (stage 5) once trained. The sweep runs only when a distill run is asked for, so the sparse arm's runs can
+    train beside it in a second one-thread process."""
     if not (PARTS / "calibration" / "base.json").is_file():
         in_own_process("calibrate-one")
-    lr = sweep()
     EXPERIMENT.extra[:] = [schedule_override()]
-    EXPERIMENT.arms["distill"] = ["distill.enable=true", f"distill.lr={lr}"]
-    run(EXPERIMENT)
-    for seed in SEEDS:
-        for arm in EXPERIMENT.arms:
-            part = PARTS / "probe" / f"{arm}-seed{seed}.json"
-            if not part.is_file():
-                in_own_process("probe-one", f"{arm}-seed{seed}", str(part), "full")
+    names = run_names(EXPERIMENT, only)
+    if any(arm == "distill" for arm, _ in names):
+        EXPERIMENT.arms["distill"] = ["distill.enable=true", f"distill.lr={sweep()}"]
+    for arm, seed in names:
+        run(EXPERIMENT, [f"{arm}-seed{seed}"], __file__)
+        part = PARTS / "probe" / f"{arm}-seed{seed}.json"
+        if not part.is_file():
+            in_own_process("probe-one", f"{arm}-seed{seed}", str(part), "full")
 
 
 def goals(runs: dict) -> dict:
@@ -275,7 +289,7 @@ def main() -> int:
         eval_one(EXPERIMENT, sys.argv[2], int(sys.argv[3]))
     else:
         if stage in ("all", "run"):
-            train()
+            train(sys.argv[2:] or None)
         if stage in ("all", "eval"):
             evaluate_all(EXPERIMENT, __file__)
         if stage in ("all", "report"):

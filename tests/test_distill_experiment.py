@@ -91,3 +91,21 @@ def test_a_cached_part_carries_the_goals_mapping_and_reads_back_without_it(tmp_p
     assert set(json.loads(path.read_text())["goals"]) == set(X.GOALS)
     assert cached(path, lambda: pytest.fail("measured again"))["p5_on"] == 0.9
     assert "goals" not in cached(path, lambda: {})
+
+
+def test_the_sparse_arm_trains_without_the_sweep_and_a_distill_run_takes_its_rate(parts, monkeypatch):
+    (parts / "calibration").mkdir()
+    (parts / "calibration" / "base.json").write_text("{}")
+    (parts / "calibration" / "schedule.json").write_text("{}")
+    monkeypatch.setitem(X.EXPERIMENT.arms, "distill", list(X.EXPERIMENT.arms["distill"]))
+    monkeypatch.setattr(X.EXPERIMENT, "extra", [])
+    trained, swept = [], []
+    monkeypatch.setattr(X, "sweep", lambda: swept.append(1) or 3e-5)
+    monkeypatch.setattr(X, "run", lambda x, only, script: trained.append((only, list(x.arms["distill"]))))
+    monkeypatch.setattr(X, "in_own_process", lambda *args: None)
+    X.train(["sparse-seed1", "sparse-seed0"])
+    assert not swept and [only for only, _ in trained] == [["sparse-seed1"], ["sparse-seed0"]]
+    X.train(["distill-seed2"])
+    assert swept == [1] and trained[-1] == (["distill-seed2"], ["distill.enable=true", "distill.lr=3e-05"])
+    with pytest.raises(SystemExit, match="unknown run"):
+        X.train(["distill-seed7"])
