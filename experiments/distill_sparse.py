@@ -216,15 +216,14 @@ def schedule_override() -> str:
 
 def train(only: list[str] | None = None) -> None:
     """Stages 1-3 for every run (or those `only` names, "arm-seedN"), each evaluated (stage 4) and probed
-    (stage 5) once trained. The sweep runs only when a distill run is asked for, so the sparse arm's runs can
-    train beside it in a second one-thread process."""
+    (stage 5) once trained. The sweep runs only when a distill run comes up, so the sparse arm's runs can train
+    beside it in a second one-thread process."""
     if not (PARTS / "calibration" / "base.json").is_file():
         in_own_process("calibrate-one")
     EXPERIMENT.extra[:] = [schedule_override()]
-    names = run_names(EXPERIMENT, only)
-    if any(arm == "distill" for arm, _ in names):
-        EXPERIMENT.arms["distill"] = ["distill.enable=true", f"distill.lr={sweep()}"]
-    for arm, seed in names:
+    for arm, seed in run_names(EXPERIMENT, only):
+        if arm == "distill":  # the sweep when first needed (a finished sweep only reads its parts)
+            EXPERIMENT.arms["distill"] = ["distill.enable=true", f"distill.lr={sweep()}"]
         run(EXPERIMENT, [f"{arm}-seed{seed}"], __file__)
         part = PARTS / "probe" / f"{arm}-seed{seed}.json"
         if not part.is_file():

@@ -100,12 +100,12 @@ def test_the_sparse_arm_trains_without_the_sweep_and_a_distill_run_takes_its_rat
     monkeypatch.setitem(X.EXPERIMENT.arms, "distill", list(X.EXPERIMENT.arms["distill"]))
     monkeypatch.setattr(X.EXPERIMENT, "extra", [])
     trained, swept = [], []
-    monkeypatch.setattr(X, "sweep", lambda: swept.append(1) or 3e-5)
     monkeypatch.setattr(X, "run", lambda x, only, script: trained.append((only, list(x.arms["distill"]))))
     monkeypatch.setattr(X, "in_own_process", lambda *args: None)
-    X.train(["sparse-seed1", "sparse-seed0"])
-    assert not swept and [only for only, _ in trained] == [["sparse-seed1"], ["sparse-seed0"]]
-    X.train(["distill-seed2"])
-    assert swept == [1] and trained[-1] == (["distill-seed2"], ["distill.enable=true", "distill.lr=3e-05"])
+    monkeypatch.setattr(X, "sweep", lambda: swept.append(len(trained)) or 3e-5)
+    X.train(["sparse-seed1", "sparse-seed0", "distill-seed2"])
+    assert swept == [2]  # only when the distill run comes up, after the sparse ones
+    assert [only for only, _ in trained] == [["sparse-seed1"], ["sparse-seed0"], ["distill-seed2"]]
+    assert trained[-1][1] == ["distill.enable=true", "distill.lr=3e-05"]
     with pytest.raises(SystemExit, match="unknown run"):
         X.train(["distill-seed7"])
