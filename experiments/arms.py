@@ -209,7 +209,8 @@ def paired(diffs: list[float]) -> dict:
     mean = statistics.fmean(diffs)
     if len(diffs) < 2:
         return {"mean": mean, "n": len(diffs)}
-    half = stats.t.ppf(0.975, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    # float(): scipy's numpy scalar would make every comparison a numpy bool, which JSON cannot hold
+    half = float(stats.t.ppf(0.975, len(diffs) - 1)) * statistics.stdev(diffs) / len(diffs) ** 0.5
     return {"mean": mean, "ci95": [mean - half, mean + half], "n": len(diffs), "df": len(diffs) - 1}
 
 

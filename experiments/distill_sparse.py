@@ -272,7 +272,7 @@ def one_sided_lower(diffs: list[float]) -> float | None:
         return None
     from scipy import stats
 
-    half = stats.t.ppf(0.95, len(diffs) - 1) * statistics.stdev(diffs) / len(diffs) ** 0.5
+    half = float(stats.t.ppf(0.95, len(diffs) - 1)) * statistics.stdev(diffs) / len(diffs) ** 0.5
     return statistics.fmean(diffs) - half
 
 
