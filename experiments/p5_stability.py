@@ -31,7 +31,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from study import ROOT, read_metrics, train_arm, write_atomic
+from study import ROOT, plain, read_metrics, train_arm, write_atomic
 
 from sparserl.signals import stoppable
 from sparserl.trainer import checkpoint_path
@@ -161,7 +161,7 @@ def report(run: Path, seeds: list[int], threads: int) -> dict:
         "cells": rows,
         "training_alpha": training_alpha(run),
     }
-    write_atomic(RESULTS / "p5_stability.json", json.dumps(result, indent=2, default=str) + "\n")
+    write_atomic(RESULTS / "p5_stability.json", json.dumps(result, indent=2, default=plain) + "\n")
     plot(rows, tau, RESULTS / "p5_stability.png")
     for r in rows:
         print(f"budget {r['budget']:>4} bin {r['bin_start']:>4}: movement {r['movement']:.3f}, "

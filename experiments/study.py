@@ -129,10 +129,16 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def plain(value: Any) -> Any:
+    """JSON's fallback for result files: a numpy or torch scalar as its Python value (a numpy bool would
+    otherwise be written as the string "False", which reads back as true), anything else (a path) as text."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
 def write_with_goals(path: Path, out: dict, goals: dict) -> None:
     """Write a result file as JSON with the experiment's `goals` mapping on top (replacing any it held)."""
     out = {"goals": goals, **{k: v for k, v in out.items() if k != "goals"}}
-    write_atomic(path, json.dumps(out, indent=1, default=str) + "\n")
+    write_atomic(path, json.dumps(out, indent=1, default=plain) + "\n")
 
 
 def read_metrics(run: Path) -> list[dict]:

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 
 import distill_sparse as X  # noqa: E402
 from arms import part_goals  # noqa: E402
+from study import write_with_goals  # noqa: E402
 
 P5, POSITIONS, ACCURACY = list(X.GOALS)
 
@@ -110,3 +111,12 @@ def test_the_sparse_arm_trains_without_the_sweep_and_a_distill_run_takes_its_rat
     assert trained[-1][1] == ["distill.enable=true", "distill.lr=3e-05"]
     with pytest.raises(SystemExit, match="unknown run"):
         X.train(["distill-seed7"])
+
+
+def test_a_result_file_holds_numpy_scalars_as_json_values(tmp_path):
+    import numpy as np
+
+    path = tmp_path / "r.json"
+    write_with_goals(path, {"where": tmp_path}, {"g": {"value": np.float64(0.5), "met": np.bool_(False)}})
+    saved = json.loads(path.read_text())
+    assert saved["goals"]["g"] == {"value": 0.5, "met": False} and saved["where"] == str(tmp_path)
