@@ -153,15 +153,25 @@ def sft_batch(tok, cfg, start: int, size: int):
     return prompts, answers
 
 
-def sft_rung(rung: list[int], args, state: dict) -> bool:
-    """LoRA SFT on one rung of the ladder, resumable from its last probe; True if a probe met the target."""
+def sft_rung(
+    rung: list[int],
+    args,
+    state: dict,
+    runs: Path = RUNS,
+    out: Path = WARMSTART,
+    save=save_warmstart,
+    cfg=None,
+) -> bool:
+    """LoRA SFT on one rung of the ladder, resumable from its last probe; True if a probe met the target.
+    `runs` holds the rung's checkpoints, `out` the merged model, `save(state)` records progress and `cfg` is
+    the rung's setting (study v4 reproduces v3's rung into its own folders, in its own setting)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from sparserl.engine import completion_logprobs
     from sparserl.models import load_model, prepare_for_training
 
-    w, cfg = R.RULES["warmstart"], setting(rung_overrides(rung))
-    ckpt = RUNS / f"warmstart-{rung[0]}x{rung[1]}"
+    w, cfg = R.RULES["warmstart"], cfg or setting(rung_overrides(rung))
+    ckpt = runs / f"warmstart-{rung[0]}x{rung[1]}"
     model, tok = load_model(BASE_MODEL)
     prepare_for_training(model)
     torch.manual_seed(0)
@@ -196,13 +206,13 @@ def sft_rung(rung: list[int], args, state: dict) -> bool:
         torch.save(opt.state_dict(), ckpt / "optimizer.pt")
         rec["cpu_s"] = rec.get("cpu_s", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
-        save_warmstart(state)
+        save(state)
         if R.sft_done(rec["probes"][-1]):
             merged = peft.merge_and_unload().eval()
-            merged.save_pretrained(WARMSTART)
-            tok.save_pretrained(WARMSTART)
+            merged.save_pretrained(out)
+            tok.save_pretrained(out)
             state.update(rung=rung, done=True, weights_sha256=weight_checksum(merged), kept=rec["probes"][-1])
-            save_warmstart(state)
+            save(state)
             return True
     return False
 

@@ -1,0 +1,157 @@
+"""Study v4 (issue 54): measure whether the Sparse-RL corrections change the update, on a dial of samplers with a
+positive control, then train only where it can show. The setting: experiments/study_v4.yaml; the samplers, the
+estimators and the decision rules R1-R6: experiments/study_v4_rules.py. Stages A1 and A2 run through
+`sparserl bias` (one process per sampler, each resumable). Every stage runs at one thread and is resumable: re-run
+the same command after a kill.
+
+    python experiments/study_v4.py setup       # rules, goals, estimate -> docs/results/study_v4/study_v4.json (commit first)
+    nohup python experiments/study_v4.py warmstart > /tmp/study_v4_warmstart.log 2>&1 &   # ~0.4 CPU-h
+    nohup python experiments/study_v4.py a1 > /tmp/study_v4_a1.log 2>&1 &   # ~2.5 CPU-h, one sampler at a time
+    python experiments/study_v4.py a2          # ~4.8 CPU-h (after A1: the samplers R1 picks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import study_v4_rules as R
+import torch
+from study import write_atomic
+from study_v3 import sample, sft_rung, task_of
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "experiments" / "study_v4.yaml"
+RESULTS = ROOT / "docs" / "results" / "study_v4"
+JSON = RESULTS / "study_v4.json"
+RUNS = ROOT / "runs" / "study_v4"  # kept: never deleted
+WARMSTART = RUNS / "warmstart"
+V3_WARMSTART = ROOT / "docs" / "results" / "study_v3" / "warmstart.json"
+V3_SCOPING = ROOT / "docs" / "results" / "study_v3" / "scoping.json"
+RUNG = [12, 1]  # v3's kept rung: 12 operands of 1 digit
+# the spec's estimate (CPU-hours), rescaled from measured stages as they finish (`cpu_hours_measured`)
+CPU_HOURS = {"warmstart": 0.3, "a1": 2.5, "dense_pilot": 0.4, "a2": 4.8, "train": 13.1, "eval": 2.5,
+             "reserve": 1.4, "total": 25.0}  # fmt: skip
+COMMIT = "git add docs/results/study_v4 && git commit docs/results/study_v4 -m 'Study v4: <stage> part done'"
+
+
+def read(path: Path, default=None):
+    return json.loads(path.read_text()) if path.is_file() else default
+
+
+def write(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(obj, indent=1) + "\n")
+
+
+def setting(overrides: list[str] = ()):
+    from sparserl.config import load_config
+
+    return load_config(CONFIG, list(overrides))
+
+
+def setup(args) -> None:
+    """Write the rules, goals and the estimate (nothing measured) before any stage; never overwrites them."""
+    if read(JSON):
+        print(f"{JSON.relative_to(ROOT)} exists: the rules are fixed; not rewritten")
+        return
+    goals = {
+        k: {"target": t, "value": None, "met": None, "status": "not measured yet"} for k, t in R.GOALS.items()
+    }
+    write(JSON, {"goals": goals, "experiment": "Study v4 (issue 54): the bias of the sparse-rollout update",
+                 "rules": R.RULES, "samplers": R.SAMPLERS, "controls": list(R.CONTROLS),
+                 "cpu_hours_estimate": CPU_HOURS, "commands": __doc__.split("\n\n")[-1].strip().splitlines(),
+                 "commit_each_part": COMMIT})  # fmt: skip
+    print(f"wrote {JSON.relative_to(ROOT)}")
+
+
+def reproduced_goal(state: dict) -> dict:
+    """The warm start's goal: the same weights as v3's, or a dense probe reward within 0.05 of v3's."""
+    v3 = read(V3_WARMSTART)["weights_sha256"]
+    same = state.get("weights_sha256") == v3
+    gap = state.get("probe_256", {}).get("gap")
+    met = same or (gap is not None and abs(gap) <= 0.05)
+    return {"value": 0.0 if same else gap, "target": 0.05, "met": met if state.get("done") else None,
+            "unit": "|probe reward - v3's 0.398| on 64 probe prompts x 4 (0 when the weights' sha256 equal v3's)",
+            "weights_equal_v3": same, "command": "python experiments/study_v4.py warmstart"}  # fmt: skip
+
+
+def save_warmstart(state: dict) -> None:
+    rest = {k: v for k, v in state.items() if k != "goals"}
+    write(RESULTS / "warmstart.json", {"goals": {"warm start reproduced": reproduced_goal(rest)}, **rest})
+
+
+def dense_probe_256(cfg) -> dict:
+    """v3's scoping measure of the start model: 64 probe prompts x 4 dense samples (seed 99), mean reward."""
+    from sparserl.engine import KVConfig
+    from sparserl.models import encode_prompt, load_model
+
+    model, tok = load_model(str(WARMSTART))
+    task = task_of(cfg, "probe")
+    exs = [task[i] for i in range(64)]
+    prompts = [encode_prompt(tok, ex.messages) for ex in exs]
+    with torch.no_grad():
+        rows = sample(model, tok, cfg, KVConfig(), prompts, task, exs, 4)
+    reward = sum(r["reward"] for r in rows) / len(rows)
+    v3 = read(V3_SCOPING)["dense"]["reward"]
+    return {"reward": reward, "v3_reward": v3, "gap": reward - v3, "samples": len(rows)}
+
+
+def warmstart(args) -> None:
+    """v3's 12x1 rung retrained from the same seed and data (study_v3.sft_rung), then checked against v3."""
+    state = read(RESULTS / "warmstart.json", {"command": "python experiments/study_v4.py warmstart"})
+    state.pop("goals", None)
+    t0 = time.process_time()
+    if not state.get("done"):
+        cfg = setting([f"task.num_operands={RUNG[0]}", f"task.max_digits={RUNG[1]}"])
+        if not sft_rung(list(RUNG), args, state, runs=RUNS, out=WARMSTART, save=save_warmstart, cfg=cfg):
+            state.update(
+                done=True, failed=True, reason="the rung did not reach v3's start level within its cap"
+            )
+    if not state.get("failed") and "probe_256" not in state:
+        state["probe_256"] = dense_probe_256(setting())
+    state["cpu_s_this_process"] = time.process_time() - t0
+    save_warmstart(state)
+    print(json.dumps(reproduced_goal(state)), "\ncommit:", COMMIT)
+
+
+def a1(args) -> None:
+    """Stage A1: `sparserl bias` without gradients per sampler (32 prompts x 8), each its own resumable process."""
+    a = R.RULES["a1"]
+    for name, overrides in R.SAMPLERS.items():
+        out = RESULTS / "a1" / name
+        if (out / "bias.json").is_file() and read(out / "bias.json", {}).get("complete"):
+            continue
+        cmd = [sys.executable, "-m", "sparserl", "bias", "--config", str(CONFIG), *overrides,
+               *probe_rows(), "--prompts", "4", "--batches", str(a["prompts"] // 4), "--estimators", "none",
+               "--out", str(out), "--resume", "--no-progress"]  # fmt: skip
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        print(f"A1 {name} done; commit: {COMMIT}", flush=True)
+
+
+def probe_rows() -> list[str]:
+    """Overrides that make the task's rows v3's probe set (task seed 2, test split)."""
+    spec = __import__("study_v3_rules").ROW_SETS["probe"]
+    return [f"task.seed={spec['task_seed']}", "--split", spec["split"]]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=["setup", "warmstart", "a1"])
+    p.add_argument("--sft-batch", type=int, default=8)
+    p.add_argument("--sft-lr", type=float, default=3e-4)
+    args = p.parse_args()
+    os.chdir(ROOT)  # the setting names its model relative to the repository root
+    torch.set_num_threads(1)
+    {"setup": setup, "warmstart": warmstart, "a1": a1}[args.stage](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
