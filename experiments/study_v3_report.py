@@ -1,6 +1,7 @@
 """Study v3's report (issue 38): applies the rules fixed in docs/results/study_v3/study_v3.json (set by
 study_v3_rules.py) to the committed parts only (runs/<arm>-s<seed>.jsonl, heldout/<model>.json, scoping.json), and
-rewrites the goals and results of study_v3.json. Each goal stays "not met" with its reason until measured."""
+rewrites the goals and results of study_v3.json. Each goal stays "not met" with its reason until measured; when
+the budget rule stopped the study before any arm trained, every goal is "met": null, "not run: stopped by rule"."""
 
 from __future__ import annotations
 
@@ -109,10 +110,17 @@ def restate_change() -> dict:
     return out
 
 
-UNTESTABLE = (
-    "untestable at 135M by the committed budget rule: no R-KV budget qualified at the warm start's operands "
-    "(scoping.json) nor at 16 operands (scoping_16_operands.json), so no arm was trained"
+STOPPED = (
+    "not testable by study v3's design: on running-sum addition no R-KV budget both saved >= 35% of the retained "
+    "KV and kept >= 75% of the dense reward, neither at the warm start's operands (scoping.json) nor at 16 "
+    "operands (scoping_16_operands.json), so by the committed budget rule no arm was trained; the mismatch floor decided "
+    "nothing, and whether the corrections matter was not measured"
 )
+
+
+def not_run(target: str) -> dict:
+    """A goal the committed budget rule stopped before any arm trained: neither met nor missed."""
+    return {"target": target, **not_met(STOPPED), "met": None, "status": "not run: stopped by rule"}
 
 
 def scoping_result() -> tuple[dict, bool]:
@@ -128,17 +136,18 @@ def scoping_result() -> tuple[dict, bool]:
 def report() -> dict:
     path = RESULTS / "study_v3.json"
     out = load(path) or {}
-    scoping, untestable = scoping_result()
+    scoping, stopped = scoping_result()
     budget = scoping.get("chosen_budget")
     saving = (scoping.get("rows", {}).get(str(budget)) or {}).get("retained_saving") if budget else None
     out["goals"] = goals(budget, saving)
-    out["untestable"] = untestable
-    if untestable:
-        out["goals"] = {k: {"target": t, **not_met(UNTESTABLE)} for k, t in R.GOALS.items()}
+    out["stopped_by_rule"] = stopped
+    if stopped:
+        out["goals"] = {k: not_run(t) for k, t in R.GOALS.items()}
     out["budget"], out["restate_share"] = budget, restate_change()
     out["warmstart"] = (load(RESULTS / "warmstart.json") or {}).get("kept")
     out["pilot_lr"] = (load(RESULTS / "pilot.json") or {}).get("lr")
     path.write_text(json.dumps(out, indent=1) + "\n")
     for k, g in out["goals"].items():
-        print(("MET    " if g["met"] else "NOT MET"), k, g.get("value"), g.get("reason", ""))
+        verdict = {True: "MET    ", False: "NOT MET", None: "NOT RUN"}[g["met"]]
+        print(verdict, k, g.get("value"), g.get("reason", ""))
     return out

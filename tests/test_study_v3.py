@@ -128,3 +128,21 @@ def test_no_budget_at_the_first_scoping_moves_every_later_stage_to_16_operands(t
         S.budget()
     (tmp_path / "scoping_16_operands.json").write_text(json.dumps({"complete": True, "chosen_budget": 152}))
     assert S.budget() == 152
+
+
+def test_report_records_goals_stopped_by_the_budget_rule_as_not_run(tmp_path, monkeypatch):
+    """Neither scoping chose a budget, so no arm trained: every goal is neither met nor missed ("met": null)
+    with the status "not run: stopped by rule", not recorded as failed."""
+    import json
+
+    import study_v3_report as report
+
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    for name in ("scoping.json", "scoping_16_operands.json"):
+        (tmp_path / name).write_text(json.dumps({"complete": True, "chosen_budget": None}))
+    out = report.report()
+    assert out["stopped_by_rule"] is True and set(out["goals"]) == set(R.GOALS)
+    for goal in out["goals"].values():
+        assert goal["met"] is None and goal["status"] == "not run: stopped by rule"
+        assert "not testable by study v3's design" in goal["reason"]
+    assert json.loads((tmp_path / "study_v3.json").read_text())["goals"] == out["goals"]
