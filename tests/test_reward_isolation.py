@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,85 @@ def test_module_level_python_function_is_isolated_and_a_lambda_runs_in_process(
         exits = with_reward_fns(base, lambda completions, **kw: __import__("sys").exit(2))
         assert exits.score_batch(["a", "b"], [exits[0]] * 2) == [0.0, 0.0]  # SystemExit caught in-process
     assert any("runs in the trainer's process" in r.getMessage() for r in caplog.records)
+
+
+# Reward code that starts processes, each writing its pid to pids.txt: they must not outlive the worker.
+SPAWNING_PY = """
+import os
+import subprocess
+import sys
+import time
+
+PIDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pids.txt")
+
+
+def _sleeper(**popen):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], **popen)
+    with open(PIDS, "a") as f:
+        f.write(f"{proc.pid}\\n")
+
+
+if os.environ.get("FORK_AT_IMPORT"):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    with open(PIDS, "a") as f:
+        f.write(f"{pid}\\n")
+
+
+def per_call(completions, **kwargs):
+    _sleeper()
+    return [1.0] * len(completions)
+
+
+def daemon(completions, **kwargs):
+    _sleeper(start_new_session=True)
+    return [1.0] * len(completions)
+
+
+def overrun(completions, **kwargs):
+    _sleeper()
+    time.sleep(60)
+    return [1.0] * len(completions)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("fn", "env", "close"),
+    [("per_call", "", True), ("per_call", "1", True), ("daemon", "", True), ("overrun", "", False)],
+    ids=["forks-per-call", "forks-at-import", "daemonizes", "overruns-its-timeout"],
+)
+def test_processes_started_by_reward_code_end_with_its_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fn: str, env: str, close: bool
+) -> None:
+    """Whatever reward code starts (a fork at import, a subprocess per call, one in a session of its own) ends
+    when the worker is closed; a call that overruns task.reward_timeout ends its subprocesses with the worker."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads /proc (Linux)")
+    monkeypatch.setenv("FORK_AT_IMPORT", env)
+    path = tmp_path / "spawning.py"
+    path.write_text(SPAWNING_PY)
+    task = make_task(TaskConfig(reward=[f"{path}:{fn}"], reward_timeout=3.0))
+    task.score_batch(["a"], [task[0]])
+    pids = [int(p) for p in (tmp_path / "pids.txt").read_text().split()]
+    assert len(pids) == 1 + bool(env)
+    if close:
+        assert all(alive(p) for p in pids)
+        task.close()
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)]
+    task.close()
 
 
 def test_huge_weights_score_zero_not_a_crash() -> None:

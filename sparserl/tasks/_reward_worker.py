@@ -44,6 +44,18 @@ def _limit_memory() -> None:
         pass
 
 
+def _adopt_orphans() -> None:
+    """Become the subreaper of what reward code starts (Linux): a process it daemonizes stays this worker's
+    descendant, so the parent finds and ends it with the worker (reward_process.kill_tree)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+        except (OSError, AttributeError):
+            pass
+
+
 def _as_reward(value: Any) -> float | None | str:
     """A returned item as a float, None (does not apply), or a str saying why it is not a reward."""
     if value is None:
@@ -80,6 +92,7 @@ def main() -> None:
 
     _die_with_parent(int(sys.argv[1]) if len(sys.argv) > 1 else None)
     ignore_interrupts()
+    _adopt_orphans()
     _limit_memory()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # stray prints go to stderr, never into the reply stream

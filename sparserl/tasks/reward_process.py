@@ -1,6 +1,8 @@
 """Users' reward functions in a worker process (`sparserl.tasks._reward_worker`), like math-verify's: whatever
 a function does (raise, `sys.exit`, `os._exit`, kill itself, hang, exhaust memory) ends at most that worker,
 which is restarted (its functions loaded again) on the next call. Thread-safe; one worker per instance.
+The worker leads its own process group and adopts orphans, so whatever processes reward code starts end
+with it (on a timeout, a crash, `close()` and at exit).
 
 The worker's data segment is capped at $SPARSERL_REWARD_MEMORY (a size such as '8GiB'; '0' for no cap;
 default half the machine's memory), so a memory blow-up is a MemoryError there, not the OOM killer's pick.
@@ -8,6 +10,7 @@ default half the machine's memory), so a memory blow-up is a MemoryError there, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import select
@@ -84,6 +87,44 @@ def exit_description(returncode: int | None) -> str:
     return f"ended its process with exit code {returncode} (os._exit?)"
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of `pid`'s living descendants (Linux's /proc; none elsewhere): what reward code started in
+    the worker, found also where it left the worker's process group (the worker is their subreaper)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat") if sys.platform.startswith("linux") else ():
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the worker `pid`, its process group (it leads its own session) and every descendant: whatever
+    the reward code started (a fork at import, a subprocess per call) ends with the worker."""
+    for target in descendants(pid):
+        with contextlib.suppress(OSError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def running(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the worker runs, found without reaping it: its pid stays its process group's id for kill_tree."""
+    if proc.returncode is not None:
+        return False
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
 class _Handle:
     """The live worker; kept apart from RewardProcess so a finalizer can stop it."""
 
@@ -96,8 +137,8 @@ class _Handle:
         proc, self.proc, self.buf = self.proc, None, b""
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.kill()
+        if proc.returncode is None:  # not reaped yet, so its pid (= its process group) is still its own
+            kill_tree(proc.pid)
         code = proc.wait()
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
@@ -133,7 +174,7 @@ class RewardProcess:
 
     def _start_locked(self) -> None:
         """Start the worker and load every registered function again (after a restart)."""
-        if self._handle.proc is not None and self._handle.proc.poll() is None:
+        if self._handle.proc is not None and running(self._handle.proc):
             return
         self._handle.kill()
         env = dict(os.environ)
@@ -145,6 +186,7 @@ class RewardProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
+            start_new_session=True,  # its own process group, killed whole (kill_tree)
         )
         reply = self._exchange(None, LOAD_TIMEOUT)
         if reply != ("ready",):
