@@ -5,6 +5,7 @@ whose import fails or exits is a UserError naming it before training starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -254,6 +255,22 @@ def test_processes_started_by_reward_code_end_with_its_worker(
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if alive(p)]
+    task.close()
+
+
+@pytest.mark.parametrize("limit", ["inf", "1e12"])
+def test_a_reward_timeout_of_inf_means_no_limit(hostile: Path, limit: str) -> None:
+    """task.reward_timeout=inf (or any huge number) is 'no limit': user rewards and the built-in math-verify
+    one score as usual, with no error counted."""
+    from sparserl.config import load_config
+
+    cfg = load_config(None, [f"task.reward_timeout={limit}"]).task
+    task = make_task(dataclasses.replace(cfg, reward=[f"{hostile}:exit0"]))
+    assert task.score_batch(["good", "fine"], [task[0]] * 2) == [1.0, 1.0]
+    builtin = make_task(cfg)
+    ex = builtin[0]
+    assert builtin.score_batch([f"\\boxed{{{ex.answer}}}"], [ex]) == [1.0]
+    assert counters(task) == counters(builtin) == (0, 0, 0)
     task.close()
 
 

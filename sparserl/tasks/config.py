@@ -140,7 +140,7 @@ class TaskConfig:
         default=5.0,
         metadata={
             "help": "Seconds one reward call may take (math-verify runs in a killable worker process); a "
-            "timeout or error scores 0 and is counted in the reward stats."
+            "timeout or error scores 0 and is counted in the reward stats. inf: no limit."
         },
     )
     system_prompt: str = field(

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from sparserl.errors import UserError
-from sparserl.tasks.rewards import _SPAWNER, RewardTimeout
+from sparserl.tasks.rewards import _SPAWNER, RewardTimeout, wait_limit
 
 LOAD_TIMEOUT = 300.0  # seconds an import of a user's reward module may take (it may load a model)
 MEMORY_ENV = "SPARSERL_REWARD_MEMORY"
-NO_DEADLINE = 1e7  # seconds: a call without task.reward_timeout
 HEADER = struct.Struct(">Q")  # the length of each pickled message
 
 
@@ -262,7 +261,7 @@ class RewardProcess:
         (both restart it on the next call) and RewardRaised when the function raised or called sys.exit."""
         with self._lock:
             self._start_locked()
-            reply = self._exchange(("call", key, kwargs), timeout if timeout is not None else NO_DEADLINE)
+            reply = self._exchange(("call", key, kwargs), wait_limit(timeout))
         if reply[0] == "raised":
             raise RewardRaised(reply[1])
         return reply

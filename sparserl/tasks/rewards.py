@@ -191,7 +191,7 @@ class MathVerifier:
             try:
                 self._proc.stdin.write(json.dumps([gold, pred]).encode() + b"\n")
                 self._proc.stdin.flush()
-                line = self._read_line(time.monotonic() + timeout)
+                line = self._read_line(time.monotonic() + wait_limit(timeout))
             except BaseException:
                 self._kill_locked()
                 raise
@@ -267,6 +267,15 @@ def numeric_reward(completion_text: str, gold: str, format_weight: float = 0.0) 
 _MAX_LOGGED_ERRORS = 5
 
 
+NO_DEADLINE = 1e7  # seconds (116 days): the longest wait for a reward call, what select and joins accept
+
+
+def wait_limit(timeout: float | None) -> float:
+    """Seconds to wait for a reward call: `timeout`, capped at NO_DEADLINE, so that None, inf or a huge
+    task.reward_timeout all mean 'no limit'."""
+    return NO_DEADLINE if timeout is None else min(timeout, NO_DEADLINE)
+
+
 def call_with_deadline(fn: Callable[..., Any], args: tuple, timeout: float | None) -> Any:
     """`fn(*args)`; with `timeout`, in a daemon thread, raising RewardTimeout if it has not returned after
     `timeout` seconds (the thread is then abandoned: Python cannot kill it)."""
@@ -282,7 +291,7 @@ def call_with_deadline(fn: Callable[..., Any], args: tuple, timeout: float | Non
 
     t = threading.Thread(target=target, name="sparserl-reward", daemon=True)
     t.start()
-    t.join(timeout)
+    t.join(wait_limit(timeout))
     if t.is_alive():
         raise RewardTimeout(f"reward function overran {timeout:g}s")
     if "error" in box:
