@@ -23,11 +23,16 @@ def emitted() -> set[str]:
         geo_rs_high=2.0,
         k3_rs_threshold=0.01,
         prob_diff_threshold=0.2,
+        prefix_rs_low=0.5,
+        prefix_rs_high=2.0,
+        sampler_kl_coef=0.1,
     )
     g = torch.Generator().manual_seed(0)
     old, samp = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)
     w, keep, m1 = correction_weights(old, samp, torch.ones(2, 3), cfg, advantages=torch.ones(2))
-    _, m2 = policy_loss(old, old, torch.ones(2), keep, w, cfg, logp_ref=samp, entropy=torch.rand(2, 3))
+    _, m2 = policy_loss(
+        old, old, torch.ones(2), keep, w, cfg, logp_ref=samp, entropy=torch.rand(2, 3), logp_sampler=samp
+    )
     return set(m1) | set(m2)
 
 

@@ -7,6 +7,7 @@ Typical use per batch of rollouts (mask = response mask, [B, T]):
     w, keep, m1 = correction_weights(ref, logp_sampler, mask, cfg, adv)
     loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, keep, w, cfg, logp_ref)
 
+SMD (preset smd) in one call: `smd_loss(logp, logp_old, logp_sampler, mask, adv)` (algo/smd.py).
 The surrogate is `cfg.policy_loss` (POLICY_LOSSES: ppo_clip, gspo, cispo); verl's rejection names map to the
 rules through `cfg.rollout_rs` (rollout_rs_overrides).
 """
@@ -37,6 +38,7 @@ from sparserl.algo.loss import aggregate, kl_penalty, loss_denominator, policy_l
 from sparserl.algo.losses import POLICY_LOSSES, register_policy_loss
 from sparserl.algo.presets import PRESETS, algo_config
 from sparserl.algo.rs_aliases import rollout_rs_overrides
+from sparserl.algo.smd import smd_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -66,4 +68,5 @@ __all__ = [
     "register_adv_transform",
     "register_policy_loss",
     "rollout_rs_overrides",
+    "smd_loss",
 ]

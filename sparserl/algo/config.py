@@ -13,6 +13,7 @@ from sparserl.algo.rs_aliases import rollout_rs_overrides, tighter
 CORRECTION_MODES = ("none", "decoupled", "bypass")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+SAMPLER_KL_ESTIMATORS = ("hinge", "kl")
 # Knobs that only act when correction_mode is 'decoupled' or 'bypass'.
 CORRECTION_KNOBS = (
     "veto_threshold",
@@ -29,6 +30,8 @@ CORRECTION_KNOBS = (
     "k3_rs_threshold",
     "prob_diff_threshold",
     "seq_tis_cap",
+    "prefix_rs_low",
+    "prefix_rs_high",
 )
 
 
@@ -159,6 +162,20 @@ class AlgoConfig:
             "p_old - p_sparse > this, or A < 0 and p_old - p_sparse < -this (e.g. 0.2). Needs advantages."
         },
     )
+    prefix_rs_low: float | None = field(
+        default=None,
+        metadata={
+            "help": "Prefix rejection (SMD's faithful tokens, docs/algorithm.md): mask every token of a sequence "
+            "from the first one whose xi is below this onwards, so only the tokens drawn before the sampler "
+            "first diverged from pi_old train (preset smd: 0.5)."
+        },
+    )
+    prefix_rs_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Prefix rejection: the same from the first token whose xi is above this (smd: 2.0)."
+        },
+    )
 
     # ---- loss -----------------------------------------------------------------------------------
     policy_loss: str = field(
@@ -226,6 +243,24 @@ class AlgoConfig:
         default=10.0, metadata={"help": "The per-token KL estimate is clamped to [-c, c]."}
     )
     entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus: loss -= coef * entropy."})
+    sampler_kl_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "SMD's distillation weight lambda (preset smd: the paper's 0.1): loss += lambda * agg(D_t) "
+            "over every response token, D_t a divergence of the learner (dense, with gradient) from the "
+            "sampler's recorded log-prob of the drawn token, a fixed target (the sparse side gets no gradient, "
+            "as the paper's stop-gradient says). 0: off."
+        },
+    )
+    sampler_kl_estimator: str = field(
+        default="hinge",
+        metadata={
+            "help": f"D_t of sampler_kl_coef, one of {', '.join(SAMPLER_KL_ESTIMATORS)}: 'hinge' "
+            "max(0, log pi_sparse - log pi_theta), the SMD authors' released code; 'kl' rho log rho - rho + 1, "
+            "rho = pi_theta / pi_sparse (log rho clamped to +-log_ratio_clamp): on the sampler's draws an "
+            "unbiased estimate of KL(pi_theta || pi_sparse) at each prefix, and its gradient of that KL's."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.rollout_rs:
@@ -242,6 +277,7 @@ class AlgoConfig:
         _choice("correction_mode", self.correction_mode, CORRECTION_MODES)
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("sampler_kl_estimator", self.sampler_kl_estimator, SAMPLER_KL_ESTIMATORS)
         if self.correction_mode == "none":
             on = [k for k in CORRECTION_KNOBS if getattr(self, k) not in (None, False)]
             if on:
@@ -263,6 +299,7 @@ class AlgoConfig:
             ("icepop_low", "icepop_high"),
             ("seq_mis_low", "seq_mis_high"),
             ("geo_rs_low", "geo_rs_high"),
+            ("prefix_rs_low", "prefix_rs_high"),
         ):
             a, b = getattr(self, lo), getattr(self, hi)
             if a is not None and b is not None and a > b:
@@ -289,8 +326,9 @@ class AlgoConfig:
             raise ValueError(f"algo.eps_low={self.eps_low} must be < 1 (the lower clip is 1 - eps_low)")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ValueError(f"algo.dual_clip_c={self.dual_clip_c} must be > 1")
-        if self.kl_coef < 0:
-            raise ValueError(f"algo.kl_coef={self.kl_coef} must be >= 0")
+        for key in ("kl_coef", "sampler_kl_coef"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"algo.{key}={getattr(self, key)} must be >= 0")
         if self.log_ratio_clamp <= 0 or self.kl_clamp <= 0:
             raise ValueError("algo.log_ratio_clamp and algo.kl_clamp must be > 0")
 

@@ -214,6 +214,21 @@ def token_rs(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
     return Verdict(lo | hi, metrics)
 
 
+def prefix_rs(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Prefix rejection (SMD's faithful tokens): drop every token of a sequence from the first one whose xi is
+    outside [low, high] on, keeping only what the sampler drew before it first diverged from pi_old."""
+    if cfg.prefix_rs_low is None and cfg.prefix_rs_high is None:
+        return None
+    lo, hi = _outside(r.log_xi, cfg.prefix_rs_low, cfg.prefix_rs_high)
+    diverged = (lo | hi) & r.valid
+    dropped = (diverged.cumsum(dim=1) > 0) & r.valid
+    metrics = {
+        "prefix_rs_masked_fraction": masked_mean(dropped.float(), r.valid),
+        "prefix_rs_cut_fraction": masked_mean(diverged.any(dim=1).float(), r.has_tokens),
+    }
+    return Verdict(dropped, metrics)
+
+
 def prob_diff(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
     """Sign-aware probability-difference mask: drop a token of positive advantage whose pi_old - pi_sparse is
     above the threshold, or of negative advantage whose difference is below minus it."""
@@ -237,7 +252,7 @@ def prob_diff(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
 SEQUENCE_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (
     seq_mis, seq_tis, geo_rs, k3_rs, veto
 )  # fmt: skip
-TOKEN_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (token_rs, prob_diff)
+TOKEN_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (token_rs, prefix_rs, prob_diff)
 
 
 def apply_rules(r: Ratios, cfg: AlgoConfig, m: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
@@ -289,8 +304,8 @@ def correction_weights(
             by the mean of the pre-rejection weights over the tokens of `mask` (as the reference does; skipped
             when that mean is <= cfg.batch_norm_min). Normalisation is over the batch passed in: call it on
             the (micro-)batch the reference normalises over.
-        keep_mask: [B, T] bool, `mask` minus rejected tokens (token RS, IcePop, prob-diff) and minus every
-            token of a rejected sequence (veto, Seq-MIS, Geo-RS, K3-RS). It lies inside `mask`, so it *is*
+        keep_mask: [B, T] bool, `mask` minus rejected tokens (token RS, prefix RS, IcePop, prob-diff) and minus
+            every token of a rejected sequence (veto, Seq-MIS, Geo-RS, K3-RS). It lies inside `mask`, so it *is*
             the loss mask of `policy_loss` (response mask times keep mask).
         metrics: floats keyed 'rollout_corr/<name>', names as in docs/metrics.md.
     """

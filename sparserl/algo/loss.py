@@ -80,6 +80,24 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str, clamp: float) -> 
     return kl.clamp(-clamp, clamp)
 
 
+def sampler_kl(logp: Tensor, logp_sampler: Tensor, estimator: str, clamp: float) -> Tensor:
+    """Per-token divergence of the learner from the sampler on the drawn token, SMD's distillation term; the
+    sampler's log-prob is a fixed target (detached), so the gradient goes to the learner only.
+
+    hinge = max(0, log pi_sparse - log pi_theta) (the SMD authors' released code: only where the learner gives
+    the drawn token less than the sampler did); kl = rho log rho - rho + 1 with rho = pi_theta / pi_sparse,
+    log rho clamped to [-clamp, clamp]: >= 0, and on the sampler's draws its mean and its gradient's are
+    KL(pi_theta || pi_sparse) at the prefix and that KL's gradient.
+    """
+    d = logp - logp_sampler.detach()
+    if estimator == "hinge":
+        return torch.relu(-d)  # gradient 0, not -1, where the two agree exactly
+    if estimator == "kl":
+        d = d.clamp(-clamp, clamp)
+        return d.exp() * (d - 1.0) + 1.0
+    raise ValueError(f"sampler kl estimator {estimator!r} is unknown; choose one of hinge, kl")
+
+
 def policy_loss(
     logp: Tensor,
     logp_old: Tensor,
@@ -92,12 +110,14 @@ def policy_loss(
     *,
     response_mask: Tensor | None = None,
     denominator: float | None = None,
+    logp_sampler: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped policy-gradient loss of one (micro-)batch, to minimise.
 
     r_t = exp(clamp(log pi_theta - log pi_old)),
     pg_t = w_t * max(-r_t A, -clip(r_t, 1 - eps_low, 1 + eps_high) A), capped at -c A for A < 0 (dual clip),
-    loss = agg(pg) + beta * agg(kl(pi_theta || pi_ref)) - entropy_coef * agg(entropy).
+    loss = agg(pg) + beta * agg(kl(pi_theta || pi_ref)) - entropy_coef * agg(entropy)
+           + sampler_kl_coef * agg_response(sampler_kl(pi_theta, pi_sparse))   (SMD; over every response token).
     That is cfg.policy_loss='ppo_clip'; 'gspo' and 'cispo' replace the surrogate (algo/losses.py).
 
     Args:
@@ -114,11 +134,13 @@ def policy_loss(
         response_mask: [B, T] response tokens before rejection; with token-mean and
             cfg.rejected_in_denominator, rejected tokens then count in the denominator.
         denominator: divide by this instead of this batch's own count (see `loss_denominator`).
+        logp_sampler: [B, T] the sampler's recorded log-probs; required when cfg.sampler_kl_coef > 0, whose term
+            covers `response_mask` (or `mask` when that is None), rejected tokens included.
 
     Returns the scalar loss and metrics keyed 'actor/<name>' (token statistics over the kept tokens).
     """
     m, response_mask, advantages = _checked(logp, mask, advantages, logp_old, weights, logp_ref, entropy,
-                                            response_mask)  # fmt: skip
+                                            logp_sampler, response_mask)  # fmt: skip
     lp = masked_fill_safe(upcast(logp), m)
     old = masked_fill_safe(upcast(logp_old.detach()), m)
     adv = masked_fill_safe(upcast(advantages.detach()), m)
@@ -156,6 +178,19 @@ def policy_loss(
             loss = loss - cfg.entropy_coef * ent
         metrics["entropy"] = ent.detach()
 
+    if cfg.sampler_kl_coef > 0:
+        if logp_sampler is None:
+            raise ValueError(
+                f"algo.sampler_kl_coef={cfg.sampler_kl_coef} > 0 needs logp_sampler (the sampler's log-probs)"
+            )
+        resp = m if response_mask is None else response_mask
+        lp_all = masked_fill_safe(upcast(logp), resp)
+        samp = masked_fill_safe(upcast(logp_sampler.detach()), resp)
+        skl_tok = sampler_kl(lp_all, samp, cfg.sampler_kl_estimator, cfg.log_ratio_clamp)
+        skl = aggregate(skl_tok, resp, cfg, **agg)
+        loss = loss + cfg.sampler_kl_coef * skl
+        metrics["sampler_kl"] = skl.detach()
+
     metrics["loss"] = loss.detach()
     return loss, {PREFIX + k: v for k, v in to_floats(metrics).items()}
 
@@ -164,12 +199,12 @@ def _checked(
     logp: Tensor, mask: Tensor, advantages: Tensor, *others: Tensor | None
 ) -> tuple[Tensor, Tensor | None, Tensor]:
     """`policy_loss`'s inputs checked: the bool loss mask, the response mask (None stays None) and the
-    advantages broadcast to [B, T]; `others` (logp_old, weights, logp_ref, entropy, response_mask) must be
-    logp's shape where given."""
+    advantages broadcast to [B, T]; `others` (logp_old, weights, logp_ref, entropy, logp_sampler,
+    response_mask) must be logp's shape where given."""
     check_2d("logp", logp)
     m = as_mask(mask, logp)
     *same, response_mask = others
-    for name, t in zip(("logp_old", "weights", "logp_ref", "entropy"), same, strict=True):
+    for name, t in zip(("logp_old", "weights", "logp_ref", "entropy", "logp_sampler"), same, strict=True):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logp's {tuple(logp.shape)}")
     if response_mask is not None:

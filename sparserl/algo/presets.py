@@ -41,6 +41,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "geo_rs_high": 2.0,
         "tis_cap": 2.0,
     },
+    # Shadow Mask Distillation (arXiv 2605.06850; docs/algorithm.md, "SMD"). Track 1: the PPO loss on the tokens
+    # drawn before the sampler first diverged from pi_old (prefix rejection, xi in [0.5, 2.0]; the paper's mask
+    # comes from the compression pattern, not from probabilities: the rule and the band are ours), no IS weight.
+    # Track 2: lambda = 0.1 (the paper's default) x the authors' one-sided term pulling the dense learner toward
+    # the sampler's recorded log-prob of each drawn token, stop-gradient on the sparse side as the paper writes
+    # it. The rest is this project's default loss (the authors' runs used other KL, entropy and lr settings).
+    "smd": {
+        "sparse_rollout": True,
+        "correction_mode": "decoupled",
+        "prefix_rs_low": 0.5,
+        "prefix_rs_high": 2.0,
+        "sampler_kl_coef": 0.1,
+        "sampler_kl_estimator": "hinge",
+    },
     # GSPO: sequence-level ratio, the paper's clip range (v2, section 5.1) and no KL to the reference.
     "gspo": {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "kl_coef": 0.0},
     # DAPO's loss: clip-higher (eps_high 0.28), token-level aggregation, no KL. Its dynamic sampling is

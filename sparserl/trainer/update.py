@@ -293,12 +293,13 @@ class Learner:
             if not finite or _unusable(mask, logp.detach(), old, ref):
                 return stand_in(logp)  # pi_old of later micro-batches is still needed
             adv = batch.advantages_of(micro, T)
-            weights, keep, _ = correction_weights(ref, batch.logp_sampler[micro, :T], mask, algo, adv)
+            sampler = batch.logp_sampler[micro, :T]
+            weights, keep, _ = correction_weights(ref, sampler, mask, algo, adv)
             denominator = loss_denominator(mask & keep, algo, mask)
             loss, m = policy_loss(
                 logp, old, adv, mask & keep, weights, algo,
                 logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
-                entropy=entropy, response_mask=mask, denominator=1.0,
+                entropy=entropy, response_mask=mask, denominator=1.0, logp_sampler=sampler,
             )  # fmt: skip
             return (loss, m, denominator) if torch.isfinite(loss) else stand_in(logp)
 
