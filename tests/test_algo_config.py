@@ -57,7 +57,7 @@ def test_overrides_apply_key_by_key_and_presets_stay_untouched():
 
 
 def test_unknown_preset_lists_valid_ones():
-    with pytest.raises(ValueError, match="unknown algo preset 'sparse'.*sparse-rl"):
+    with pytest.raises(ValueError, match="'sparse' is unknown.*sparse-rl.*algo.policy_loss"):
         algo_config("sparse")
 
 

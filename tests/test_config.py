@@ -137,7 +137,8 @@ def test_bad_type_in_yaml_names_file_and_line(tmp_path: Path) -> None:
 
 def test_unknown_presets() -> None:
     with pytest.raises(
-        ConfigError, match="algo.preset='sprase-rl' is unknown; choose one of dense, naive-sparse, sparse-rl"
+        ConfigError,
+        match="algo.preset='sprase-rl': 'sprase-rl' is unknown. Rollout presets.*dense, naive-sparse",
     ):
         load_config(None, ["algo.preset=sprase-rl"])
     with pytest.raises(ConfigError, match="neither a file nor a run preset.*presets: .*default"):

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from sparserl.algo import PRESETS
+from sparserl.algo.presets import merge_presets, preset_names
 from sparserl.config.sections import (
     CONFIG_DIR,
     DEFAULT_PRESET,
@@ -115,9 +115,11 @@ def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
             kwargs[key] = _build(tp, section, path, where)
     if cls is AlgoSection:
         preset = kwargs.pop("preset", DEFAULT_PRESET)
-        if preset not in PRESETS:
+        try:
+            preset_names(preset)
+        except ValueError as e:
             key = f"{prefix}.preset"
-            raise ConfigError(f"{where(key)}{key}={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+            raise ConfigError(f"{where(key)}{key}={e}") from None
         return _construct(lambda: AlgoSection.from_preset(preset, **kwargs), prefix, where)
     return _construct(lambda: cls(**kwargs), prefix, where)
 
@@ -308,10 +310,21 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
             elif not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: '{'.'.join(parts[: i + 1])}' is not a section")
             node = child
+        if parts == ["algo", "preset"]:  # a loss preset keeps the file's rollout preset (and vice versa)
+            value = _merged_preset(node.get("preset", DEFAULT_PRESET), value)
         node[parts[-1]] = value
         where.places[".".join(parts)] = f"command line '{text}'"
     _resolve_working_dir_paths(data)
     return config_from_dict(data, where)
+
+
+def _merged_preset(old: Any, new: str) -> str:
+    """algo.preset=`new` from the command line over the config's `old`: only the kinds of preset it names (a
+    preset that is not valid is left for the algo section's check, which names it)."""
+    try:
+        return merge_presets(str(old), new)
+    except ValueError:
+        return new
 
 
 def save_config(cfg: TrainConfig, path: str | Path) -> None:

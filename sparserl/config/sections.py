@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.algo import PRESETS, AlgoConfig
+from sparserl.algo.presets import LOSS_PRESETS, preset_names, preset_values
 from sparserl.config.checks import cross_section_checks
 from sparserl.config.distill import DistillConfig
 from sparserl.config.distributed import DistributedConfig
@@ -121,13 +122,19 @@ class AlgoSection(AlgoConfig):
     preset: str = field(
         default=DEFAULT_PRESET,
         metadata={
-            "help": f"Named algorithm preset applied before the other algo.* keys: one of {', '.join(PRESETS)}."
+            "help": "Named algorithm presets applied before the other algo.* keys: a rollout preset (how rollouts "
+            f"are sampled and corrected: {', '.join(n for n in PRESETS if n not in LOSS_PRESETS)}), a loss preset "
+            f"(it sets only the loss or advantages: {', '.join(LOSS_PRESETS)}), or one of each joined by '+' "
+            "(sparse-rl+gspo). A loss preset alone keeps the rollout preset of the config file (default "
+            f"{DEFAULT_PRESET}): on the command line, algo.preset replaces only the kinds of preset it names."
         },
     )
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ConfigError(f"algo.preset={self.preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        try:
+            preset_names(self.preset)
+        except ValueError as e:
+            raise ConfigError(f"algo.preset={e}") from None
         try:
             super().__post_init__()
         except ConfigError:
@@ -138,9 +145,11 @@ class AlgoSection(AlgoConfig):
     @classmethod
     def from_preset(cls, preset: str = DEFAULT_PRESET, **overrides: Any) -> AlgoSection:
         """The preset's values, then `overrides` key by key."""
-        if preset not in PRESETS:
-            raise ConfigError(f"algo.preset={preset!r} is unknown; choose one of {', '.join(PRESETS)}")
-        return cls(preset=preset, **{**PRESETS[preset], **overrides})
+        try:
+            chain, values = preset_values(preset, DEFAULT_PRESET)
+        except ValueError as e:
+            raise ConfigError(f"algo.preset={e}") from None
+        return cls(preset=chain, **{**values, **overrides})
 
 
 @dataclass
