@@ -39,7 +39,8 @@ def build(workers: int, lora: bool, out: Path, sync: str = "object_store"):
 
     cfg = load_config(None, [
         "algo.preset=dense", "rollout.prompts_per_step=8", "rollout.n=8", f"model.lora={str(lora).lower()}",
-        f"distributed.rollout_workers={workers}", f"distributed.weight_sync={sync}", "trainer.threads=1",
+        f"distributed.rollout_workers={workers}", *([f"distributed.weight_sync={sync}"] if workers else []),
+        "trainer.threads=1",
         "trainer.eval_prompts=0",
         "logging.progress=false", "logging.tensorboard=false", f"trainer.output_dir={out}",
         f"trainer.run_name=w{workers}-lora{lora}-{time.time_ns()}", "engine.compile=false",

@@ -286,6 +286,17 @@ CASES = [
     case("calibrate-top-logprobs-past-vocab", ["calibrate", "--model", "tiny-llama", "--data", "arithmetic", "--budgets", "48", "--n", "1", "--prompts", "1", "--max-new-tokens", "8", "--top-logprobs", "100000", "-q", "--out", "{tmp}/cal"], EXIT_USAGE, r"--top-logprobs=100000 must be in \[1, 261\]"),
     case("train-kv-memory-cap-below-a-prompt", [*TRAIN, "rollout.kv_memory_cap=4096"], EXIT_USAGE, r"rollout\.kv_memory_cap=4\.00 KiB is too small for one sequence"),
     case("eval-checkpoint-pruned-while-read", [*EVAL, "--data", "arithmetic", "--model", "{tmp}/runs/r", "--checkpoint"], EXIT_FAILURE, r"checkpoint .*runs/r/checkpoints/step-\d+ was removed while reading \(pruned by a running training\?\)", pruned_while_read("runs/r")),
+    case("train-dars-key-without-dars", [*TRAIN, "sampling.dars_n_max=16"], EXIT_USAGE, r"sampling\.dars_n_max=16 applies only with sampling\.method=dars"),
+    case("train-vcrl-key-without-vcrl", [*TRAIN, "sampling.vcrl_kappa=0.5"], EXIT_USAGE, r"sampling\.vcrl_kappa=0\.5 applies only with sampling\.method=vcrl"),
+    case("train-spec-key-when-off", [*TRAIN, "rollout.spec.lenience=1"], EXIT_USAGE, r"rollout\.spec\.lenience=1\.0 applies only with rollout\.spec\.enable=true"),
+    case("train-tree-key-when-off", [*TRAIN, "rollout.tree.forks=3"], EXIT_USAGE, r"rollout\.tree\.forks=3 applies only with rollout\.tree\.enable=true"),
+    case("train-tree-advantages-without-tree", [*TRAIN, "algo.adv_transforms=[tree]"], EXIT_USAGE, r"algo\.adv_transforms=\[tree\] applies only with rollout\.tree\.enable=true"),
+    case("train-judge-without-shaping", [*TRAIN, "shaping.judge=embedding"], EXIT_USAGE, r"shaping\.judge=embedding applies only with shaping\.method=uniqueness"),
+    case("train-overlong-penalty-without-buffer", [*TRAIN, "algo.overlong_penalty=0.5"], EXIT_USAGE, r"algo\.overlong_penalty=0\.5 applies only with algo\.overlong_buffer > 0"),
+    case("train-weight-sync-without-workers", [*TRAIN, "distributed.weight_sync=broadcast"], EXIT_USAGE, r"distributed\.weight_sync=broadcast applies only with distributed\.rollout_workers > 0"),
+    case("train-partial-key-when-off", [*TRAIN, "rollout.partial.mode=mask_old"], EXIT_USAGE, r"rollout\.partial\.mode=mask_old applies only with rollout\.partial\.enable=true"),
+    case("train-dynamic-sampling-n1", [*TRAIN, "rollout.n=1", "optim.grad_accum=1", "sampling.dynamic=true"], EXIT_USAGE, r"sampling\.dynamic=true with rollout\.n=1: .*set rollout\.n >= 2"),
+    case("train-vcrl-n1", [*TRAIN, "rollout.n=1", "optim.grad_accum=1", "sampling.method=vcrl"], EXIT_USAGE, r"sampling\.method=vcrl with rollout\.n=1: .*set rollout\.n >= 2"),
     # --- add new cases above this line ---
 ]  # fmt: skip
 

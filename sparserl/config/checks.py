@@ -8,6 +8,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from sparserl.config.errors import ConfigError
+from sparserl.config.switches import check_switches
 from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS
 
 if TYPE_CHECKING:  # the config's type only: sections.py calls these
@@ -48,6 +49,7 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             f"sampling.dars_n_max={cfg.sampling.dars_n_max} leaves no extra samples above rollout.n="
             f"{cfg.rollout.n}: DARS would do nothing"
         )
+    check_group_size(cfg)
     if cfg.trainer.log_acceptance and cfg.rollout.partial.enable:
         raise ConfigError(
             "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "
@@ -55,11 +57,26 @@ def cross_section_checks(cfg: TrainConfig) -> None:
         )
     check_distill(cfg)
     check_sampling(cfg)
+    check_switches(cfg)
     if cfg.algo.sparse_rollout and not cfg.kv.sparse:
         raise ConfigError(
             f"algo.preset={cfg.algo.preset!r} samples sparse rollouts but kv.method={cfg.kv.method!r}; "
             f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
             f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
+        )
+
+
+def check_group_size(cfg: TrainConfig) -> None:
+    """Dynamic sampling and VCRL refill the groups whose rewards are all equal: a group of one sample always
+    is, so every step would run all its extra rounds for zero advantage."""
+    if cfg.rollout.n > 1 or cfg.rollout.tree.enable:  # a tree's group is its leaves
+        return
+    on = [k for k, v in (("sampling.dynamic=true", cfg.sampling.dynamic),
+                         ("sampling.method=vcrl", cfg.sampling.method == "vcrl")) if v]  # fmt: skip
+    if on:
+        raise ConfigError(
+            f"{' and '.join(on)} with rollout.n=1: a group of one sample has zero reward variance, so every "
+            "step would run all sampling.max_extra_rounds for nothing; set rollout.n >= 2"
         )
 
 
