@@ -7,7 +7,9 @@ metrics moved by float rounding, at most 2.3e-5 absolute, on a perplexity near 4
 (default, cap_partial, epochs_kl_lora) were re-pinned when evicting groups came to hold their cut prompt once
 (issue 36, engine/evicting_prefix.py): the same samples, peak KV bytes 0.74x, under the 1 MiB cap more rows
 resident (rollout/occupancy), the update's metrics moved by float rounding (at most 1.9e-4 absolute, on a
-largest importance ratio near 7.4 and a perplexity near 531).
+largest importance ratio near 7.4 and a perplexity near 531). Issue 59 added rollout/peak_dense_kv_bytes,
+kv/naive_kv_bytes and rollout/entropy_estimate and made kv/dense_kv_bytes (and kv/saved_fraction with it) the
+dense engine's own allocation; only those keys were re-pinned.
 
 Bit-identical on the CPU kind the fixture was written on (its `cpu_capability`); on another vector unit the
 float sums may round differently, so there the metrics are compared to 1e-5 and the weight digest is skipped.

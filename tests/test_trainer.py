@@ -329,7 +329,9 @@ def test_embedded_default_one_step_on_smollm2(tmp_path: Path) -> None:
         ],
     )
     summary = Trainer(cfg).train()
-    assert summary["steps"] == 1 and summary["kv_saved_fraction"] > 0
+    row = [r for r in rows(tmp_path / "smol") if "reward/mean" in r][0]
+    assert summary["steps"] == 1 and row["kv/positions_saved_fraction"] > 0  # rollouts really were evicted
+    assert summary["kv_saved_fraction"] is not None  # vs the dense engine's own allocation: it may be 0
     assert (tmp_path / "smol" / "final" / "config.json").is_file()
     assert (tmp_path / "smol" / "checkpoints" / "step-000001" / "adapter.safetensors").is_file()
 

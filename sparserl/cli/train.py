@@ -15,6 +15,7 @@ from sparserl.signals import StopOnSignal, Terminated, stop_between_steps
 
 def _train_epilog() -> str:
     from sparserl.algo import PRESETS
+    from sparserl.algo.presets import LOSS_PRESETS
     from sparserl.config import CONFIG_DIR, format_help, list_run_presets
 
     return (
@@ -23,7 +24,9 @@ def _train_epilog() -> str:
         "  sparserl train --config configs/dense.yaml optim.lr=1e-5 trainer.steps=50\n"
         "  sparserl train --resume runs/sparse-rl-rkv-20250101-120000 trainer.steps=100\n\n"
         f"run presets (--config NAME, from {CONFIG_DIR}): {', '.join(list_run_presets()) or '(none)'}\n"
-        f"algo presets (algo.preset=NAME): {', '.join(PRESETS)}\n\n"
+        f"algo presets (algo.preset=NAME, or ROLLOUT+LOSS e.g. sparse-rl+gspo): rollout presets "
+        f"{', '.join(n for n in PRESETS if n not in LOSS_PRESETS)}; loss presets {', '.join(LOSS_PRESETS)} (a "
+        "loss preset sets only the loss and keeps the config's rollout preset and corrections)\n\n"
         "config keys (override any with section.key=value; lists comma-separated or [a, b]; null for none):"
         + format_help()
     )
@@ -82,6 +85,7 @@ def train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from sparserl.trainer import Trainer
+    from sparserl.trainer.console import header, notes
     from sparserl.trainer.logging import render_summary
 
     console = Console(stderr=True)
@@ -92,13 +96,8 @@ def train(args: argparse.Namespace) -> int:
             hint = interrupted_hint(run_dir) if run_dir else "run the same command to start again"
             console.print(f"stopped by {e.name} before training started; {hint}", soft_wrap=True)
             return e.exit_code
-        console.print(
-            f"[bold]sparserl train[/bold] -> {trainer.run_dir}  (model {cfg.model.spec}, task {cfg.task.name}, "
-            f"algo {cfg.algo.preset}, rollouts {'sparse ' + cfg.kv.method if cfg.sparse else 'dense'}, "
-            f"{cfg.trainer.steps} steps x {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n})",
-            highlight=False,
-            soft_wrap=True,
-        )
+        for line in [header(cfg, trainer.run_dir), *notes(cfg)]:
+            console.print(line, highlight=False, soft_wrap=True)
         stop_between_steps(trainer, stop)
         try:
             summary = trainer.train()

@@ -14,7 +14,7 @@ def check_fits_model(cfg: TrainConfig) -> None:
     first rollout). A model whose config cannot be read here (a Hub id not downloaded yet, a bad path) is left
     to the trainer, which loads it and names what is wrong."""
     from sparserl.cost.shape import load_model_config, shape_from_config
-    from sparserl.engine.decoding import CAPACITY_BUCKET  # a capped cache grows in blocks of this many
+    from sparserl.engine.allocation import CAPACITY_BUCKET  # a capped cache grows in blocks of this many
 
     try:
         config = load_model_config(cfg.model.spec)

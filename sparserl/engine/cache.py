@@ -318,6 +318,7 @@ class _RowState(dict):
 def dense_kv_bytes(
     bytes_per_position: float, rows: int, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> float:
-    """What a dense cache allocates for a batch of `rows` sequences, the yardstick of the KV saved: every row
-    holds the longest of `prompts` plus `max_new_tokens` positions of `bytes_per_position` bytes."""
+    """What a naive per-row cache allocates for a batch of `rows` sequences: every row holds the longest of
+    `prompts` plus `max_new_tokens` positions of `bytes_per_position` bytes. The dense engine allocates less (a
+    group's prompt held once): `engine.allocation.dense_kv_allocation` is its own figure."""
     return float(bytes_per_position) * rows * (max(len(p) for p in prompts) + max_new_tokens)

@@ -15,6 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from sparserl.engine.allocation import (
+    COMPILED_MIN_ROWS,
+    dense_kv_allocation,
+    in_blocks,
+    own_positions,
+    row_bucket,
+)
 from sparserl.engine.cache import KVCache
 from sparserl.engine.evicting_prefix import EvictingPrefixCache
 from sparserl.engine.position_stats import PositionStats
@@ -23,26 +30,6 @@ from sparserl.engine.shared_prefix import SharedPrefixCache, held_once, shared_i
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
-
-CAPACITY_BUCKET = 128  # slots are allocated in blocks of this many positions (a compiled step's capacity too)
-
-
-def in_blocks(positions: int) -> int:
-    """`positions` rounded up to whole blocks of CAPACITY_BUCKET."""
-    return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
-
-
-COMPILED_MIN_ROWS = 4  # fewer live rows decode eagerly: the compiled step would save ~ms and cost a graph
-
-
-def row_bucket(rows: int) -> int:
-    """The rows a compiled step runs for `rows` live rows: the next power of two from COMPILED_MIN_ROWS on (4,
-    8, 16, 32, 64, ...), so a handful of graphs serve every batch size (a batch of 32 whose rows finish one by
-    one uses 32, 16, 8 and 4) and at most half is padding."""
-    size = COMPILED_MIN_ROWS
-    while size < rows:
-        size *= 2
-    return size
 
 
 @dataclass
@@ -109,7 +96,7 @@ class DecodeRun:
         # block-sparse reads: a prompt held once is its whole pages (a row's own pages stay whole pages)
         self.align = engine.sparse.page_size if engine.sparse is not None else 1
         self.prompt_len = torch.tensor([len(r.prompt) for r in requests], device=dev)
-        self.longest = max(self.own_length(i, whole=True) for i in range(n))
+        self.longest = max(own_positions(r, self.shared, self.align) for r in requests)
         self.uniforms = torch.cat(
             [sample_uniforms(r.seed, [r.key], steps, dev) for r in requests]
         )  # [n, steps]: each sample's own draws
@@ -130,6 +117,10 @@ class DecodeRun:
         self.compiled = engine.compiled_step is not None
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
         self.peak_bytes = 0  # the decoding cache's keys and values (what a dense cache is compared with)
+        # what the dense engine allocates for these requests: the yardstick of the KV memory saved
+        self.dense_bytes = dense_kv_allocation(
+            requests, self.bytes_per_position, self.compiled, kv_memory_cap
+        )
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0
 

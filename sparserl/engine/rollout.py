@@ -426,6 +426,7 @@ def run_stats(run: DecodeRun) -> dict[str, float]:
         "generated_tokens": float(generated),
         **run.positions.summary(),
         "peak_kv_bytes": float(run.peak_bytes),
+        "peak_dense_kv_bytes": float(run.dense_bytes),
         "peak_kv_transient_bytes": float(run.peak_transient_bytes),
         "kv_bytes_per_position": float(run.bytes_per_position),
         "compression_events": float(run.events.sum()),

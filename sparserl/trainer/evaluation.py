@@ -44,8 +44,14 @@ class HeldOutEval:
         return out
 
     def print_samples(self, progress: Any, when: str) -> None:
-        """The first logging.print_samples dense samples: question, answer, reward."""
-        for text, ex, r in self.samples[: self.cfg.logging.print_samples]:
+        """logging.print_samples dense samples (question, answer, reward) of the prompts around the median
+        prompt length: a representative problem rather than the first row, the same prompts before and after
+        training (ties go to the earlier row)."""
+        k = self.cfg.logging.print_samples
+        order = sorted(range(len(self.samples)), key=lambda i: (len(self.view.prompt_ids(self.rows[i])), i))
+        start = max(0, (len(order) - k) // 2)
+        for i in sorted(order[start : start + k]):
+            text, ex, r = self.samples[i]
             question = ex.messages[-1]["content"] if ex.messages else ""
             progress.print(
                 f"[dim]eval sample {when}[/dim] (reward {r:.2f}, answer {ex.answer!r})\n"

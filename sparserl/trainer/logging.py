@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,17 +131,28 @@ def _truncate_after(path: Path, step: int) -> None:
 
 
 class ProgressDisplay:
-    """Rich progress bar over training steps with live reward, length and rejection rate; plain lines
-    instead when the console is not a terminal (CI, pipes) so logs stay readable."""
+    """Rich progress bar over training steps with live reward, length and rejection rate, `numbers(metrics)`
+    (the active systems' numbers) and the current phase ('evaluating before training', 'step 1: sampling');
+    plain lines instead when the console is not a terminal (CI, pipes) so logs stay readable (there the
+    phases are said until the first step of the session is done)."""
 
-    def __init__(self, total: int, start: int, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        total: int,
+        start: int,
+        enabled: bool = True,
+        console: Console | None = None,
+        numbers: Callable[[dict[str, Any]], str] | None = None,
+    ) -> None:
         self.console = console or Console(stderr=True)
         self.live = enabled and self.console.is_terminal
         self.enabled = enabled
+        self.numbers = numbers
+        self.stepped = False
         self.progress: Progress | None = None
         if self.live:
             self.progress = Progress(
-                TextColumn("[bold]train"),
+                TextColumn("[bold]{task.fields[phase]}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[stats]}"),
@@ -149,7 +161,7 @@ class ProgressDisplay:
                 TimeRemainingColumn(),
                 console=self.console,
             )
-            self.task = self.progress.add_task("train", total=total, completed=start, stats="")
+            self.task = self.progress.add_task("train", total=total, completed=start, stats="", phase="train")
             self.progress.start()
         self.total = total
 
@@ -161,10 +173,21 @@ class ProgressDisplay:
             f"rej {metrics.get('rejection_rate', 0.0):.1%}  "
             f"{metrics.get('time/step', 0.0):.1f}s/step"
         )
+        extra = self.numbers(metrics) if self.numbers is not None else ""
+        stats += f"  {extra}" if extra else ""
+        self.stepped = True
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, stats=stats)
+            self.progress.update(self.task, completed=step, stats=stats, phase="train")
         elif self.enabled:
             self.console.print(f"step {step}/{self.total}  {stats}", highlight=False)
+
+    def phase(self, text: str, after_steps: bool = False) -> None:
+        """Say what the run is doing now (the bar's label; a plain line until the first step is done, or
+        `after_steps` also after it)."""
+        if self.progress is not None:
+            self.progress.update(self.task, phase=text)
+        elif self.enabled and (after_steps or not self.stepped):
+            self.console.print(f"{text}...", highlight=False)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """Print above the bar (long paths are not wrapped)."""
@@ -190,6 +213,21 @@ def _mib(v: Any) -> str:
     return "n/a" if v is None else f"{v / 2**20:.1f} MiB"
 
 
+def kv_memory_text(summary: dict[str, Any]) -> str:
+    """The summary's KV memory line: the share saved against the dense engine's own allocation for the same
+    batches, or "no KV memory saved" when the rollouts' cache held as much or more (dense; block_topk, which
+    reads fewer positions but keeps the whole cache)."""
+    frac, peak, dense = (
+        summary.get(k) for k in ("kv_saved_fraction", "peak_kv_bytes_mean", "dense_kv_bytes_mean")
+    )
+    if peak is None or dense is None:
+        return "n/a"
+    sizes = f"({_mib(peak)} vs {_mib(dense)} for the dense engine, per rollout)"
+    if not frac or peak >= dense:
+        return f"no KV memory saved {sizes}"
+    return f"{frac:.1%} {sizes}"
+
+
 def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """Print the end-of-run summary as a table: rewards, KV memory, rejection rate, where the logs are."""
     from rich.table import Table
@@ -208,11 +246,7 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
         f"{_fmt(summary.get('train_reward_first_step'))} -> {_fmt(summary.get('train_reward_last_step'))}",
     )
     t.add_row("rollouts", str(summary.get("rollouts")))
-    t.add_row(
-        "KV memory saved (peak, vs dense)",
-        f"{_fmt(summary.get('kv_saved_fraction'), pct=True)}  "
-        f"({_mib(summary.get('peak_kv_bytes_mean'))} vs {_mib(summary.get('dense_kv_bytes_mean'))} per rollout)",
-    )
+    t.add_row("KV memory saved (peak, vs the dense engine)", kv_memory_text(summary))
     t.add_row("sequence rejection rate", _fmt(summary.get("rejection_rate_mean"), pct=True))
     t.add_row("skipped non-finite updates", str(summary.get("nonfinite_skipped_updates")))
     t.add_row("seconds per step", _fmt(summary.get("seconds_per_step")))
@@ -238,17 +272,21 @@ def is_number(v: Any) -> bool:
 def kv_saving_metrics(
     stats: dict[str, Any], prompts: list[list[int]], completions: list[list[int]], max_new: int, sparse: bool
 ) -> dict[str, float]:
-    """KV memory of the rollout versus a dense cache for the same batch (the engine preallocates, so both are
-    allocations: rows x positions x bytes per position), and peak positions held per sequence versus dense."""
+    """KV memory of the rollout versus what the dense engine allocates for the same batch (`peak_dense_kv_bytes`,
+    which the engine reports from `engine.allocation.dense_kv_allocation`: a group's prompt held once), the
+    allocation of a naive per-row cache (every row the longest prompt + max_new, labelled so), and peak
+    positions held per sequence versus dense. A cache holding as much as dense or more saves 0."""
     out: dict[str, float] = {}
     dense_peak = max((len(p) + len(c) for p, c in zip(prompts, completions, strict=True)), default=0)
-    per_pos, peak_bytes, peak = (
-        stats.get(k) for k in ("kv_bytes_per_position", "peak_kv_bytes", "peak_kv_positions")
+    per_pos, peak_bytes, dense_bytes, peak = (
+        stats.get(k)
+        for k in ("kv_bytes_per_position", "peak_kv_bytes", "peak_dense_kv_bytes", "peak_kv_positions")
     )
-    if per_pos and peak_bytes and is_number(per_pos) and is_number(peak_bytes):
-        dense_bytes = dense_kv_bytes(per_pos, len(prompts), prompts, max_new)
-        out["kv/dense_kv_bytes"] = dense_bytes
-        out["kv/saved_fraction"] = max(0.0, 1.0 - float(peak_bytes) / dense_bytes) if sparse else 0.0
+    if peak_bytes and dense_bytes and is_number(peak_bytes) and is_number(dense_bytes):
+        out["kv/dense_kv_bytes"] = float(dense_bytes)
+        out["kv/saved_fraction"] = max(0.0, 1.0 - float(peak_bytes) / float(dense_bytes)) if sparse else 0.0
+    if per_pos and is_number(per_pos) and prompts:
+        out["kv/naive_kv_bytes"] = dense_kv_bytes(per_pos, len(prompts), prompts, max_new)
     if peak and is_number(peak) and dense_peak:
         out["kv/dense_peak_positions"] = float(dense_peak)
         out["kv/positions_saved_fraction"] = max(0.0, 1.0 - float(peak) / dense_peak) if sparse else 0.0
@@ -256,8 +294,12 @@ def kv_saving_metrics(
 
 
 def sample_metrics(samples: list[Any], advantages: Tensor) -> dict[str, float]:
-    """Reward, length and advantage statistics of the step's samples (rollout.records.SampleRecord)."""
+    """Reward, length and advantage statistics of the step's samples (rollout.records.SampleRecord), and
+    `rollout/entropy_estimate`: the mean of -log p_sampler over the sampled tokens, an unbiased estimate of the
+    sampler's per-token entropy (the distribution drawn from: temperature, top-p/k and sparse KV applied) that
+    costs nothing, for watching entropy collapse without an entropy term in the loss."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    logps = [lp for s in samples for lp in s.sampler_logps]
     lengths = torch.tensor([len(s.tokens) for s in samples], dtype=torch.float32)
     truncated = torch.tensor([s.finish_reason == "length" for s in samples], dtype=torch.float32)
     return {
@@ -268,4 +310,5 @@ def sample_metrics(samples: list[Any], advantages: Tensor) -> dict[str, float]:
         "length/max": lengths.max().item(),
         "length/truncated_frac": truncated.mean().item(),
         "adv/abs_mean": advantages.abs().mean().item(),
+        "rollout/entropy_estimate": -sum(logps) / len(logps) if logps else 0.0,
     }

@@ -45,6 +45,7 @@ from sparserl.trainer.checkpoint import (
     TrainerState,
     save_checkpoint,
 )
+from sparserl.trainer.console import step_numbers
 from sparserl.trainer.data import training_tasks, usable_rows
 from sparserl.trainer.evaluation import held_out_eval
 from sparserl.trainer.learner_group import make_learner
@@ -367,7 +368,9 @@ class Trainer:
         total = cfg.trainer.steps
         stop = total if until_step is None else min(total, until_step)
         sinks = MetricSinks(self.run_dir, cfg.logging, cfg.to_dict(), resume_step=self.state.step)
-        progress = ProgressDisplay(total, self.state.step, enabled=cfg.logging.progress, console=self.console)
+        progress = ProgressDisplay(
+            total, self.state.step, cfg.logging.progress, self.console, lambda m: step_numbers(cfg, m)
+        )
         # engine.compile: each graph's compile is said on the console, not a silent minute
         self.engine.notify = progress.print
         hist = self.state.history
@@ -378,6 +381,7 @@ class Trainer:
             if self.resumed_from is not None:
                 progress.print(f"resumed from {self.resumed_from} (step {self.state.step}/{total})")
             elif "eval_before" not in hist and cfg.trainer.eval_prompts > 0:
+                progress.phase("evaluating before training")
                 before = self.evaluate(0)
                 hist["eval_before"] = before.get("eval/dense/reward")
                 hist["eval_sparse_before"] = before.get("eval/sparse/reward")
@@ -388,8 +392,10 @@ class Trainer:
                     self.stop_check()
                 step = self.state.step + 1
                 t0, cpu0 = time.perf_counter(), time.process_time()
+                progress.phase(f"step {step}: sampling")
                 batch, metrics = self.rollout(step)
                 t1 = time.perf_counter()
+                progress.phase(f"step {step}: updating")
                 metrics.update(self.learn(step, batch))
                 metrics["time/train"] = time.perf_counter() - t1
                 self.state.step = step
@@ -406,6 +412,7 @@ class Trainer:
             summary: dict[str, Any] = {}
             if self.finished():
                 if cfg.trainer.eval_prompts > 0:
+                    progress.phase("evaluating after training", after_steps=True)
                     after = self.evaluate(self.state.step)
                     hist["eval_after"] = after.get("eval/dense/reward")
                     hist["eval_sparse_after"] = after.get("eval/sparse/reward")

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from sparserl.trainer.checkpoint import latest_checkpoint
+from sparserl.trainer.console import kv_text
 from sparserl.trainer.logging import METRICS_FILE, TB_DIR, is_number
 
 # Step metrics whose run means the summary reports.
@@ -43,7 +44,7 @@ def run_summary(trainer: Any, wall_s: float) -> dict[str, Any]:
         "eval_sparse_reward_after": h.get("eval_sparse_after"),
         "train_reward_first_step": h.get("first_reward"),
         "train_reward_last_step": h.get("last_reward"),
-        "rollouts": f"sparse ({cfg.kv.method}, budget {cfg.kv.budget})" if cfg.sparse else "dense",
+        "rollouts": kv_text(cfg),
         "kv_saved_fraction": run_mean(h, "kv/saved_fraction"),
         "peak_kv_bytes_mean": run_mean(h, "rollout/peak_kv_bytes"),
         "dense_kv_bytes_mean": run_mean(h, "kv/dense_kv_bytes"),

@@ -1,0 +1,57 @@
+"""How much KV cache a decoding run allocates: the block and row rounding the running cache uses, the positions a
+request's own row holds, and what the dense engine allocates for a batch, the yardstick of the KV memory a
+sparse cache saves. `DecodeRun` sizes its cache with the same functions, so the yardstick cannot drift from
+what the dense engine really does (a test compares it with a dense run's measured peak)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
+
+from sparserl.engine.shared_prefix import held_once, shared_inputs
+
+if TYPE_CHECKING:
+    from sparserl.engine.decoding import Request
+
+CAPACITY_BUCKET = 128  # slots are allocated in blocks of this many positions (a compiled step's capacity too)
+COMPILED_MIN_ROWS = 4  # fewer live rows decode eagerly: the compiled step would save ~ms and cost a graph
+
+
+def in_blocks(positions: int) -> int:
+    """`positions` rounded up to whole blocks of CAPACITY_BUCKET."""
+    return -(-positions // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+def row_bucket(rows: int) -> int:
+    """The rows a compiled step runs for `rows` live rows: the next power of two from COMPILED_MIN_ROWS on (4,
+    8, 16, 32, 64, ...), so a handful of graphs serve every batch size (a batch of 32 whose rows finish one by
+    one uses 32, 16, 8 and 4) and at most half is padding."""
+    size = COMPILED_MIN_ROWS
+    while size < rows:
+        size *= 2
+    return size
+
+
+def own_positions(request: Request, shared: Collection[tuple[int, ...]], align: int = 1) -> int:
+    """Positions a request's own row holds at its end: prompt + max_new_tokens, less the part of its first input
+    (prompt + given completion tokens) held once when two or more requests start from it (`shared`; whole
+    `align`-position pages of it under block-sparse reads)."""
+    first = tuple(request.prompt) + tuple(request.prefix)
+    whole = len(request.prompt) + request.max_new_tokens
+    return whole - held_once(len(first), align) * (first in shared)
+
+
+def dense_kv_allocation(
+    requests: Sequence[Request], bytes_per_position: int, compiled: bool = False, cap: int | None = None
+) -> int:
+    """KV bytes the dense engine allocates for `requests` admitted together: every row as many positions as the
+    longest row needs (`own_positions`), plus each input that several requests start from held once (a GRPO
+    group's prompt, `SharedPrefixCache`). A compiled step holds copies instead, its capacity in whole blocks and
+    its rows padded to a `row_bucket`. Under a KV memory `cap` the dense engine never holds more than the cap."""
+    first = [tuple(r.prompt) + tuple(r.prefix) for r in requests]
+    shared = set() if compiled else shared_inputs(first)
+    capacity, rows = max(own_positions(r, shared) for r in requests), len(requests)
+    if compiled:
+        capacity, rows = in_blocks(capacity), row_bucket(rows) if rows >= COMPILED_MIN_ROWS else rows
+    total = bytes_per_position * (rows * capacity + sum(map(len, shared)))
+    return total if cap is None else min(total, cap)
