@@ -166,7 +166,7 @@ def test_rollout_cli(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert rc == 0, err
     flat = " ".join(out.split())
     assert "2 completions" in flat and "tokens/s" in flat
-    assert "KV memory: peak" in flat and "for a dense cache" in flat and "saved" in flat
+    assert "KV memory: peak" in flat and "for the dense engine" in flat and "saved" in flat
     assert "prompt 0" in flat  # one sample shown
     rc, _, err = run_cli(capsys, "rollout", "--model", str(tiny_dir), "--kv", "nope")
     assert rc == 2 and "'nope' is unknown" in err

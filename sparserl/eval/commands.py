@@ -286,7 +286,6 @@ def rollout_command(args: argparse.Namespace) -> int:
     from rich.panel import Panel
 
     from sparserl.engine import RolloutEngine
-    from sparserl.engine.cache import dense_kv_bytes
     from sparserl.eval.loading import eval_task_config, load_eval_model
     from sparserl.models import encode_prompt
     from sparserl.tasks import make_task
@@ -334,7 +333,7 @@ def rollout_command(args: argparse.Namespace) -> int:
         )
     st = out.stats
     rows = len(out)
-    dense_bytes = dense_kv_bytes(st["kv_bytes_per_position"], rows, prompts, args.max_new_tokens)
+    dense_bytes = st["peak_dense_kv_bytes"]  # the dense engine's own allocation for this batch
     dense_positions = max(len(prompts[s.prompt_index]) + len(s.completion_ids) for s in out.samples)
     mode = f"sparse {kv.method}, budget {kv.budget}, interval {kv.interval}" if kv.sparse else "dense"
     console.print(
@@ -345,8 +344,8 @@ def rollout_command(args: argparse.Namespace) -> int:
         highlight=False,
     )
     console.print(
-        f"KV memory: peak [bold]{_mib(st['peak_kv_bytes'])}[/bold] vs {_mib(dense_bytes)} for a dense cache "
-        f"of the same batch ({1 - st['peak_kv_bytes'] / dense_bytes:.1%} saved); at most "
+        f"KV memory: peak [bold]{_mib(st['peak_kv_bytes'])}[/bold] vs {_mib(dense_bytes)} for the dense engine "
+        f"on the same batch ({max(0.0, 1 - st['peak_kv_bytes'] / dense_bytes):.1%} saved); at most "
         f"{int(st['peak_kv_positions'])} positions held per sequence (dense: {dense_positions}); "
         f"retained fraction {st['retained_fraction']:.1%}, {int(st['compression_events'])} compression events",
         highlight=False,

@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from sparserl.engine import KVConfig, RolloutEngine
-from sparserl.engine.cache import dense_kv_bytes
 from sparserl.engine.context_length import split_by_fit, too_long_message
 from sparserl.engine.scored import generate_and_score
 from sparserl.errors import DataError, UserError
@@ -116,8 +115,7 @@ def _run_mode(
         agg["peak_kv_positions"] = max(agg["peak_kv_positions"], float(st["peak_kv_positions"]))
         agg["compression_events"] += float(st["compression_events"])
         bytes_per_pos = float(st["kv_bytes_per_position"])
-        dense_chunk = dense_kv_bytes(bytes_per_pos, len(scored.samples), ids, gen_kwargs["max_new_tokens"])
-        dense_bytes = max(dense_bytes, dense_chunk)
+        dense_bytes = max(dense_bytes, float(st["peak_dense_kv_bytes"]))  # the dense engine's own allocation
         gen_s += float(st["prefill_s"]) + float(st["decode_s"])
         generated += int(st["generated_tokens"])
         by_prompt: dict[int, list[int]] = {}
