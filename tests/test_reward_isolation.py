@@ -258,6 +258,35 @@ def test_processes_started_by_reward_code_end_with_its_worker(
     task.close()
 
 
+def test_no_process_started_by_reward_code_outlives_a_run(tmp_path: Path) -> None:
+    """`sparserl train` with a reward module that forks at import and a function that starts a subprocess per
+    call: once the command has exited, none of those processes is alive."""
+    import subprocess
+    import sys
+
+    from tests.tiny import TINY_RUN
+
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads /proc (Linux)")
+    path = tmp_path / "spawning.py"
+    path.write_text(SPAWNING_PY)
+    argv = [*TINY_RUN, "rollout.max_new_tokens=4", "trainer.eval_prompts=0", "task.num_examples=20",
+            "trainer.steps=1", "logging.progress=false", f"trainer.output_dir={tmp_path}/runs",
+            f"task.reward=[builtin, {path}:per_call]"]  # fmt: skip
+    env = {**os.environ, "FORK_AT_IMPORT": "1", "OMP_NUM_THREADS": "1"}
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:  # a file, not a pipe: waiting for a pipe's end would wait for the survivors
+        done = subprocess.run([sys.executable, "-m", "sparserl.cli", "train", *argv], env=env, stdout=out,
+                              stderr=out, timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert done.returncode == 0, log.read_text()[-2000:]
+    pids = [int(p) for p in (tmp_path / "pids.txt").read_text().split()]
+    assert len(pids) >= 2
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)]
+
+
 @pytest.mark.parametrize("limit", ["inf", "1e12"])
 def test_a_reward_timeout_of_inf_means_no_limit(hostile: Path, limit: str) -> None:
     """task.reward_timeout=inf (or any huge number) is 'no limit': user rewards and the built-in math-verify
