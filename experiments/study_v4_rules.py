@@ -10,13 +10,13 @@ from __future__ import annotations
 # The dial (stage A1): each sampler as `sparserl bias` overrides of experiments/study_v4.yaml. The dense twin of
 # every sample is the same config's dense sampler at rollout.temperature (1.0), coupled by its random stream.
 SAMPLERS: dict[str, list[str]] = {
-    "dense": ["kv.method=dense"],
+    "dense": ["kv.method=dense", "algo.sparse_rollout=false"],
     **{f"rkv{b}": ["kv.method=rkv", f"kv.budget={b}"] for b in (104, 112, 120, 128, 136)},
     **{f"block_topk{b}": ["kv.method=block_topk", f"kv.budget={b}"] for b in (48, 64, 80)},
     "streaming128": ["kv.method=streaming_llm", "kv.budget=128"],
     "random128": ["kv.method=random", "kv.budget=128"],
-    "temp1.15": ["kv.method=dense", "rollout.sampler_temperature=1.15"],
-    "temp1.3": ["kv.method=dense", "rollout.sampler_temperature=1.3"],
+    "temp1.15": ["kv.method=dense", "algo.sparse_rollout=false", "rollout.sampler_temperature=1.15"],
+    "temp1.3": ["kv.method=dense", "algo.sparse_rollout=false", "rollout.sampler_temperature=1.3"],
 }
 CONTROLS = ("temp1.15", "temp1.3")  # the positive control: a sampler that differs from pi_old by construction
 EVICTING = tuple(k for k in SAMPLERS if k.startswith(("rkv", "streaming", "random")))

@@ -24,7 +24,7 @@ from sparserl.cli.common import COMMANDS, MODEL_LOAD_ARGS, ROW_FIELD_ARGS, Arg, 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
-HELP_ORDER = ("train", "eval", "rollout", "plot", "calibrate", "cost")  # how `sparserl --help` lists them
+HELP_ORDER = ("train", "eval", "bias", "rollout", "plot", "calibrate", "cost")  # how `sparserl --help` lists them
 
 
 class _LazyEpilogParser(argparse.ArgumentParser):
@@ -133,7 +133,7 @@ def describe_os_error(e: OSError) -> str:
 
 
 # The subcommands register themselves with @command (sparserl.cli.common) when imported.
-from sparserl.cli import evaluation, tools, train  # noqa: E402, F401
+from sparserl.cli import bias, evaluation, tools, train  # noqa: E402, F401
 
 __all__ = [
     "COMMANDS",

@@ -159,7 +159,19 @@ class RolloutConfig:
     max_new_tokens: int = field(
         default=64, metadata={"help": "Completion length cap; longer ones finish with reason 'length'."}
     )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0)."})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "Sampling temperature (> 0); the learner and pi_old score at it too."},
+    )
+    sampler_temperature: float | None = field(
+        default=None,
+        metadata={
+            "help": "The sampler's own temperature (> 0), while the learner and pi_old keep rollout.temperature; "
+            "the recorded log-probs are the sampler's. None: rollout.temperature (bit for bit the same sampler). "
+            "A sampler that differs from pi_old by construction: the positive control of `sparserl bias` "
+            "(docs/bias.md), and a way to check that the corrections see a mismatch at all."
+        },
+    )
     top_p: float = field(
         default=1.0,
         metadata={
@@ -222,6 +234,10 @@ class RolloutConfig:
                 raise ConfigError(f"rollout.{key}={getattr(self, key)} must be >= 1")
         if not 0 < self.temperature < math.inf:
             raise ConfigError(f"rollout.temperature={self.temperature} must be a finite number > 0")
+        if self.sampler_temperature is not None and not 0 < self.sampler_temperature < math.inf:
+            raise ConfigError(
+                f"rollout.sampler_temperature={self.sampler_temperature} must be a finite number > 0 (or null)"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.top_k < 0:
@@ -239,3 +255,8 @@ class RolloutConfig:
         return (
             None if self.kv_memory_cap is None else parse_bytes(self.kv_memory_cap, "rollout.kv_memory_cap")
         )
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the sampler draws at: rollout.sampler_temperature, else rollout.temperature."""
+        return self.temperature if self.sampler_temperature is None else self.sampler_temperature

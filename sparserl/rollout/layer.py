@@ -222,7 +222,7 @@ class RolloutLayer:
                     self._submit(g)
 
         stop = (lambda: finished_groups >= target) if cfg.partial.enable else None
-        sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, list(cfg.stop))
+        sampling = Sampling(cfg.sampling_temperature, cfg.top_p, cfg.top_k, list(cfg.stop))
         run_metrics = {}
         if requests and not (stop is not None and stop()):  # leftovers may already complete the step
             run_metrics = self.backend.run(requests, sampling, version, seed, on_segment, stop)

@@ -1,0 +1,191 @@
+"""`sparserl bias`: K coupled batches (sparserl/eval/bias_run.py), each saved as it ends (--resume takes the saved
+ones), then the report (sparserl/eval/bias_stats.py): rollout statistics with prompt-clustered intervals, each
+estimator's gradient against the dense one with batch-bootstrap intervals, a verdict per estimator, a JSON and a
+plot (docs/bias.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparserl.config import TrainConfig
+from sparserl.errors import UserError
+from sparserl.eval.bias import DENSE, NAIVE, estimator_configs, rollout_clusters
+from sparserl.eval.bias_run import BiasRun, make_sketch
+from sparserl.eval.bias_stats import (
+    bootstrap_counts,
+    cluster_table,
+    gradient_report,
+    ratio_of_sums,
+    verdict,
+)
+
+SETTINGS_FILE, REPORT_FILE, PLOT_FILE, BATCHES_DIR = "settings.json", "bias.json", "bias.png", "batches"
+COMPLEMENTS = ("kv_saving_mean_held",)  # reported as 1 - sum(sparse) / sum(dense)
+
+
+@dataclasses.dataclass
+class BiasSettings:
+    """What `sparserl bias` measures, besides the config (flags of the command; docs/bias.md)."""
+
+    prompts: int = 4  # prompts per batch (each with rollout.n coupled samples)
+    batches: int = 4  # K
+    estimators: list[str] = dataclasses.field(default_factory=lambda: ["config", "seq-is"])  # besides naive
+    gradients: bool = True
+    micro_batch: int = 8
+    sketch_dim: int | None = None  # None: exact up to 8M parameters, else a CountSketch of 2^20
+    draws: int = 2000
+    matter: float = 0.10
+    inert: float = 0.05
+
+
+def _check_out(out: Path, fingerprint: dict, resume: bool) -> None:
+    """A new --out, or with --resume one whose saved settings equal these (else a clear error)."""
+    saved = out / SETTINGS_FILE
+    if not saved.is_file():
+        if resume and out.exists() and any(out.iterdir()):
+            raise UserError(f"--resume: {out} holds no {SETTINGS_FILE}; it is not a sparserl bias folder")
+        out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(fingerprint, indent=1))
+        return
+    if not resume:
+        raise UserError(
+            f"--out {out} already holds a bias measurement: pass --resume to continue it, or another --out"
+        )
+    old = json.loads(saved.read_text())
+    changed = sorted(_differences(old, json.loads(json.dumps(fingerprint))))
+    if changed:
+        raise UserError(
+            f"--resume: {out} was measured with other settings ({', '.join(changed[:6])}); use another --out"
+        )
+
+
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def _rows(run: BiasRun, want: int) -> list[int]:
+    """The task's first `want` rows that fit the model with rollout.max_new_tokens (as training checks them)."""
+    from sparserl.trainer.data import usable_rows
+
+    cfg = run.cfg
+    rows, _ = usable_rows(run.view.task, lambda i: len(run.view.prompt_ids(i)), run.sampler.decoder.max_positions,
+                          cfg.rollout.max_new_tokens, cfg.task.on_long_prompt, want)  # fmt: skip
+    if len(rows) < want:
+        raise UserError(
+            f"sparserl bias: --prompts x --batches = {want} prompts, but the task has {len(rows)} usable rows; "
+            "lower --batches or --prompts"
+        )
+    return rows
+
+
+def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = False, progress: Any = None,
+            model_loader: Any = None, task: Any = None, command: str = "") -> dict:  # fmt: skip
+    """Run (or finish) the K batches into `out`, then write and return the report. `progress(done, total)` is
+    called after each batch."""
+    out = Path(out)
+    _check_out(out, {"config": cfg.to_dict(), "settings": dataclasses.asdict(s)}, resume)
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    run = BiasRun(cfg, model_loader, task)
+    rows = _rows(run, s.prompts * s.batches)
+    estimators = estimator_configs(cfg.algo, s.estimators)
+    sketch = make_sketch(run.size, s.sketch_dim, cfg.trainer.seed) if s.gradients else None
+    (out / BATCHES_DIR).mkdir(exist_ok=True)
+    from sparserl.rollout import step_seed
+
+    for k in range(s.batches):
+        path = out / BATCHES_DIR / f"{k:04d}.pt"
+        if not path.is_file():
+            t0 = time.process_time()
+            c = run.sample(rows[k * s.prompts : (k + 1) * s.prompts], step_seed(cfg.trainer.seed, k))
+            record = {
+                "clusters": rollout_clusters(c, cfg.rollout.n, estimators),
+                "peak_kv_bytes": c.peak_kv_bytes,
+            }
+            if s.gradients:
+                record["grads"] = run.gradients(c, estimators, s.micro_batch, sketch)
+            record["cpu_s"] = time.process_time() - t0
+            tmp = path.with_suffix(".tmp")
+            torch.save(record, tmp)
+            tmp.replace(path)
+        if progress is not None:
+            progress(k + 1, s.batches)
+    reduction = "exact" if sketch is None else f"count-sketch to {sketch.dim} buckets"
+    report = summarize(out, s, cfg.trainer.seed, list(estimators), run.size, reduction)
+    report = {"goals": {}, "command": command, "sampler": sampler_text(cfg), **report}
+    (out / REPORT_FILE).write_text(json.dumps(report, indent=1) + "\n")
+    plot(report, out / PLOT_FILE)
+    return report
+
+
+def sampler_text(cfg: TrainConfig) -> str:
+    """The sampler under test in words, against its dense twin."""
+    r = cfg.rollout
+    cache = f"{cfg.kv.method} budget {cfg.kv.budget}" if cfg.sparse else "dense cache"
+    temp = f", sampler temperature {r.sampling_temperature}" if r.sampler_temperature is not None else ""
+    return f"{cache}{temp}; dense twin at temperature {r.temperature}; corrections of algo.preset={cfg.algo.preset}"
+
+
+def summarize(
+    out: Path, s: BiasSettings, seed: int, estimators: list[str], size: int, reduction: str
+) -> dict:
+    """The report from the saved batches: rollout statistics, gradient statistics, verdicts, CPU seconds."""
+    records = [torch.load(p, weights_only=False) for p in sorted((out / BATCHES_DIR).glob("*.pt"))]
+    clusters = [c for r in records for c in r["clusters"]]
+    table = cluster_table(clusters)
+    counts = bootstrap_counts(len(clusters), s.draws, seed)
+    rollout = {k: ratio_of_sums(num, den, counts, k in COMPLEMENTS) for k, (num, den) in table.items()}
+    peaks = torch.tensor([r["peak_kv_bytes"] for r in records], dtype=torch.float64)
+    rollout["kv_saving_peak"] = ratio_of_sums(peaks[:, 0], peaks[:, 1], bootstrap_counts(len(records), s.draws,
+                                              seed), complement=True)  # fmt: skip
+    report: dict[str, Any] = {"batches_done": len(records), "batches": s.batches, "complete": len(records) == s.batches,
+                              "prompts": len(clusters), "rollout": rollout, "trainable_parameters": size,
+                              "gradient_reduction": reduction if s.gradients else None,
+                              "cpu_s": {"total": sum(r["cpu_s"] for r in records),
+                                        "per_batch": [r["cpu_s"] for r in records]}}  # fmt: skip
+    if s.gradients and len(records) >= 2:
+        vectors = {name: torch.stack([r["grads"][name] for r in records]) for name in [*estimators, DENSE]}
+        grads = gradient_report(vectors, NAIVE, DENSE, s.draws, seed)
+        for name, g in grads.items():
+            if name != NAIVE:
+                g["verdict"] = verdict(g["gamma"], g["cosine_gain"], s.matter, s.inert)
+        report["estimators"] = grads
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    """Cosine to the dense gradient, relative bias and Gamma per estimator, with their intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grads = report.get("estimators")
+    if not grads:
+        return
+    names = list(grads)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, stat, title in zip(axes, ("cosine", "relative_bias", "gamma"),
+                               ("cosine c_X to E g_dense", "relative bias B_X", "Gamma_X (vs naive)"), strict=True):  # fmt: skip
+        for i, name in enumerate(names):
+            v = grads[name].get(stat)
+            if v is None or v["value"] is None:
+                continue
+            if v["low"] is not None:  # a percentile interval need not contain the point estimate
+                ax.vlines(i, v["low"], v["high"], color=f"C{i}")
+            ax.plot([i], [v["value"]], "o", color=f"C{i}")
+        ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    fig.suptitle(report.get("sampler", ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
