@@ -17,10 +17,7 @@ from sparserl.eval import evaluate, load_eval_model, load_eval_task, pass_at_k, 
 from sparserl.eval.loading import eval_task_config
 from sparserl.models import ModelLoadError, tiny_model
 from sparserl.tasks import Example, Task, TaskConfig
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
-
+from tests.shared_data import DATA
 
 # ------------------------------------------------------------------------------------------------ pass@k
 
@@ -199,7 +196,7 @@ def test_eval_task_config_sources(tmp_path: Path) -> None:
         load_eval_task(None, model_spec="smollm2-135m")
 
 
-@needs_data
+@pytest.mark.shared_data
 def test_named_eval_sets_resolve_to_shared_files() -> None:
     gsm = eval_task_config("gsm8k")
     assert gsm.data.endswith("gsm8k/test.jsonl")

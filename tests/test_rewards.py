@@ -33,9 +33,8 @@ from sparserl.tasks.rewards import (
     numeric_reward,
     safe_call,
 )
+from tests.shared_data import DATA
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
 # A reference math-verify cannot finish: sympy evaluates the factorial of a million-digit number in C.
 HANG = "(10^{10^{6}})!"
 
@@ -284,7 +283,7 @@ def test_task_score_guards_raise_and_hang() -> None:
 # ------------------------------------------------------------------------------------------------- real data
 
 
-@needs_data
+@pytest.mark.shared_data
 def test_gsm8k_answers_extract_to_numbers() -> None:
     for split in ("train", "test"):
         rows = read_jsonl(DATA / "gsm8k" / f"{split}.jsonl")
@@ -299,7 +298,7 @@ def test_gsm8k_answers_extract_to_numbers() -> None:
             assert math_reward(f"\\boxed{{{int(parse_number(gold)) + 1}}}", gold) == 0.0
 
 
-@needs_data
+@pytest.mark.shared_data
 def test_math500_boxed_solution_matches_answer_field() -> None:
     rows = read_jsonl(DATA / "eval" / "math500.jsonl")
     for row in rows:
@@ -308,7 +307,7 @@ def test_math500_boxed_solution_matches_answer_field() -> None:
         assert answers_match(row["answer"], boxed, timeout=30), (row["answer"], boxed)
 
 
-@needs_data
+@pytest.mark.shared_data
 def test_math_train_labels_and_minerva_solutions() -> None:
     rows = read_jsonl(DATA / "math" / "simplelr_level3to5_train.jsonl")
     labels = [reference_answer(r["label"]) for r in rows]

@@ -16,9 +16,7 @@ from sparserl.tasks.answers import reference_answer
 from sparserl.tasks.arithmetic import evaluate
 from sparserl.tasks.dataset import DatasetTask
 from sparserl.tasks.long_arithmetic import FACT_NAMES
-
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"shared data not found at {DATA}")
+from tests.shared_data import DATA
 
 
 def user_text(ex: Example) -> str:
@@ -146,7 +144,7 @@ def test_long_arithmetic_length_and_determinism() -> None:
 # ---------------------------------------------------------------------------------------- local datasets
 
 
-@needs_data
+@pytest.mark.shared_data
 @pytest.mark.parametrize(
     ("file", "rows", "question_key", "answer_key", "first_answer"),
     [
@@ -173,7 +171,7 @@ def test_eval_file_field_mapping(
     assert task.score("So the answer is $\\boxed{123456}$.", ex) == 0.0
 
 
-@needs_data
+@pytest.mark.shared_data
 def test_gsm8k_and_math_tasks_from_local_files(tmp_path: Path) -> None:
     gsm = make_task(TaskConfig(name="gsm8k", data=str(DATA / "gsm8k" / "{split}.jsonl")), split="train")
     assert len(gsm) == 7473 and gsm[0].answer == "72"

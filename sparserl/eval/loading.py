@@ -186,7 +186,7 @@ def eval_task_config(
         return replace(base, name=data, data=str(local), data_config="", **common)
     if data in EVAL_SETS:
         raise FileNotFoundError(
-            f"--data {data}: eval set not found under {', '.join(str(d) for d in shared_data_dirs()) or '../shared/data'}; "
+            f"--data {data}: the eval set's file is not here (no shared data folder holds eval/{data}.jsonl); "
             "give the path of its .jsonl file"
         )
     if "/" not in data and data not in ("gsm8k", "math"):  # like make_task: a Hub name is owner/name
