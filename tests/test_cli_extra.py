@@ -122,6 +122,32 @@ def test_eval_cli_run_dir_uses_its_model_and_task(
     assert result["task"] == "long_arithmetic"
 
 
+def test_eval_cli_length_defaults_to_training_s_and_its_table_keeps_whole_headers(
+    tiny_dir: Path, qa_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --max-new-tokens eval samples as long as training would (a run directory's own length, else
+    rollout.max_new_tokens' default), not 1024; its table on an 80-column stderr cuts no header or label."""
+    rc, out, err = run_cli(
+        capsys, "eval", "--model", str(tiny_dir), "--data", str(qa_file), *SMALL_KV, "-k", "1"
+    )
+    assert rc == 0, err
+    assert json.loads(out)["sampling"]["max_new_tokens"] == 64
+    for text in ("inference", "truncated", "retained", "peak KV", "sparse (rkv, budget 40)"):
+        assert text in err, err
+    assert "\u2026" not in err  # rich's ellipsis
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(
+        load_config(None, [f"model.spec={tiny_dir}", "rollout.max_new_tokens=6"]), run / "config.yaml"
+    )
+    model, tok = tiny_model(seed=0)
+    model.save_pretrained(run / "final")
+    tok.save_pretrained(run / "final")
+    rc, out, err = run_cli(capsys, "eval", "--model", str(run), "--data", str(qa_file), "-k", "1", "-q")
+    assert rc == 0, err
+    assert json.loads(out)["sampling"]["max_new_tokens"] == 6
+
+
 @pytest.mark.parametrize(
     ("args", "code", "needle"),
     [

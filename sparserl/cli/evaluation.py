@@ -66,7 +66,13 @@ def _eval_epilog() -> str:
         default=None,
         help="first N prompts; 0: all (default: all rows, 200 for procedural tasks)",
     ),
-    arg("--max-new-tokens", type=int, default=1024, help="completion length cap (default 1024)"),
+    arg(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="completion length cap (default: a run directory's rollout.max_new_tokens, else training's "
+        "default, 64)",
+    ),
     arg("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy (default 0.8)"),
     arg("--top-p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)"),
     arg("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 disables (default)"),

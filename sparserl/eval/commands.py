@@ -155,6 +155,7 @@ def _mib(v: float | None) -> str:
 
 def render_eval(result: dict[str, Any], console: Console) -> None:
     """A short human-readable table of the report (stderr; the JSON goes to stdout)."""
+    from rich.measure import Measurement
     from rich.table import Table
 
     k = result["samples"]
@@ -189,7 +190,11 @@ def render_eval(result: dict[str, Any], console: Console) -> None:
             f"{s['retained_fraction']:.1%}",
             f"{s['tokens_per_s']:.1f}",
         )
+    # at least the table's natural width: a narrow (or absent, 80-column) terminal must not cut its headers
+    width = console.width
+    console.width = max(width, Measurement.get(console, console.options.update_width(1000), table).maximum)
     console.print(table)
+    console.width = width
 
 
 def _sparse_kv(args: argparse.Namespace) -> Any:
@@ -212,8 +217,10 @@ def eval_command(args: argparse.Namespace) -> int:
     --out. Bad input (a flag, a data row, a prompt longer than the model's context) raises a UserError that
     `sparserl.cli.main` prints as one line."""
     from sparserl.eval.evaluate import evaluate, write_json
-    from sparserl.eval.loading import default_limit, load_eval_model, load_eval_task
+    from sparserl.eval.loading import default_limit, default_max_new_tokens, load_eval_model, load_eval_task
 
+    if args.max_new_tokens is None:
+        args.max_new_tokens = default_max_new_tokens(args.model)
     _check_positive(
         samples=args.samples, max_new_tokens=args.max_new_tokens, batch_prompts=args.batch_prompts
     )

@@ -223,6 +223,16 @@ def load_eval_task(
     return make_task(cfg, split)
 
 
+def default_max_new_tokens(model_spec: str | None) -> int:
+    """The completion length cap when --max-new-tokens is not given: the length a run directory trained with,
+    else training's default (rollout.max_new_tokens), so eval neither preallocates nor waits for far more."""
+    from sparserl.config.rollout import RolloutConfig
+
+    if model_spec and is_run_dir(model_spec):
+        return run_config(model_spec).rollout.max_new_tokens
+    return RolloutConfig().max_new_tokens
+
+
 def default_limit(task: Any) -> int:
     """How many prompts to evaluate when --limit is not given: every row of a dataset, a bounded number of
     the procedural tasks (they have `task.num_examples` problems, 10000 by default)."""
