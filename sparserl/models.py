@@ -133,14 +133,17 @@ def _from_pretrained(
     from transformers.utils import logging as hf_logging
 
     tokenizer = _tokenizer_from_pretrained(source, spec, **kwargs)
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # its load report of misfits would repeat the error raised below
+    hf_logging.disable_progress_bar()  # its 'Loading weights' bar would fill every run's log
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, output_loading_info=True, **kwargs
         )
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     misfits = [
         f"{kind} {_listed(sorted(info[f'{kind}_keys']))}"
         for kind in ("missing", "unexpected")

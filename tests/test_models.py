@@ -149,6 +149,20 @@ def test_folder_missing_a_layer_or_with_foreign_weights_is_refused(tmp_path: Pat
     assert "unexpected 1: extra.weight" in str(err.value) and str(folder) in str(err.value)
 
 
+def test_loading_a_model_shows_no_progress_bar_and_leaves_the_setting_alone(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """transformers' 'Loading weights' bar would fill every run's log: our own loads hide it, and only them."""
+    from transformers.utils import logging as hf_logging
+
+    folder = _saved_tiny(tmp_path)
+    capfd.readouterr()
+    hf_logging.enable_progress_bar()
+    load_model(str(folder))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_tied_embeddings_need_no_lm_head_but_untied_do(tmp_path: Path) -> None:
     tied = _saved_tiny(tmp_path / "tied")
     assert "lm_head.weight" not in load_file(
