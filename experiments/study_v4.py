@@ -120,36 +120,67 @@ def warmstart(args) -> None:
     print(json.dumps(reproduced_goal(state)), "\ncommit:", COMMIT)
 
 
+def run_bias(stage: str, name: str, batches: int, estimators: str) -> dict:
+    """`sparserl bias` for one sampler of the dial on the probe rows (4 prompts x 8 per batch), in its own
+    resumable process; its report copied to docs/results/study_v4/STAGE/NAME.json."""
+    out, kept = RUNS / stage / name, RESULTS / stage / f"{name}.json"
+    cmd = [sys.executable, "-m", "sparserl", "bias", "--config", str(CONFIG), *R.SAMPLERS[name], *probe_rows(),
+           "trainer.threads=1", "--prompts", "4", "--batches", str(batches), "--estimators", estimators,
+           "--out", str(out), "--resume", "--no-progress"]  # fmt: skip
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    report = read(out / "bias.json")
+    report["goals"] = {}  # a stage's part judges nothing by itself: `report` applies the rules
+    write(kept, report)
+    print(f"{stage} {name} done ({report['cpu_s']['total'] / 3600:.2f} CPU-h); commit: {COMMIT}", flush=True)
+    return report
+
+
 def a1(args) -> None:
-    """Stage A1: `sparserl bias` without gradients per sampler (32 prompts x 8), each its own resumable process."""
-    a = R.RULES["a1"]
-    for name, overrides in R.SAMPLERS.items():
-        out = RESULTS / "a1" / name
-        if (out / "bias.json").is_file() and read(out / "bias.json", {}).get("complete"):
-            continue
-        cmd = [sys.executable, "-m", "sparserl", "bias", "--config", str(CONFIG), *overrides,
-               *probe_rows(), "--prompts", "4", "--batches", str(a["prompts"] // 4), "--estimators", "none",
-               "--out", str(out), "--resume", "--no-progress"]  # fmt: skip
-        print(" ".join(cmd), flush=True)
-        subprocess.run(cmd, check=True, cwd=ROOT)
-        print(f"A1 {name} done; commit: {COMMIT}", flush=True)
+    """Stage A1: rollout statistics per sampler (32 prompts x 8, no gradients)."""
+    for name in R.SAMPLERS:
+        if not read(RESULTS / "a1" / f"{name}.json", {}).get("complete"):
+            run_bias("a1", name, R.RULES["a1"]["prompts"] // 4, "none")
+
+
+def a2(args) -> None:
+    """Stage A2: the gradients of naive, sparse-rl, seq-is and smd at K = 12 for the samplers R1's ranking picks
+    (fixed in study_v4.json when first chosen), then R2's extension to K = 24 for the top 2 real samplers."""
+    reports = {name: read(RESULTS / "a1" / f"{name}.json", {}) for name in R.SAMPLERS}
+    missing = [k for k, r in reports.items() if not r.get("complete")]
+    if missing:
+        raise SystemExit(
+            f"stage A1 is not complete ({', '.join(missing)}): python experiments/study_v4.py a1"
+        )
+    state = read(JSON)
+    if "a2_samplers" not in state:
+        rows = {k: R.a1_row(k, r) for k, r in reports.items()}
+        state["a1_rows"], state["a2_samplers"] = rows, R.a2_samplers(rows)
+        write(JSON, state)
+    a = R.RULES["a2"]
+    estimators = ",".join(e if e != "sparse-rl" else "config" for e in a["estimators"] if e != "naive")
+    done = {name: run_bias("a2", name, a["batches"], estimators) for name in state["a2_samplers"]}
+    real = [k for k in state["a2_samplers"] if k != "dense" and k not in R.CONTROLS][:2]
+    for name in real:
+        if R.r2_extend(done[name]):
+            run_bias("a2", name, a["extended_batches"], estimators)
 
 
 def probe_rows() -> list[str]:
     """Overrides that make the task's rows v3's probe set (task seed 2, test split)."""
     spec = __import__("study_v3_rules").ROW_SETS["probe"]
-    return [f"task.seed={spec['task_seed']}", "--split", spec["split"]]
+    return [f"task.seed={spec['task_seed']}", f"task.split={spec['split']}"]
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["setup", "warmstart", "a1"])
+    p.add_argument("stage", choices=["setup", "warmstart", "a1", "a2"])
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-4)
     args = p.parse_args()
     os.chdir(ROOT)  # the setting names its model relative to the repository root
     torch.set_num_threads(1)
-    {"setup": setup, "warmstart": warmstart, "a1": a1}[args.stage](args)
+    {"setup": setup, "warmstart": warmstart, "a1": a1, "a2": a2}[args.stage](args)
     return 0
 
 

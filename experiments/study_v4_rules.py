@@ -120,3 +120,32 @@ def r1_eligible(row: dict, evicting: bool) -> dict:
         saving = row.get("kv_saving_mean_held", {}).get("value")
         clauses["saving"] = saving is not None and saving >= r["saving_min"]
     return {"clauses": clauses, "eligible": all(clauses.values())}
+
+
+def a1_row(name: str, report: dict) -> dict:
+    """What R1 and the A2 choice read from one A1 report, and R1's verdict."""
+    r = report["rollout"]
+    return {"reward_ratio": r["reward_ratio"], "nondegenerate_groups": r["nondegenerate_groups"],
+            "kv_saving_mean_held": r["kv_saving_mean_held"], "touched_share": r.get("config/touched_share"),
+            **r1_eligible(r, name in EVICTING)}  # fmt: skip
+
+
+def a2_samplers(rows: dict[str, dict], real_max: int = 4) -> list[str]:
+    """Stage A2's samplers: dense, up to `real_max` real samplers (R1-eligible first, then those closest to
+    eligibility by the reward ratio's lower bound; ties by name), and both temperature controls."""
+    real = [k for k in rows if k != "dense" and k not in CONTROLS]
+    ranked = sorted(
+        real, key=lambda k: (not rows[k]["eligible"], -(rows[k]["reward_ratio"]["low"] or 0.0), k)
+    )
+    return ["dense", *ranked[:real_max], *CONTROLS]
+
+
+def r2_extend(report: dict) -> bool:
+    """R2's extension trigger: some interval of Gamma or c_X - c_naive is wider than +-0.05."""
+    limit = RULES["R2"]["extend_if_half_width_above"]
+    for g in report.get("estimators", {}).values():
+        for stat in ("gamma", "cosine_gain"):
+            v = g.get(stat)
+            if v and v["low"] is not None and (v["high"] - v["low"]) / 2 > limit:
+                return True
+    return False

@@ -217,8 +217,10 @@ def test_bias_command_writes_report_plot_and_resumes(tmp_path, capsys):
     (out / "batches" / "0001.pt").unlink()  # a batch lost to a kill is measured again
     assert main([*args, "--resume"]) == 0
     assert json.loads((out / "bias.json").read_text())["rollout"] == report["rollout"]
-    assert main([*args[:-5], "--batches", "3", "--out", str(out), "--resume", "--no-progress"]) == 1
-    assert "settings.batches" in capsys.readouterr().err
+    assert main([*args[:-5], "--batches", "3", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert json.loads((out / "bias.json").read_text())["batches_done"] == 3  # more batches: the first 2 kept
+    assert main([*args[:-5], "--batches", "3", "--prompts", "1", "--out", str(out), "--resume"]) == 1
+    assert "settings.prompts" in capsys.readouterr().err
 
 
 def test_bias_command_refuses_unknown_estimators(tmp_path, capsys):

@@ -45,24 +45,30 @@ class BiasSettings:
 
 
 def _check_out(out: Path, fingerprint: dict, resume: bool) -> None:
-    """A new --out, or with --resume one whose saved settings equal these (else a clear error)."""
+    """A new --out, or with --resume one whose saved settings equal these but for --batches, which may grow (the
+    saved batches are kept and the new ones measured; else a clear error)."""
     saved = out / SETTINGS_FILE
-    if not saved.is_file():
-        if resume and out.exists() and any(out.iterdir()):
-            raise UserError(f"--resume: {out} holds no {SETTINGS_FILE}; it is not a sparserl bias folder")
-        out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(fingerprint, indent=1))
-        return
-    if not resume:
+    if saved.is_file() and not resume:
         raise UserError(
             f"--out {out} already holds a bias measurement: pass --resume to continue it, or another --out"
         )
-    old = json.loads(saved.read_text())
-    changed = sorted(_differences(old, json.loads(json.dumps(fingerprint))))
-    if changed:
-        raise UserError(
-            f"--resume: {out} was measured with other settings ({', '.join(changed[:6])}); use another --out"
-        )
+    if not saved.is_file() and resume and out.exists() and any(out.iterdir()):
+        raise UserError(f"--resume: {out} holds no {SETTINGS_FILE}; it is not a sparserl bias folder")
+    if saved.is_file():
+        old = json.loads(saved.read_text())
+        changed = [
+            d for d in _differences(old, json.loads(json.dumps(fingerprint))) if d != "settings.batches"
+        ]
+        if changed:
+            raise UserError(
+                f"--resume: {out} was measured with other settings ({', '.join(changed[:6])}); use another --out"
+            )
+        if old["settings"]["batches"] > fingerprint["settings"]["batches"]:
+            raise UserError(
+                f"--resume: {out} was measured with --batches {old['settings']['batches']}; pass at least that many"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(fingerprint, indent=1))
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
