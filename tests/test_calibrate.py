@@ -277,6 +277,18 @@ def test_command_calibrates_then_checks_on_other_prompts(tmp_path: Path, capsys:
     assert goal == {"value": lowest, "target": 0.86, "met": lowest >= 0.86, "command": check["command"]}
 
 
+def test_a_schedule_calibrated_for_another_method_is_warned_about_once(tmp_path: Path):
+    schedule = tmp_path / "s.json"
+    schedule.write_text(json.dumps({"method": "rkv", "schedule": [[0, 48]]}))
+    args = command_args(
+        tmp_path, budgets=None, schedule=str(schedule), method="snapkv", n=1, max_new_tokens=8
+    )
+    with pytest.warns(UserWarning) as seen:
+        assert calibrate_command(args) == 0
+    said = [str(w.message) for w in seen if "calibrated for method 'rkv'" in str(w.message)]
+    assert len(said) == 1, said
+
+
 def test_command_resumes_from_its_finished_units(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A calibration stopped after its first unit goes on with --resume: the finished unit is read, not sampled
     again, and the report is the uninterrupted one's; a unit measured under other flags (or another prompt) is

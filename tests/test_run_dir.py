@@ -4,6 +4,7 @@ checkpoints, atomic export, failed starts, data rows that do not fit, dense eval
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from sparserl.models import ModelLoadError
 from sparserl.tasks.dataset import DatasetTask
 from sparserl.trainer import Trainer, list_checkpoints, resume_config
 from sparserl.trainer.checkpoint import atomic_dir
-from sparserl.trainer.run_dir import RunDirBusy, new_run_dir
+from sparserl.trainer.run_dir import LOCK_FILE, RunDirBusy, RunLock, new_run_dir
 
 
 def test_a_second_run_in_the_same_directory_fails_at_once(tmp_path: Path) -> None:
@@ -25,6 +26,25 @@ def test_a_second_run_in_the_same_directory_fails_at_once(tmp_path: Path) -> Non
         make_trainer(tiny_cfg(tmp_path))
     first.close()
     make_trainer(tiny_cfg(tmp_path)).close()  # free again once the first run is closed
+
+
+def test_a_closed_run_leaves_no_lock_file_and_a_lock_freed_meanwhile_is_not_shared(tmp_path: Path) -> None:
+    """A finished run's folder holds no .lock; a lock opened on the file its holder then removes is retried on
+    the new file, so two runs never both believe they hold the directory."""
+    first = make_trainer(tiny_cfg(tmp_path))
+    run = first.run_dir
+    assert (run / LOCK_FILE).is_file()
+    first.close()
+    assert not (run / LOCK_FILE).exists()
+    held = RunLock(run)
+    stale = os.open(run / LOCK_FILE, os.O_RDWR)  # a second run that opened the file before the release
+    held.release()
+    again = RunLock(run)  # takes a new file
+    assert os.fstat(stale).st_ino != os.stat(run / LOCK_FILE).st_ino
+    os.close(stale)
+    with pytest.raises(RunDirBusy):
+        RunLock(run)
+    again.release()
 
 
 def test_automatic_run_names_are_unique_within_one_second(tmp_path: Path) -> None:

@@ -105,7 +105,10 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
                 try:
                     value = yaml.safe_load(text)
                 except yaml.YAMLError:
-                    raise bad from None
+                    if item_tp is not str or not text.endswith("]"):
+                        raise bad from None
+                    # plain words YAML cannot read (':f'): their own checks name the one at fault
+                    value = [v.strip() for v in text[1:-1].split(",") if v.strip()]
             else:
                 value = [v.strip() for v in text.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):

@@ -19,6 +19,7 @@ from sparserl.cost.shape import (
     torch_dtype,
 )
 from sparserl.engine.kv_config import KVConfig
+from sparserl.errors import UserError
 from sparserl.sizes import size_in_bytes
 
 
@@ -46,17 +47,20 @@ def kv_configs(args: argparse.Namespace) -> list[KVConfig]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     methods = ["dense", *(m for m in methods if m != "dense")]
     dense_layers = parse_int_list(args.dense_layers, "--dense-layers")
-    return [
-        KVConfig(
-            method=method,
-            budget=args.budget,
-            schedule=args.schedule,
-            interval=args.interval,
-            page_size=args.page_size,
-            dense_layers=dense_layers,
-        )
-        for method in methods
-    ]
+    try:
+        return [
+            KVConfig(
+                method=method,
+                budget=args.budget,
+                schedule=args.schedule,
+                interval=args.interval,
+                page_size=args.page_size,
+                dense_layers=dense_layers,
+            )
+            for method in methods
+        ]
+    except UserError as e:  # a flag's value (--budget, --schedule, ...) that no KV policy takes
+        raise CostInputError(str(e)) from None
 
 
 def method_row(est: Estimate, dense: Estimate, intensity: float, mem_cap: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sparserl.errors import UserError
+from sparserl.config.errors import ConfigError
 from sparserl.models import (
     EMBEDDED_DEFAULT,
     TINY_PREFIX,
@@ -23,8 +23,9 @@ SIZES = ("layers", "hidden", "heads", "kv_heads", "head_dim", "vocab", "intermed
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class CostInputError(UserError):
-    """A cost-model input that cannot be used (the message names the flag or value)."""
+class CostInputError(ConfigError):
+    """A cost-model input that cannot be used (the message names the flag or value): a usage error, exit 2
+    like every command's."""
 
 
 @dataclass(frozen=True)

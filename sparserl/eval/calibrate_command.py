@@ -88,7 +88,7 @@ def _settings_from_flags(args: argparse.Namespace) -> tuple[CalibrationSettings,
                 args.samples_per_call, args.resamples,
             )  # fmt: skip
             if args.schedule:
-                settings.kv(schedule=parse_schedule(args.schedule, "--schedule", args.method))
+                settings.kv(schedule=parse_schedule(args.schedule, "--schedule"))  # check_schedule warns once
                 return settings, []
             budgets = _budgets(args.budgets, args.page_size if args.method == "block_topk" else 16)
             candidate_kv_configs(settings, budgets)

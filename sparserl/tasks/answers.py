@@ -102,7 +102,9 @@ def reference_answer(value: Any) -> str:
 _CURRENCY = r"(?:\\?\$|€|£|¥)"
 _PLAIN_NUMBER = r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?"  # 1,200.50  -3  0.5  3/4
 _UNIT_WORD = r"[^\W\d_]+\.?(?:\^[23]|[²³])?"  # cm  apples  ft.  cm^2  m²
-_UNITS = rf"(?:\s+{_UNIT_WORD}(?:/{_UNIT_WORD})*|\s*\([^()\d\\$]*\))*"  # ' km/h', ' (apples)': spaced out
+# a parenthesis of words, or one with numbers and a word of 2+ letters: ' (apples)', ' (from 4+5)'
+_PAREN = r"\((?:[^()\d\\$]*|(?=[^()]*[^\W\d_]{2})[^()\\$]*)\)"
+_UNITS = rf"(?:\s+{_UNIT_WORD}(?:/{_UNIT_WORD})*|\s*{_PAREN})*"  # ' km/h', ' (apples)': spaced out
 _NUMBER_WITH_UNITS = re.compile(
     rf"(?P<currency>{_CURRENCY})?\s*(?P<number>{_PLAIN_NUMBER})(?P<units>{_UNITS})\s*\.?"
 )
@@ -115,7 +117,8 @@ def drop_units(answer: str) -> str:
     parenthesised phrase (`9 (apples)`, `15 cm`, `12 km/h`, `$1,200.50`) becomes the number (`9`, `15`,
     `12`, `1200.50`). Anything else is kept as written (`\\frac{1}{2}`, `x^2+1`, `(1, 2)`, `2 \\sqrt{3}`,
     `3 pi`, `2x`, `2 x`, `10\\%`, `5 \\text{ cm}`: math-verify reads LaTeX units itself): a one-letter word
-    may be a variable. Without it a correct `\\boxed{9}` scored 0 against `9 (apples)`."""
+    may be a variable. A parenthesis may hold numbers beside words (`9 (from 4+5)`: a working, dropped).
+    Without it a correct `\\boxed{9}` scored 0 against `9 (apples)`."""
     text = strip_dollars(answer)
     m = _NUMBER_WITH_UNITS.fullmatch(text)
     if m is None or not (m["currency"] or m["units"]):

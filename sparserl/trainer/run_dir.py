@@ -3,6 +3,7 @@ which settings may change when a run is resumed."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -73,26 +74,42 @@ def new_run_dir(cfg: TrainConfig) -> Path:
 class RunLock:
     """An exclusive advisory lock (flock) on RUN_DIR/.lock, held while a Trainer owns the run, so a second
     run or resume into the same directory fails at once instead of mixing configs, metrics and checkpoints.
-    The kernel drops it when the process dies, so a killed run never leaves a stale lock."""
+    The kernel drops it when the process dies, so a killed run never leaves a stale lock; a closed run
+    removes the file, so a finished run's folder holds none."""
 
     def __init__(self, run_dir: Path) -> None:
         self.path = run_dir / LOCK_FILE
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "?"
-            self.release()
-            raise RunDirBusy(
-                f"{run_dir} is in use by another sparserl run (pid {holder}); wait for it to finish, or "
-                "choose another trainer.run_name"
-            ) from None
+        self._fd: int | None = None
+        while self._fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                raise RunDirBusy(
+                    f"{run_dir} is in use by another sparserl run (pid {holder}); wait for it to finish, or "
+                    "choose another trainer.run_name"
+                ) from None
+            if self._still_the_file(fd):
+                self._fd = fd
+            else:  # its holder removed it on release after we opened it: lock the file there now
+                os.close(fd)
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, str(os.getpid()).encode(), 0)
 
+    def _still_the_file(self, fd: int) -> bool:
+        """Whether the open file `fd` is the one at `self.path` (not one removed since it was opened)."""
+        try:
+            return os.path.samestat(os.fstat(fd), os.stat(self.path))
+        except FileNotFoundError:
+            return False
+
     def release(self) -> None:
-        """Drop the lock (idempotent)."""
+        """Remove the lock file and drop the lock (idempotent)."""
         if self._fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
             os.close(self._fd)
             self._fd = None
 
