@@ -8,6 +8,8 @@ the same command after a kill.
     nohup python experiments/study_v4.py warmstart > /tmp/study_v4_warmstart.log 2>&1 &   # ~0.4 CPU-h
     nohup python experiments/study_v4.py a1 > /tmp/study_v4_a1.log 2>&1 &   # ~2.5 CPU-h, one sampler at a time
     python experiments/study_v4.py a2          # ~4.8 CPU-h (after A1: the samplers R1 picks)
+    python experiments/study_v4.py bias-default   # the 15-minute goal: sparserl bias on the embedded default
+    python experiments/study_v4.py report      # the rules judged so far, the goals
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -166,6 +169,51 @@ def a2(args) -> None:
             run_bias("a2", name, a["extended_batches"], estimators)
 
 
+def bias_default(args) -> None:
+    """The goal's benchmark: `sparserl bias trainer.threads=1 --batches 4` on the embedded default, its whole
+    process's CPU seconds (the child's rusage: model load, sampling, gradients, report) and wall time."""
+    out = RUNS / "bias-default"
+    cmd = [sys.executable, "-m", "sparserl", "bias", "trainer.threads=1", "--batches", "4", "--out", str(out),
+           "--no-progress"] + (["--resume"] if out.exists() else [])  # fmt: skip
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    report = read(out / "bias.json")
+    report["process"] = {"command": " ".join(cmd[1:]), "wall_s": time.time() - t0,
+                         "cpu_s": usage.ru_utime + usage.ru_stime, "resumed": "--resume" in cmd}  # fmt: skip
+    report["goals"] = {}  # judged in study_v4.json (`report`)
+    write(RESULTS / "bias_default.json", report)
+    print(report["process"])
+
+
+def report(args) -> None:
+    """The rules judged from the stage files so far, and the goals, into study_v4.json (its rules unchanged)."""
+    state = read(JSON)
+    a1 = {k: read(RESULTS / "a1" / f"{k}.json", {}) for k in R.SAMPLERS}
+    a2 = {k: read(RESULTS / "a2" / f"{k}.json", {}) for k in state.get("a2_samplers", [])}
+    default = read(RESULTS / "bias_default.json", {})
+    whole = default.get("process", {})
+    minutes = whole["cpu_s"] / 60 if default.get("complete") and not whole.get("resumed", True) else None
+    judged = R.judge(a1, a2, minutes)
+    ws = read(RESULTS / "warmstart.json", {}).get("goals", {}).get("warm start reproduced", {})
+    names = list(R.GOALS)
+    r3 = judged["R3"]
+    count = sum(judged[k]["status"] == "judged" for k in ("R1", "R2", "R3", "R4", "R5", "R6"))
+    state["goals"] = {
+        names[0]: {"value": r3["verdict"], "target": "corrections matter", "met": r3["passed"],
+                   "command": "python experiments/study_v4.py a2", **({} if r3["verdict"] else {"status": "not run yet"})},
+        names[1]: {"value": count, "target": 6, "met": count == 6, "command": "python experiments/study_v4.py report",
+                   "unit": "rules of R1-R6 judged"},
+        names[2]: {"value": minutes, "target": 15.0, "met": minutes <= 15.0 if minutes is not None else None,
+                   "unit": "CPU minutes of `sparserl bias trainer.threads=1 --batches 4` on the embedded default",
+                   "command": "python experiments/study_v4.py bias-default"},
+        names[3]: {k: ws.get(k) for k in ("value", "target", "met", "unit", "command")},
+    }  # fmt: skip
+    state["judged"] = judged
+    write(JSON, state)
+    print(json.dumps(state["goals"], indent=1))
+
+
 def probe_rows() -> list[str]:
     """Overrides that make the task's rows v3's probe set (task seed 2, test split)."""
     spec = __import__("study_v3_rules").ROW_SETS["probe"]
@@ -174,13 +222,15 @@ def probe_rows() -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["setup", "warmstart", "a1", "a2"])
+    p.add_argument("stage", choices=["setup", "warmstart", "a1", "a2", "bias-default", "report"])
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-4)
     args = p.parse_args()
     os.chdir(ROOT)  # the setting names its model relative to the repository root
     torch.set_num_threads(1)
-    {"setup": setup, "warmstart": warmstart, "a1": a1, "a2": a2}[args.stage](args)
+    stages = {"setup": setup, "warmstart": warmstart, "a1": a1, "a2": a2, "bias-default": bias_default,
+              "report": report}  # fmt: skip
+    stages[args.stage](args)
     return 0
 
 

@@ -149,3 +149,45 @@ def r2_extend(report: dict) -> bool:
             if v and v["low"] is not None and (v["high"] - v["low"]) / 2 > limit:
                 return True
     return False
+
+
+def judge(a1: dict[str, dict], a2: dict[str, dict], default_bias_minutes: float | None) -> dict:
+    """R1-R4 and R6 from the stage reports ({sampler: sparserl bias report}); a rule whose inputs are missing is
+    'not run' with the reason. R5 and the validity gate read the training stage, judged by its own report."""
+    from scipy.stats import spearmanr
+
+    out: dict = {}
+    rows = {k: a1_row(k, r) for k, r in a1.items() if r.get("complete")}
+    out["R1"] = {"status": "judged", "rows": rows} if len(rows) == len(SAMPLERS) else {
+        "status": "not run", "reason": f"stage A1 has {len(rows)} of {len(SAMPLERS)} samplers"}  # fmt: skip
+    verdicts = {k: {e: g["verdict"] for e, g in r.get("estimators", {}).items() if "verdict" in g}
+                for k, r in a2.items() if r.get("complete")}  # fmt: skip
+    out["R2"] = {"status": "judged" if verdicts else "not run", "verdicts": verdicts}
+    control = verdicts.get(RULES["R3"]["sampler"], {}).get("config")
+    out["R3"] = {"status": "judged" if control else "not run", "verdict": control,
+                 "passed": control == "corrections matter" if control else None}  # fmt: skip
+    gated = []
+    for k, r in a2.items():
+        if k == "dense" or k in CONTROLS or not rows.get(k, {}).get("eligible") or not r.get("estimators"):
+            continue
+        gain = r["estimators"]["config"]["relative_cosine_gain"]["low"]
+        ro, r4 = r["rollout"], RULES["R4"]
+        truncation = (ro["config/tis_truncation_share"]["value"] or 0) >= r4["truncation_share_min"] and (
+            ro["config/veto_catch_of_truncated"]["value"] or 0) >= r4["veto_catch_min"]  # fmt: skip
+        if (gain is not None and gain >= r4["relative_cosine_gain_min"]) or truncation:
+            gated.append(k)
+    out["R4"] = {"status": "judged" if verdicts else "not run", "gated_samplers": gated,
+                 "stage": ("B" if gated else "B'") if verdicts else None}  # fmt: skip
+    pairs = [
+        (r["rollout"]["config/touched_share"]["value"], 1 - r["estimators"]["naive"]["cosine"]["value"])
+        for r in a2.values()
+        if r.get("estimators") and r["estimators"]["naive"]["cosine"]["value"] is not None
+    ]
+    rho = (
+        float(spearmanr([a for a, _ in pairs], [b for _, b in pairs]).statistic) if len(pairs) >= 3 else None
+    )
+    out["R6"] = {"status": "judged" if rho is not None else "not run", "rho": rho, "n": len(pairs),
+                 "supported": rho >= RULES["R6"]["rho_min"] if rho is not None else None}  # fmt: skip
+    out["R5"] = {"status": "not run", "reason": "training (stage B / B') has not run yet"}
+    out["bias_default_minutes"] = default_bias_minutes
+    return out

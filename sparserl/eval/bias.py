@@ -162,7 +162,8 @@ def correction_shares(
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """What one estimator's corrections do to the sparse samples, per sample (numerator, denominator): tokens
     masked, sequences vetoed / rejected, tokens whose TIS weight is truncated, sequences touched by any of these,
-    and the veto's precision and recall against reward flips."""
+    the veto's precision and recall against reward flips, and the share of sequences with a truncated token that
+    the veto rejects."""
     mask = c.sparse_mask
     _, keep, _ = correction_weights(c.sparse_old, c.sparse_logp, mask, algo, adv)
     has = mask.any(dim=1)
@@ -188,6 +189,7 @@ def correction_shares(
         f"{name}/touched_share": (touched.double(), one),
         f"{name}/veto_precision": (v * flips, v),
         f"{name}/veto_recall": (v * flips, flips),
+        f"{name}/veto_catch_of_truncated": (v * truncated.any(dim=1).double(), truncated.any(dim=1).double()),
     }
 
 
