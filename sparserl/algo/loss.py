@@ -161,6 +161,28 @@ def policy_loss(
         "kept_tokens": m.sum().float(),
     }
 
+    extra, more = _regularisers(logp, lp, m, cfg, agg, logp_ref, entropy, logp_sampler, response_mask)
+    loss = loss + extra
+    metrics.update(more)
+    metrics["loss"] = loss.detach()
+    return loss, {PREFIX + k: v for k, v in to_floats(metrics).items()}
+
+
+def _regularisers(
+    logp: Tensor,
+    lp: Tensor,
+    m: Tensor,
+    cfg: AlgoConfig,
+    agg: dict,
+    logp_ref: Tensor | None,
+    entropy: Tensor | None,
+    logp_sampler: Tensor | None,
+    response_mask: Tensor | None,
+) -> tuple[Tensor | float, dict[str, Tensor]]:
+    """What the KL to the reference, the entropy bonus and SMD's pull toward the sampler add to the loss (0 when
+    all are off), and their metrics; `lp` is `logp` upcast and zero off the loss mask `m`."""
+    loss: Tensor | float = 0.0
+    metrics: dict[str, Tensor] = {}
     if cfg.kl_coef > 0 and logp_ref is None:
         raise ValueError(f"algo.kl_coef={cfg.kl_coef} > 0 needs logp_ref (log-probs of the reference model)")
     if logp_ref is not None:
@@ -191,8 +213,7 @@ def policy_loss(
         loss = loss + cfg.sampler_kl_coef * skl
         metrics["sampler_kl"] = skl.detach()
 
-    metrics["loss"] = loss.detach()
-    return loss, {PREFIX + k: v for k, v in to_floats(metrics).items()}
+    return loss, metrics
 
 
 def _checked(
