@@ -44,7 +44,7 @@ def readme_commands() -> list[list[str]]:
 
 def run_one(keys: list[str], folder: Path) -> dict:
     """One command: exit code, CPU seconds, whether the console named its system, the error's last line."""
-    cmd = [sys.executable, "-m", "sparserl", "train", *keys, *EXTRA, f"trainer.output_dir={folder}"]
+    cmd = [sys.executable, "-m", "sparserl.cli", "train", *keys, *EXTRA, f"trainer.output_dir={folder}"]
     t0 = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={"OMP_NUM_THREADS": "1",
                           **__import__("os").environ})  # fmt: skip

@@ -127,7 +127,7 @@ def run_bias(stage: str, name: str, batches: int, estimators: str) -> dict:
     """`sparserl bias` for one sampler of the dial on the probe rows (4 prompts x 8 per batch), in its own
     resumable process; its report copied to docs/results/study_v4/STAGE/NAME.json."""
     out, kept = RUNS / stage / name, RESULTS / stage / f"{name}.json"
-    cmd = [sys.executable, "-m", "sparserl", "bias", "--config", str(CONFIG), *R.SAMPLERS[name], *probe_rows(),
+    cmd = [sys.executable, "-m", "sparserl.cli", "bias", "--config", str(CONFIG), *R.SAMPLERS[name], *probe_rows(),
            "trainer.threads=1", "--prompts", "4", "--batches", str(batches), "--estimators", estimators,
            "--out", str(out), "--resume", "--no-progress"]  # fmt: skip
     print(" ".join(cmd), flush=True)
@@ -173,7 +173,7 @@ def bias_default(args) -> None:
     """The goal's benchmark: `sparserl bias trainer.threads=1 --batches 4` on the embedded default, its whole
     process's CPU seconds (the child's rusage: model load, sampling, gradients, report) and wall time."""
     out = RUNS / "bias-default"
-    cmd = [sys.executable, "-m", "sparserl", "bias", "trainer.threads=1", "--batches", "4", "--out", str(out),
+    cmd = [sys.executable, "-m", "sparserl.cli", "bias", "trainer.threads=1", "--batches", "4", "--out", str(out),
            "--no-progress"] + (["--resume"] if out.exists() else [])  # fmt: skip
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -85,8 +85,8 @@ def _gradient_values(u: dict[tuple[str, str], Tensor], x: str, naive: str, dense
     dd = u[dense, dense]
     sqrt = lambda t: t.clamp(min=0).sqrt()  # noqa: E731 - an unbiased squared norm can come out below 0
 
-    def cos(a: str) -> Tensor:
-        return u[a, dense] / (sqrt(u[a, a]) * sqrt(dd))
+    def cos(a: str) -> Tensor:  # estimated from pair means, a ratio can leave [-1, 1]: a cosine cannot
+        return (u[a, dense] / (sqrt(u[a, a]) * sqrt(dd))).clamp(-1.0, 1.0)
 
     out = {
         "cosine": cos(x),
