@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from sparserl.errors import UserError
+from sparserl.hub import hub_offline, unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ def load_model(
         model, tokenizer = tiny_model(spec[len(TINY_PREFIX) :], seed=0)
         return model.to(dtype=dtype, device=device).eval(), tokenizer
     source = resolve_spec(spec)
+    offline = isinstance(source, str) and hub_offline()  # a Hub id: from the cache only when it cannot answer
     try:
         if isinstance(source, Path) and source.is_file():  # resolve_spec lets only .gguf files through
             model, tokenizer = load_gguf(source, dtype, spec)
@@ -81,6 +83,11 @@ def load_model(
     except ModelLoadError:
         raise
     except (OSError, ValueError) as err:
+        if offline:
+            raise ModelLoadError(
+                f"{unreachable(f'model {spec!r}')}: give a local model folder, a .gguf file, or "
+                f"'{EMBEDDED_DEFAULT}'"
+            ) from err
         raise ModelLoadError(
             f"cannot load model '{spec}': {err}. Give a Hugging Face id, a local model folder, a .gguf file, "
             f"or '{EMBEDDED_DEFAULT}'."

@@ -263,6 +263,10 @@ def test_undetectable_fields_suggest_the_override(tmp_path: Path) -> None:
 def test_hugging_face_names_go_through_load_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
+    from sparserl.tasks import dataset
+
+    # the Hub answers here (tests/test_hub.py: when it does not)
+    monkeypatch.setattr(dataset, "hub_offline", lambda: False)
     calls = []
 
     def fake_load_dataset(name: str, config: str | None = None, split: str | None = None) -> list[dict]:

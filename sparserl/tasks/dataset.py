@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.errors import DataError
+from sparserl.hub import hub_offline, unreachable
 from sparserl.tasks.answers import extract_boxed, extract_hash_answer, reference_answer
 from sparserl.tasks.base import Example, Task
 from sparserl.tasks.config import TaskConfig
@@ -91,11 +92,17 @@ def iter_rows(source: str, split: str = "train", data_config: str = "") -> Itera
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}{at} column {e.colno})") from None
             yield row, f"{path}:{lineno}"
         return
+    offline = hub_offline()  # before importing datasets, which reads it then
     import datasets
 
     try:
         ds = datasets.load_dataset(source, data_config or None, split=split)
     except Exception as e:
+        if offline:
+            raise DataError(
+                f"task data {source!r} is not a local .jsonl/.json/.parquet file, and "
+                f"{unreachable('as a Hugging Face dataset it')}"
+            ) from e
         raise DataError(
             f"task data {source!r} is not a local .jsonl/.json/.parquet file and could not be loaded as a "
             f"Hugging Face dataset (config {data_config or None!r}, split {split!r}): {e}"
