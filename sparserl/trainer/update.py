@@ -58,9 +58,12 @@ class Batch:
         return adv[:, :length] if adv.dim() == 2 else adv
 
 
-def _unusable(mask: Tensor, *logps: Tensor) -> bool:
-    """True if any of `logps` is NaN or +inf on `mask` (-inf in pi_old is legal: the veto catches it)."""
-    return any(bool((mask & (torch.isnan(x) | (x == float("inf")))).any()) for x in logps)
+def _unusable(mask: Tensor, sampler: Tensor, *logps: Tensor) -> bool:
+    """True if any of `logps` is NaN or +inf on `mask` (-inf in pi_old is legal: the veto catches it), or the
+    sampler's log-prob of a sampled token is not finite."""
+    return bool((mask & ~torch.isfinite(sampler)).any()) or any(
+        bool((mask & (torch.isnan(x) | (x == float("inf")))).any()) for x in logps
+    )
 
 
 def clipped_step(
@@ -290,10 +293,10 @@ class Learner:
             first = ~seen[micro]
             owned[micro[first]] = True
             reference[micro[first], :T] = ref[first]
-            if not finite or _unusable(mask, logp.detach(), old, ref):
+            sampler = batch.logp_sampler[micro, :T]
+            if not finite or _unusable(mask, sampler, logp.detach(), old, ref):
                 return stand_in(logp)  # pi_old of later micro-batches is still needed
             adv = batch.advantages_of(micro, T)
-            sampler = batch.logp_sampler[micro, :T]
             weights, keep, _ = correction_weights(ref, sampler, mask, algo, adv)
             denominator = loss_denominator(mask & keep, algo, mask)
             loss, m = policy_loss(
