@@ -126,6 +126,20 @@ def test_rollout_workers_sample_with_the_ranks_weights(tmp_path):
     torch.testing.assert_close(remote[1].logp_sampler, local[1].logp_sampler, atol=1e-5, rtol=0)
 
 
+def test_the_summary_counts_the_memory_of_every_process_of_the_run(tmp_path):
+    """Learner ranks and rollout workers each hold a model copy: the summary reports each process's peak and
+    their sum, not the driver's alone."""
+    from sparserl.trainer.logging import memory_text
+
+    extra = ("distributed.learners=2", "distributed.cpus_per_learner=0.5", "distributed.rollout_workers=1")
+    with make_trainer(tiny_cfg(tmp_path, "trainer.steps=1", "trainer.eval_prompts=0", *extra)) as trainer:
+        summary = trainer.train()
+    peaks = summary["peak_rss_bytes_by_process"]
+    assert sorted(peaks) == ["learner rank 0", "learner rank 1", "rollout worker 0", "trainer"]
+    assert min(peaks.values()) > 50 * 2**20 and summary["peak_rss_bytes_all_processes"] == sum(peaks.values())
+    assert "summed over 4 processes (trainer " in memory_text(summary)
+
+
 def test_learner_settings_that_cannot_run_name_their_key():
     with pytest.raises(ConfigError, match=r"optim.grad_accum=3 must be a multiple of distributed.learners=2"):
         load_config(None, ["distributed.learners=2", "optim.grad_accum=3", "optim.mini_batch_size=8"])

@@ -13,6 +13,7 @@ from test_trainer import make_trainer, tiny_cfg
 
 from sparserl.engine import weights as packing
 from sparserl.models import return_freed_memory
+from sparserl.trainer.logging import memory_text
 
 
 def test_summary_reports_the_peak_rss(tmp_path: Path) -> None:
@@ -21,6 +22,8 @@ def test_summary_reports_the_peak_rss(tmp_path: Path) -> None:
     trainer.close()
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["peak_rss_bytes"] == summary["peak_rss_bytes"] > 50 * 2**20
+    assert saved["peak_rss_bytes_by_process"] == {"trainer": saved["peak_rss_bytes_all_processes"]}
+    assert memory_text(saved).endswith("GiB (this process)")
 
 
 def test_the_packed_copy_is_dropped_after_the_rollout(tmp_path: Path) -> None:

@@ -123,6 +123,10 @@ class RolloutBackend:
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         """Refuse at start-up a setting (a KV memory cap) that cannot run one sequence of this prompt length."""
 
+    def process_peaks(self) -> dict[str, int]:
+        """The peak resident memory of each process this backend started, by name (none: it runs here)."""
+        return {}
+
     def close(self) -> None:
         """Release workers or threads."""
 

@@ -30,6 +30,7 @@ import torch
 from sparserl.engine.decoding import Request, Sampling
 from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import UserError
+from sparserl.process_memory import actor_peaks, peak_rss_bytes
 from sparserl.rollout.backend import (
     LocalBackend,
     Recording,
@@ -60,6 +61,10 @@ class RolloutWorker:
 
     def ready(self) -> int:
         return os.getpid()
+
+    def peak_rss(self) -> int:
+        """This worker's process's peak resident memory (the run's summary adds it up)."""
+        return peak_rss_bytes()
 
     def push(self, version: int, state: dict[str, torch.Tensor]) -> int:
         """Load the trainable tensors of policy `version` (in place) and hold that version."""
@@ -302,6 +307,9 @@ class RayBackend(RolloutBackend):
         except self.ray.exceptions.RayActorError:
             self._replace(0)
             return self.ray.get(self.workers[0].score.remote(prompts, completions, temperature))
+
+    def process_peaks(self) -> dict[str, int]:
+        return actor_peaks(self.ray, self.workers, "rollout worker")
 
     def close(self) -> None:
         for w in self.workers:

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from sparserl.config import ConfigError, TrainConfig
 from sparserl.engine.weights import bump_weights_version
+from sparserl.process_memory import actor_peaks, peak_rss_bytes
 from sparserl.rollout.ray_backend import free_resources, init_ray, load_named
 from sparserl.trainer import sharding
 from sparserl.trainer.policy import autocast_for
@@ -161,6 +162,10 @@ class LearnerRank:
         params = [p for group in self.learner.optimizer.param_groups for p in group["params"]]
         local = [p.to_local() if self.sharded else p for p in params]
         return sum(t.numel() * t.element_size() for t in local)
+
+    def peak_rss(self) -> int:
+        """This rank's process's peak resident memory (the run's summary adds it up)."""
+        return peak_rss_bytes()
 
     def optimizer_state(self) -> dict:
         """The optimizer's state in the one-learner format (from rank 0; sharded, every rank gathers)."""
@@ -301,6 +306,10 @@ class LearnerGroup:
                 f"a learner rank died ({error}); the run stops: resume it from its last checkpoint (--resume)"
             ) from None
         raise error.cause if isinstance(error.cause, Exception) else error from None
+
+    def process_peaks(self) -> dict[str, int]:
+        """Each rank's process's peak resident memory."""
+        return actor_peaks(self.ray, self.ranks, "learner rank")
 
     def close(self) -> None:
         """Stop the ranks, free their placement group, and the local Ray if the group started it."""

@@ -228,6 +228,20 @@ def kv_memory_text(summary: dict[str, Any]) -> str:
     return f"{frac:.1%} {sizes}"
 
 
+def memory_text(summary: dict[str, Any]) -> str:
+    """The summary's peak memory line: this process's, or the sum over the run's processes (Ray rollout
+    workers and learner ranks each hold a model copy), each named."""
+    peaks = summary.get("peak_rss_bytes_by_process") or {}
+    total = summary.get("peak_rss_bytes_all_processes")
+    if total is None:
+        return "n/a"
+    gib = {name: f"{v / 2**30:.2f} GiB" for name, v in {"all": total, **peaks}.items()}
+    if len(peaks) <= 1:
+        return f"{gib['all']} (this process)"
+    each = ", ".join(f"{name} {gib[name]}" for name in peaks)
+    return f"{gib['all']} summed over {len(peaks)} processes ({each})"
+
+
 def render_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """Print the end-of-run summary as a table: rewards, KV memory, rejection rate, where the logs are."""
     from rich.table import Table
@@ -250,6 +264,7 @@ def render_summary(summary: dict[str, Any], console: Console | None = None) -> N
     t.add_row("sequence rejection rate", _fmt(summary.get("rejection_rate_mean"), pct=True))
     t.add_row("skipped non-finite updates", str(summary.get("nonfinite_skipped_updates")))
     t.add_row("seconds per step", _fmt(summary.get("seconds_per_step")))
+    t.add_row("peak memory (resident, each process's peak)", memory_text(summary))
     t.add_row("run directory", str(summary.get("run_dir")))
     if summary.get("metrics"):
         t.add_row("metrics (JSONL)", str(summary["metrics"]))

@@ -4,9 +4,9 @@ summary built from them."""
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
+from sparserl.process_memory import peak_rss_bytes
 from sparserl.trainer.checkpoint import latest_checkpoint
 from sparserl.trainer.console import kv_text
 from sparserl.trainer.logging import METRICS_FILE, TB_DIR, is_number
@@ -32,6 +32,18 @@ def run_mean(history: dict[str, Any], key: str) -> float | None:
     return history[f"sum:{key}"] / n if n else None
 
 
+def process_peaks(trainer: Any) -> dict[str, Any]:
+    """The peak resident memory of each of the run's processes (this one, its rollout workers and learner
+    ranks) and their sum: an upper bound of what they held together (peaks need not coincide; pages shared
+    through Ray's object store count in each process that read them)."""
+    peaks = {
+        "trainer": peak_rss_bytes(),
+        **trainer.rollouts.backend.process_peaks(),
+        **trainer.learner.process_peaks(),
+    }
+    return {"peak_rss_bytes_by_process": peaks, "peak_rss_bytes_all_processes": sum(peaks.values())}
+
+
 def run_summary(trainer: Any, wall_s: float) -> dict[str, Any]:
     """End-of-run numbers of a `Trainer`: reward before/after, KV saved, rejection rate, where everything is."""
     h, cfg, run_dir = trainer.state.history, trainer.cfg, trainer.run_dir
@@ -53,24 +65,10 @@ def run_summary(trainer: Any, wall_s: float) -> dict[str, Any]:
         "seconds_per_step": run_mean(h, "time/step"),
         "wall_s_this_session": wall_s,
         "peak_rss_bytes": peak_rss_bytes(),
+        **process_peaks(trainer),
         "run_dir": str(run_dir),
         "metrics": str(run_dir / METRICS_FILE) if cfg.logging.jsonl else None,
         "tensorboard": str(run_dir / TB_DIR) if cfg.logging.tensorboard else None,
         "checkpoint": str(ckpt) if ckpt else None,
         "model": h.get("export"),
     }
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far, in bytes: Linux's VmHWM, else getrusage's ru_maxrss (a
-    resumed run reports its own session's; child processes, such as reward workers, are not included)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource  # POSIX only; Linux answered above
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)

@@ -319,6 +319,10 @@ class Learner:
     def close(self) -> None:
         """Nothing to release: this learner runs in the trainer's process (a learner group has ranks)."""
 
+    def process_peaks(self) -> dict[str, int]:
+        """The peak resident memory of each process this learner started: none (it runs here)."""
+        return {}
+
     def _minibatches(self, step: int, size: int) -> Iterable[Tensor]:
         """Each epoch, a seeded shuffle of the batch cut into optim.mini_batch_size rows (all when 0)."""
         mini = self.cfg.optim.mini_batch_size or size
