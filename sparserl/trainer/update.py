@@ -106,7 +106,9 @@ class SingleProcess:
 SINGLE_PROCESS = SingleProcess()
 
 # (micro-batch rows, still finite) -> (summed loss, its metrics, its loss denominator); metrics None: not finite,
-# the loss a zero stand-in (`stand_in`) that only ranks in lockstep take a backward of
+# the loss a zero stand-in (`stand_in`) that only ranks in lockstep take a backward of. Ranks in lockstep also pass
+# the empty micro-batches of a short mini-batch (a batch of variable size): the answer is a zero loss over some
+# forward, no metrics ({}) and denominator 0, so that every rank runs as many forwards and backwards
 MicroStep = Callable[[Tensor, bool], "tuple[Tensor, dict[str, float] | None, float]"]
 
 
@@ -139,14 +141,8 @@ def minibatch_updates(
         optimizer.zero_grad(set_to_none=True)
         finite, denominator, parts = True, 0.0, {}
         micros = list(torch.tensor_split(mb, grad_accum))
-        if collective.lockstep and any(len(m) == 0 for m in micros):
-            raise UserError(
-                f"distributed.fsdp: a mini-batch of {len(mb)} rows leaves some of optim.grad_accum={grad_accum} "
-                "micro-batches empty, and sharded ranks must all run each one: lower optim.grad_accum or raise "
-                "optim.mini_batch_size"
-            )
         for micro in collective.mine(micros):
-            if len(micro) == 0:
+            if len(micro) == 0 and not collective.lockstep:  # ranks in lockstep run a zero-loss pass instead
                 continue
             loss, metrics, micro_denominator = micro_step(micro, finite)
             if metrics is None:  # not finite: every rank skips the mini-batch (`agree`)
@@ -283,6 +279,8 @@ class Learner:
                 seen[mb] = True
 
         def micro_step(micro: Tensor, finite: bool) -> tuple[Tensor, dict[str, float] | None, float]:
+            if len(micro) == 0:  # a rank in lockstep with nothing to run: a zero-loss pass over one row
+                return stand_in(self._forward(batch, torch.zeros(1, dtype=torch.long))[0])[0], {}, 0.0
             logp, entropy = self._forward(batch, micro)
             T = logp.shape[1]
             mask = batch.mask[micro, :T]
