@@ -1,4 +1,4 @@
-"""Study v4 (issue 54): measure whether the Sparse-RL corrections change the update, on a dial of samplers with a
+"""Study v4: measure whether the Sparse-RL corrections change the update, on a dial of samplers with a
 positive control, then train only where it can show. The setting: experiments/study_v4.yaml; the samplers, the
 estimators and the decision rules R1-R6: experiments/study_v4_rules.py. Stages A1 and A2 run through
 `sparserl bias` (one process per sampler, each resumable). Every stage runs at one thread and is resumable: re-run
@@ -66,7 +66,7 @@ def setup(args) -> None:
     goals = {
         k: {"target": t, "value": None, "met": None, "status": "not measured yet"} for k, t in R.GOALS.items()
     }
-    write(JSON, {"goals": goals, "experiment": "Study v4 (issue 54): the bias of the sparse-rollout update",
+    write(JSON, {"goals": goals, "experiment": "Study v4: the bias of the sparse-rollout update",
                  "rules": R.RULES, "samplers": R.SAMPLERS, "controls": list(R.CONTROLS),
                  "cpu_hours_estimate": CPU_HOURS, "commands": __doc__.split("\n\n")[-1].strip().splitlines(),
                  "commit_each_part": COMMIT})  # fmt: skip

@@ -1,4 +1,4 @@
-"""Study v4 (issue 54), the parts that need no model: the samplers of the dial, the estimators, and every decision
+"""Study v4, the parts that need no model: the samplers of the dial, the estimators, and every decision
 rule fixed before stage A1 runs (R1 eligibility, R2 the mechanism verdict, R3 the instrument check, R4 the
 training gate, R5 training, R6 the diagnostics, and the validity gate). experiments/study_v4.py writes RULES into
 docs/results/study_v4/study_v4.json at its `setup` stage; `sparserl bias` (sparserl/eval/bias*.py) measures what
