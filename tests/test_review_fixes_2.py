@@ -42,3 +42,45 @@ def test_a_nan_sampler_log_prob_is_skipped_and_counted_under_every_preset(
     logged = [r for r in rows(tmp_path / "run") if "reward/mean" in r]
     assert [r["train/nonfinite_skipped_updates"] for r in logged] == [1.0, 0.0]
     assert all(torch.isfinite(v).all() for v in weights(trainer).values())
+
+
+# ---------------------------------------------------------------- rollout workers
+
+
+class _Recorded:
+    """A fake Ray actor: each `actor.method.remote(...)` call is recorded as (worker, method), its own ref."""
+
+    def __init__(self, i: int, calls: list) -> None:
+        self.i, self.calls = i, calls
+
+    def __getattr__(self, method: str):
+        def remote(*args):
+            self.calls.append((self.i, method))
+            return (self.i, method)
+
+        return type("Method", (), {"remote": staticmethod(remote)})()
+
+
+class _FakeRay:
+    @property
+    def util(self):  # what forming a group asks first
+        raise AssertionError("a group formed while worker 0 decodes: the replacement would wait for it")
+
+    def put(self, value):
+        return value
+
+    def get(self, refs):
+        return refs
+
+
+def test_a_replaced_worker_catches_up_alone_and_the_broadcast_group_is_formed_at_the_next_push() -> None:
+    """Worker 0 is decoding its share when worker 1 is replaced: forming the group then would wait for worker 0
+    (up to distributed.start_timeout_s). The new worker gets the version through the object store alone."""
+    from sparserl.rollout.weight_sync import BroadcastSync
+
+    calls: list = []
+    sync = BroadcastSync(_FakeRay(), 0.0, 1.0)
+    sync.group = object()  # formed at an earlier push
+    sync.catch_up([_Recorded(0, calls), _Recorded(1, calls)], 1, 3, {"w": torch.zeros(2)})
+    assert calls == [(1, "push")]
+    assert sync.group is None  # the next push forms it anew with every worker

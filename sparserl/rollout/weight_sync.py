@@ -5,8 +5,9 @@
 - `broadcast`: the trainer (rank 0) and the workers form one torch.distributed group, gloo on CPU and nccl where
   the workers hold GPUs (NCCL moves the tensors GPU to GPU, never through the host or the object store); a push
   is a few broadcasts from rank 0 in the names' order: each large tensor alone, runs of small ones packed into
-  one buffer. A group cannot take in a new member, so after a worker is replaced the group is formed anew and
-  the last version broadcast to everyone.
+  one buffer. A group cannot take in a new member: a replaced worker is sent the last version through the
+  object store (the others may be decoding a share, and forming a group waits for every member), and the group
+  is formed anew at the next push, between runs.
 
 The group is a standalone process group on its own TCPStore (not torch.distributed's default group), so it
 lives beside any other group the processes hold (the learner ranks', a user's), and forming it again is only
@@ -98,8 +99,10 @@ class BroadcastSync(WeightSync):
         self.group = None  # a collective that failed leaves the group unusable: the next push forms a new one
 
     def catch_up(self, workers: list[Any], i: int, version: int, state: dict[str, torch.Tensor]) -> None:
-        self.form(workers)
-        self.push(workers, version, state)
+        """The new worker alone, through the object store: forming a group now would wait (up to timeout_s)
+        for the workers still decoding their shares. The next push, between runs, forms the group anew."""
+        self.group = None
+        self.ray.get(workers[i].push.remote(version, self.ray.put(state)))
 
 
 def open_group(store: Any, rank: int, world: int, backend: str, timeout_s: float) -> Any:
