@@ -14,3 +14,8 @@ class UserError(ValueError):
 
 class DataError(UserError):
     """A data file or dataset row that cannot be used (the message names the file and line)."""
+
+
+class ClusterError(UserError, RuntimeError):
+    """Ray cannot be reached, or cannot place the actors the run asks for (the message names the setting and
+    what the cluster has)."""

@@ -13,6 +13,7 @@ may write files or patch a failure in first (see `write`, `trained`, `full_disk`
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import re
@@ -300,6 +301,17 @@ CASES = [
     case("train-reward-spec-empty-module-in-list", [*TRAIN, "task.reward=[builtin, :f]"], EXIT_USAGE, r"task\.reward entry ':f' must be 'module:function'"),
     # --- add new cases above this line ---
 ]  # fmt: skip
+
+
+# Ray that cannot be reached or cannot place the run's actors: one line, within seconds (not Ray's minutes).
+RAY = [*TRAIN, "distributed.rollout_workers=1"]
+CASES += [
+    case("train-ray-address-garbage", [*RAY, "distributed.ray_address=garbage"], EXIT_FAILURE, r"distributed\.ray_address='garbage': Invalid address"),
+    case("train-ray-address-unreachable", [*RAY, "distributed.ray_address=127.0.0.1:1"], EXIT_FAILURE, r"distributed\.ray_address='127\.0\.0\.1:1': nothing answers"),
+    case("train-rollout-workers-unschedulable", [*RAY, "distributed.gpus_per_worker=1000"], EXIT_FAILURE, r"1 rollout workers cannot all be placed: .*1000 GPUs.*lower distributed\.rollout_workers"),
+    case("train-learners-unschedulable", [*TRAIN, "distributed.learners=2", "distributed.gpus_per_learner=1000"], EXIT_FAILURE, r"2 learners cannot all be placed: .*1000 GPUs.*lower distributed\.learners"),
+] if importlib.util.find_spec("ray") else []  # fmt: skip
+CASES.append(case("train-swarm-pool-empty", [*TRAIN, "distributed.swarm.enable=true", "distributed.swarm.pool="], EXIT_USAGE, r"distributed\.swarm\.pool='' must name the pool actor"))  # fmt: skip
 
 
 @pytest.mark.parametrize(("argv", "code", "message", "setup"), CASES)

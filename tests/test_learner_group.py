@@ -154,8 +154,6 @@ def test_learners_that_cannot_all_start_are_named_within_seconds(tmp_path):
         "optim.mini_batch_size=8",
         "distributed.start_timeout_s=3",
     )
-    with pytest.raises(
-        RuntimeError, match=r"3 learners did not start within 3 s: each asks for 1 CPUs.*free in"
-    ):
+    with pytest.raises(RuntimeError, match=r"3 learners cannot all be placed: each asks for 1 CPUs.*2 CPUs"):
         make_trainer(tiny_cfg(tmp_path, *extra))
     assert ray.available_resources().get("CPU") == 2  # the placement group was removed

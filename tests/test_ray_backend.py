@@ -160,11 +160,23 @@ def test_a_worker_dying_during_a_broadcast_is_replaced_and_the_push_made_again(t
 
 
 def test_an_unschedulable_request_is_named_within_seconds(tmp_path):
-    extra = ("distributed.rollout_workers=3", "distributed.start_timeout_s=3")
+    """More than the cluster has in all is named at once; what it has but is busy, after start_timeout_s."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
     with pytest.raises(
-        RuntimeError, match=r"did not start within 3 s: each asks for 1 CPUs.*free in the Ray"
+        RuntimeError, match=r"3 rollout workers cannot all be placed: .*2 CPUs and 0 GPUs in all"
     ):
-        make_trainer(tiny_cfg(tmp_path, *extra))
+        make_trainer(tiny_cfg(tmp_path, "distributed.rollout_workers=3"))
+    busy = placement_group([{"CPU": 1}])  # holds one of the 2 CPUs
+    try:
+        ray.get(busy.ready())
+        extra = ("distributed.rollout_workers=2", "distributed.start_timeout_s=3")
+        with pytest.raises(
+            RuntimeError, match=r"did not start within 3 s: each asks for 1 CPUs.*free in the Ray"
+        ):
+            make_trainer(tiny_cfg(tmp_path, *extra))
+    finally:
+        remove_placement_group(busy)
 
 
 def test_without_distributed_keys_ray_is_never_imported(tmp_path):

@@ -47,6 +47,8 @@ class SwarmConfig:
     )
 
     def __post_init__(self) -> None:
+        if not self.pool.strip():
+            raise ConfigError("distributed.swarm.pool='' must name the pool actor (default 'sparserl-swarm')")
         if self.shared_groups < 0 or self.window < 1:
             raise ConfigError(
                 f"distributed.swarm.shared_groups={self.shared_groups} must be >= 0 and window={self.window} >= 1"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 
 from sparserl.engine.decoding import Request, Sampling
 from sparserl.engine.weights import bump_weights_version
-from sparserl.errors import UserError
+from sparserl.errors import ClusterError, UserError
 from sparserl.process_memory import actor_peaks, peak_rss_bytes
 from sparserl.rollout.backend import (
     LocalBackend,
@@ -183,6 +184,8 @@ class RayBackend(RolloutBackend):
         sync = resolve_weight_sync(distributed.weight_sync, distributed.gpus_per_worker)
         self.sync = WEIGHT_SYNCS[sync](ray, distributed.gpus_per_worker, distributed.start_timeout_s)
         try:
+            check_schedulable(ray, distributed.rollout_workers, distributed.cpus_per_worker,
+                              distributed.gpus_per_worker, "rollout workers", "distributed.rollout_workers")  # fmt: skip
             self.model_ref = ray.put(engine.model)
             self.workers = [self._start_worker() for _ in range(distributed.rollout_workers)]
             self.pids = self.wait_ready(self.workers)  # each worker's process (the fault tests kill them)
@@ -208,7 +211,7 @@ class RayBackend(RolloutBackend):
         pending = [w.ready.remote() for w in workers]
         done, waiting = ray.wait(pending, num_returns=len(pending), timeout=c.start_timeout_s)
         if waiting:
-            raise RuntimeError(
+            raise ClusterError(
                 f"{len(waiting)} of {len(pending)} rollout workers did not start within {c.start_timeout_s:g} s: "
                 f"each asks for {c.cpus_per_worker:g} CPUs and {c.gpus_per_worker:g} GPUs; free in the Ray "
                 f"cluster: {free_resources(ray)} (lower distributed.rollout_workers or the per-worker "
@@ -337,10 +340,12 @@ def keep_signal_handlers() -> Iterator[None]:
 
 
 def init_ray(ray: Any, cfg: Any) -> None:
-    """A local Ray (empty `ray_address`) or the cluster at the address; an unreachable one is named. The
-    process's SIGTERM handler is kept."""
+    """A local Ray (empty `ray_address`) or the cluster at the address; an unreachable one is a ClusterError
+    naming it within seconds (`check_reachable`). The process's SIGTERM handler is kept."""
+    where = f"the Ray cluster at distributed.ray_address={cfg.ray_address!r}" if cfg.ray_address else "Ray"
     try:
         if cfg.ray_address:
+            check_reachable(cfg.ray_address, min(CONNECT_TIMEOUT_S, cfg.start_timeout_s))
             with keep_signal_handlers():
                 ray.init(
                     address=cfg.ray_address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False
@@ -350,10 +355,39 @@ def init_ray(ray: Any, cfg: Any) -> None:
                 ray.init(num_cpus=max(cfg.local_ray_cpus(), 1), namespace=NAMESPACE, include_dashboard=False,
                          logging_level="ERROR", log_to_driver=False, object_store_memory=512 * 2**20)  # fmt: skip
     except (ConnectionError, RuntimeError, ValueError) as e:
-        where = (
-            f"the Ray cluster at distributed.ray_address={cfg.ray_address!r}" if cfg.ray_address else "Ray"
-        )
-        raise RuntimeError(f"could not start or reach {where}: {e}") from None
+        raise ClusterError(f"could not start or reach {where}: {e}") from None
+
+
+CONNECT_TIMEOUT_S = (
+    10.0  # seconds a connection to distributed.ray_address may take (Ray itself waits minutes)
+)
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """A `host:port` address (also `ray://host:port`) that takes no TCP connection within `timeout_s` is a
+    ConnectionError now, where ray.init would retry for minutes; other forms ('auto') are Ray's to resolve."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
+    except OSError as e:
+        raise ConnectionError(
+            f"nothing answers at {address} ({e.strerror or e}; waited {timeout_s:g} s at most)"
+        ) from None
+
+
+def check_schedulable(ray: Any, count: int, cpus: float, gpus: float, what: str, key: str) -> None:
+    """`count` actors of `cpus` CPUs and `gpus` GPUs each fit the cluster's total resources (free or not), or a
+    ClusterError naming them now rather than after distributed.start_timeout_s of waiting for them."""
+    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+    if count * cpus <= total.get("CPU", 0) + 1e-9 and count * gpus <= total.get("GPU", 0) + 1e-9:
+        return
+    raise ClusterError(
+        f"{count} {what} cannot all be placed: each asks for {cpus:g} CPUs and {gpus:g} GPUs, and the Ray cluster "
+        f"has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all (lower {key} or the "
+        "per-actor resources)"
+    )
 
 
 def free_resources(ray: Any) -> dict[str, float]:

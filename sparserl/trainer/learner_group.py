@@ -27,8 +27,9 @@ from torch import Tensor
 
 from sparserl.config import ConfigError, TrainConfig
 from sparserl.engine.weights import bump_weights_version
+from sparserl.errors import ClusterError
 from sparserl.process_memory import actor_peaks, peak_rss_bytes
-from sparserl.rollout.ray_backend import free_resources, init_ray, load_named
+from sparserl.rollout.ray_backend import check_schedulable, free_resources, init_ray, load_named
 from sparserl.trainer import sharding
 from sparserl.trainer.policy import autocast_for
 from sparserl.trainer.update import Batch, Learner, SingleProcess
@@ -218,11 +219,14 @@ class LearnerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, c = self.ray, self.cfg
+        check_schedulable(
+            ray, c.learners, c.cpus_per_learner, c.gpus_per_learner, "learners", "distributed.learners"
+        )
         bundle = {"CPU": c.cpus_per_learner} | ({"GPU": c.gpus_per_learner} if c.gpus_per_learner else {})
         self.placement = placement_group([bundle] * c.learners, strategy="PACK")
         ready, _ = ray.wait([self.placement.ready()], timeout=c.start_timeout_s)
         if not ready:
-            raise RuntimeError(
+            raise ClusterError(
                 f"the {c.learners} learners did not start within {c.start_timeout_s:g} s: each asks for "
                 f"{c.cpus_per_learner:g} CPUs and {c.gpus_per_learner:g} GPUs, all at once; free in the Ray "
                 f"cluster: {free_resources(ray)} (lower distributed.learners or the per-learner resources)"
