@@ -84,3 +84,14 @@ def test_a_replaced_worker_catches_up_alone_and_the_broadcast_group_is_formed_at
     sync.catch_up([_Recorded(0, calls), _Recorded(1, calls)], 1, 3, {"w": torch.zeros(2)})
     assert calls == [(1, "push")]
     assert sync.group is None  # the next push forms it anew with every worker
+
+
+def test_rollout_throughput_of_a_steps_rounds_is_their_tokens_over_their_summed_time() -> None:
+    from sparserl.rollout.backend import merge_run_metrics
+
+    rounds = [
+        {"tokens_per_s": 100.0, "generated_tokens": 100.0, "prefill_s": 0.5, "decode_s": 0.5},
+        {"tokens_per_s": 50.0, "generated_tokens": 50.0, "prefill_s": 0.2, "decode_s": 0.8},
+    ]
+    assert merge_run_metrics(rounds, side_by_side=False)["tokens_per_s"] == pytest.approx(150 / 2.0)
+    assert merge_run_metrics(rounds, side_by_side=True)["tokens_per_s"] == 150.0  # workers decode at once

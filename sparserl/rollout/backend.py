@@ -207,8 +207,9 @@ SUMMED_METRICS = {
 
 
 def merge_run_metrics(metrics: list[dict[str, Any]], side_by_side: bool) -> dict[str, float]:
-    """Several runs' metrics as one: counts and throughputs summed, peaks the largest, times the largest for
-    runs side by side (workers) and summed for runs one after another (a step's rounds), the rest averaged."""
+    """Several runs' metrics as one: counts summed, peaks the largest, times the largest for runs side by side
+    (workers) and summed for runs one after another (a step's rounds), the rest averaged. Throughput is summed
+    side by side, and one after another is the tokens over the runs' summed prefill and decode time."""
     out: dict[str, float] = {}
     for key in {k for m in metrics for k, v in m.items() if isinstance(v, int | float)}:
         values = [float(m[key]) for m in metrics if isinstance(m.get(key), int | float)]
@@ -218,4 +219,7 @@ def merge_run_metrics(metrics: list[dict[str, Any]], side_by_side: bool) -> dict
             out[key] = max(values)
         else:
             out[key] = sum(values) / len(values)
+    if "tokens_per_s" in out and not side_by_side:
+        wall = out.get("prefill_s", 0.0) + out.get("decode_s", 0.0)
+        out["tokens_per_s"] = out.get("generated_tokens", 0.0) / wall if wall > 0 else 0.0
     return out
