@@ -5,12 +5,14 @@ advantages whitened without their padding, the SAPO pool named per run."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from test_trainer import make_trainer, rows, tiny_cfg, weights
 
+from sparserl.config import load_config
 from sparserl.trainer.update import Learner
 
 # ---------------------------------------------------------------- the learner
@@ -42,6 +44,18 @@ def test_a_nan_sampler_log_prob_is_skipped_and_counted_under_every_preset(
     logged = [r for r in rows(tmp_path / "run") if "reward/mean" in r]
     assert [r["train/nonfinite_skipped_updates"] for r in logged] == [1.0, 0.0]
     assert all(torch.isfinite(v).all() for v in weights(trainer).values())
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_gspo_with_token_mean_is_warned_about() -> None:
+    with pytest.warns(UserWarning, match=r"algo.policy_loss='gspo' takes one ratio per sequence"):
+        load_config(None, ["algo.preset=gspo", "algo.loss_agg_mode=token-mean"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(None, ["algo.preset=gspo"])  # seq-mean-token-mean: the paper's
+        load_config(None, ["algo.preset=dapo"])  # token-mean with a token-level ratio
 
 
 # ---------------------------------------------------------------- rollout workers

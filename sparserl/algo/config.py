@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from sparserl.algo.advantages import ADV_ESTIMATORS, ADV_TRANSFORMS
@@ -276,6 +277,17 @@ class AlgoConfig:
         _choice("policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
         _choice("correction_mode", self.correction_mode, CORRECTION_MODES)
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if (
+            getattr(POLICY_LOSSES[self.policy_loss], "sequence_level", False)
+            and self.loss_agg_mode == "token-mean"
+        ):
+            warnings.warn(
+                f"algo.policy_loss={self.policy_loss!r} takes one ratio per sequence, and algo.loss_agg_mode="
+                "'token-mean' weighs each sequence by its length: set algo.loss_agg_mode=seq-mean-token-mean "
+                "(the paper's) unless that weighting is meant",
+                UserWarning,
+                stacklevel=2,
+            )
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("sampler_kl_estimator", self.sampler_kl_estimator, SAMPLER_KL_ESTIMATORS)
         if self.correction_mode == "none":

@@ -82,6 +82,9 @@ def gspo(
     return surrogate(torch.where(m, log_s_tok, torch.zeros_like(log_s_tok)).exp(), adv, m, cfg)
 
 
+gspo.sequence_level = True  # type: ignore[attr-defined]  # one ratio a sequence: the config warns of token-mean
+
+
 @register_policy_loss("cispo")
 def cispo(
     lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg: AlgoConfig
