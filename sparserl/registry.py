@@ -33,7 +33,23 @@ class Registry(dict[str, T], Generic[T]):
 
         return add
 
+    def described(self) -> str:
+        """ "'name' (summary), ...": each entry with its docstring's first clause, for help strings that list
+        what is registered instead of a hand-written list."""
+        return ", ".join(
+            f"'{name}' ({summary(cls)})" if summary(cls) else f"'{name}'" for name, cls in self.items()
+        )
+
     def lookup(self, name: str) -> T:
         if name not in self:
             raise UnknownName(f"{self.key}={name!r} is unknown; choose one of {', '.join(self)}")
         return self[name]
+
+
+def summary(obj: object) -> str:
+    """The first clause of `obj`'s docstring: up to its first colon or full stop ('' without one)."""
+    doc = " ".join((obj.__doc__ or "").split())
+    for stop in (": ", ". "):
+        doc = doc.split(stop)[0]
+    doc = doc.rstrip(".")
+    return doc[:1].lower() + doc[1:]

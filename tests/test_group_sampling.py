@@ -22,7 +22,7 @@ from sparserl.rollout import (
     make_group_source,
     register_group_source,
 )
-from sparserl.rollout.sampling import dars_extra_samples, normalised_variance
+from sparserl.rollout.sampling import check_group_sources, dars_extra_samples, normalised_variance
 from tests.test_trainer import make_trainer, rows, tiny_cfg, weights
 
 # --- DARS's schedules ---------------------------------------------------------------------------------------
@@ -309,8 +309,49 @@ def test_settings_that_would_do_nothing_are_refused():
     with pytest.raises(ConfigError, match="algo.overlong_buffer=100 exceeds rollout.max_new_tokens=64"):
         load_config(None, ["algo.overlong_buffer=100", "rollout.max_new_tokens=64"])
     with pytest.raises(ConfigError, match="sampling.dars_n_max=8 leaves no extra samples"):
-        load_config(None, ["sampling.method=dars", "sampling.dars_n_max=8", "rollout.n=8"])
-    with pytest.raises(ConfigError, match="needs sampling.max_extra_rounds >= 2"):
-        load_config(None, ["sampling.method=dars", "rollout.tree.enable=true", "sampling.max_extra_rounds=1"])
-    with pytest.raises(ConfigError, match="rollout.tree.enable starts samples from others"):
-        load_config(None, ["rollout.tree.enable=true", "trainer.log_acceptance=true"])
+        check_group_sources(
+            load_config(None, ["sampling.method=dars", "sampling.dars_n_max=8", "rollout.n=8"])
+        )
+    with pytest.raises(ConfigError, match=r"sampling.method=dars \(1 extra round\) and rollout.tree.enable=true "
+                       r"\(1 extra round\) needs sampling.max_extra_rounds >= 2"):  # fmt: skip
+        check_group_sources(
+            load_config(
+                None, ["sampling.method=dars", "rollout.tree.enable=true", "sampling.max_extra_rounds=1"]
+            )
+        )
+    with pytest.raises(ConfigError, match="rollout.tree.enable=true starts samples from others"):
+        check_group_sources(load_config(None, ["rollout.tree.enable=true", "trainer.log_acceptance=true"]))
+
+
+def test_sources_read_capabilities_not_names():
+    """DARS's schedule follows the estimator's declared std normalisation, and a registered wrapper joins the
+    run's source by its own `enabled(cfg)` and `order`: no method is named outside its own class."""
+    from sparserl.algo.advantages import ADV_ESTIMATORS, register_adv_estimator
+    from sparserl.rollout import WRAPPERS, Dars, WrappedSource, register_wrapper
+
+    @register_adv_estimator("test_std", std_normalised=True)
+    def std_only(g, eps, unbiased):
+        return g / (g.std(dim=1, keepdim=True) + eps)
+
+    @register_wrapper("test_tag")
+    class Tagged(WrappedSource):
+        order, key = 15, "sampling.dynamic=true"  # between the tree (10) and dynamic sampling (20)
+
+        @classmethod
+        def enabled(cls, cfg):
+            return cfg.sampling.dynamic
+
+    try:
+        cfg = load_config(
+            None, ["sampling.method=dars", "algo.adv_estimator=test_std", "sampling.dynamic=true"]
+        )
+        ctx = SourceContext(list(range(8)), cfg.rollout.n, 0, cfg)
+        assert Dars(ctx).std
+        source, chain = make_group_source(ctx), []
+        while hasattr(source, "inner"):
+            source = source.inner
+            chain.append(type(source).__name__)
+        assert chain == ["DynamicSampling", "Tagged", "Dars"]
+        assert not Dars(SourceContext([0], 4, 0, load_config(None, ["algo.adv_estimator=drgrpo"]))).std
+    finally:
+        del ADV_ESTIMATORS["test_std"], WRAPPERS["test_tag"]

@@ -11,7 +11,7 @@ import torch
 
 from sparserl.config import load_config
 from sparserl.config.errors import ConfigError
-from sparserl.rollout import RolloutBackend
+from sparserl.rollout import RolloutBackend, check_group_sources
 from sparserl.rollout.reuse import accepted_length, verification_uniforms
 from sparserl.tasks.base import Example
 from tests.test_trainer import ParityTask, Trainer, rows, tiny_cfg, weights
@@ -128,9 +128,9 @@ def test_a_backend_that_cannot_score_says_so():
 
 def test_spec_refuses_what_needs_whole_samples():
     with pytest.raises(
-        ConfigError, match="rollout.spec.enable starts samples from others .* trainer.log_acceptance"
+        ConfigError, match="rollout.spec.enable=true starts samples from others .* trainer.log_acceptance"
     ):
-        load_config(None, ["rollout.spec.enable=true", "trainer.log_acceptance=true"])
+        check_group_sources(load_config(None, ["rollout.spec.enable=true", "trainer.log_acceptance=true"]))
     with pytest.raises(ConfigError, match="rollout.spec.lenience=-1"):
         load_config(None, ["rollout.spec.lenience=-1"])
 

@@ -9,7 +9,14 @@ import torch
 from sparserl.algo.tree import tree_advantages
 from sparserl.config import load_config
 from sparserl.config.errors import ConfigError
-from sparserl.rollout import RolloutBackend, RolloutLayer, Segment, SourceContext, make_group_source
+from sparserl.rollout import (
+    RolloutBackend,
+    RolloutLayer,
+    Segment,
+    SourceContext,
+    check_group_sources,
+    make_group_source,
+)
 from sparserl.rollout.records import SampleRecord
 from sparserl.rollout.tree import fork_points
 from tests.test_trainer import make_trainer, rows, tiny_cfg
@@ -102,7 +109,11 @@ def test_a_tree_run_trains_with_the_tree_transform(tmp_path):
 
 
 def test_tree_rounds_need_rounds_of_the_step():
-    with pytest.raises(ConfigError, match="rollout.tree.rounds=3 needs sampling.max_extra_rounds >= 3"):
-        load_config(
-            None, ["rollout.tree.enable=true", "rollout.tree.rounds=3", "sampling.max_extra_rounds=2"]
+    with pytest.raises(
+        ConfigError, match=r"rollout.tree.enable=true \(3 extra rounds\) needs sampling.max_extra_rounds >= 3"
+    ):
+        check_group_sources(
+            load_config(
+                None, ["rollout.tree.enable=true", "rollout.tree.rounds=3", "sampling.max_extra_rounds=2"]
+            )
         )

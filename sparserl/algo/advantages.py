@@ -25,39 +25,51 @@ if TYPE_CHECKING:  # the config validates names against the registries below
 # (group rewards [1, n] float64, eps, std_unbiased) -> advantages [1, n]
 Estimator = Callable[[Tensor, float, bool], Tensor]
 
+ADV_ESTIMATORS: Registry[Any] = Registry("algo.adv_estimator")
 
+
+def register_adv_estimator(
+    name: str, *, std_normalised: bool = False, group_baseline: bool = True, min_group: int = 1
+) -> Callable[[Estimator], Estimator]:
+    """Function decorator: `algo.adv_estimator=name`, with what the estimator is, read by the code that
+    depends on it (never its name): `std_normalised` (advantages divided by the group's std: DARS's schedule
+    follows it), `group_baseline` (False: the rewards are not group-relative, an equal group keeps them),
+    `min_group` (the least group size it is defined on; the config refuses a smaller rollout.n)."""
+
+    def add(fn: Estimator) -> Estimator:
+        ADV_ESTIMATORS.register(name)(fn)
+        fn.std_normalised, fn.group_baseline, fn.min_group = std_normalised, group_baseline, min_group  # type: ignore[attr-defined]
+        return fn
+
+    return add
+
+
+@register_adv_estimator("grpo", std_normalised=True)
 def _grpo(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
-    """(R_i - mean_G R) / (std_G R + eps), std unbiased (n-1) by default."""
+    """Group mean and std: (R_i - mean_G R) / (std_G R + eps), std unbiased (n-1) by default."""
     return (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True, unbiased=std_unbiased) + eps)
 
 
+@register_adv_estimator("drgrpo")
 def _drgrpo(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
-    """R_i - mean_G R (Dr. GRPO: no std normalisation)."""
+    """Group mean, no std normalisation (Dr GRPO): R_i - mean_G R."""
     return g - g.mean(dim=1, keepdim=True)
 
 
+@register_adv_estimator("rloo", min_group=2)
 def _rloo(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
-    """R_i - mean_{j != i} R_j (leave-one-out baseline), written through the group mean."""
+    """Leave-one-out mean: R_i - mean_{j != i} R_j, written through the group mean."""
     n = g.shape[1]
     if n < 2:
         raise ValueError("the 'rloo' estimator needs groups of >= 2 samples")
     return (g - g.mean(dim=1, keepdim=True)) * n / (n - 1)
 
 
+@register_adv_estimator("reinforce", group_baseline=False)
 def _reinforce(g: Tensor, eps: float, std_unbiased: bool) -> Tensor:
-    """R_i, no baseline: REINFORCE++ (Hu 2025) with adv_transforms=[batch_whiten], which then subtracts the
-    batch mean. Not group-relative: an equal-reward group or a group of one keeps its rewards."""
+    """The raw reward R_i, no baseline: REINFORCE++ (Hu 2025) with adv_transforms=[batch_whiten], which then
+    subtracts the batch mean. Not group-relative: an equal-reward group or a group of one keeps its rewards."""
     return g.clone()
-
-
-_reinforce.group_baseline = False  # type: ignore[attr-defined]  # `advantages` keeps equal groups as they are
-
-ADV_ESTIMATORS: dict[str, Estimator] = {
-    "grpo": _grpo,
-    "drgrpo": _drgrpo,
-    "rloo": _rloo,
-    "reinforce": _reinforce,
-}
 
 
 def advantages(
@@ -76,6 +88,7 @@ def advantages(
         raise ValueError(
             f"advantage estimator {estimator!r} is unknown; choose one of {', '.join(ADV_ESTIMATORS)}"
         )
+    fn = ADV_ESTIMATORS[estimator]
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_seqs], got shape {tuple(rewards.shape)}")
     index = torch.as_tensor(group_index, dtype=torch.long)
@@ -86,15 +99,17 @@ def advantages(
     if not bool(torch.isfinite(r).all()):
         bad = torch.nonzero(~torch.isfinite(r)).flatten().tolist()
         raise ValueError(f"rewards are not finite at sequence index(es) {bad[:10]}")
-    if not getattr(ADV_ESTIMATORS[estimator], "group_baseline", True):
-        return ADV_ESTIMATORS[estimator](r.view(1, -1), eps, std_unbiased).view(-1).to(out_dtype)
+    if not fn.group_baseline:
+        return fn(r.view(1, -1), eps, std_unbiased).view(-1).to(out_dtype)
     adv = torch.zeros_like(r)
     for gid in torch.unique(index).tolist():
         rows = torch.nonzero(index == gid).flatten()
         g = r[rows].view(1, -1)
-        if g.shape[1] == 1 and estimator != "rloo":
+        if g.shape[1] < fn.min_group:
+            raise ValueError(f"the {estimator!r} estimator needs groups of >= {fn.min_group} samples")
+        if g.shape[1] == 1:
             continue  # no baseline within a group of one: zero
-        a = ADV_ESTIMATORS[estimator](g, eps, std_unbiased)
+        a = fn(g, eps, std_unbiased)
         # A group of equal rewards carries no signal: exactly zero (no 0/0 with eps=0, no float residue).
         adv[rows] = torch.where(g.amax() == g.amin(), torch.zeros_like(a), a).view(-1)
     return adv.to(out_dtype)

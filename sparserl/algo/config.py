@@ -56,9 +56,8 @@ class AlgoConfig:
     adv_estimator: str = field(
         default="grpo",
         metadata={
-            "help": f"Advantage estimator, one of {', '.join(ADV_ESTIMATORS)}: 'grpo' (group mean and std), "
-            "'drgrpo' (group mean, no std normalisation), 'rloo' (leave-one-out mean), 'reinforce' (the raw "
-            "reward, no baseline). REINFORCE++: reinforce + adv_transforms=[batch_whiten]; "
+            "help": f"Advantage estimator (ADV_ESTIMATORS; register your own with register_adv_estimator), one "
+            f"of {ADV_ESTIMATORS.described()}. REINFORCE++: reinforce + adv_transforms=[batch_whiten]; "
             "REINFORCE++-baseline: drgrpo + [batch_whiten] (presets reinforce++, reinforce++-baseline)."
         },
     )

@@ -1,12 +1,15 @@
 """The checks of a training config that span its sections (each section checks its own fields when built):
 batch shapes, what the compiled decode and alpha logging can run, DistillSparse's needs, and sampling settings
-that training cannot correct for."""
+that training cannot correct for. What a registered class needs is read from the class (an estimator's
+`min_group`); the group sources' own checks run from what they declare (rollout/sampling.py
+`check_group_sources`, at the trainer's start)."""
 
 from __future__ import annotations
 
 import warnings
 from typing import TYPE_CHECKING
 
+from sparserl.algo.advantages import ADV_ESTIMATORS
 from sparserl.config.errors import ConfigError
 from sparserl.config.switches import check_switches
 from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS
@@ -18,8 +21,12 @@ if TYPE_CHECKING:  # the config's type only: sections.py calls these
 def cross_section_checks(cfg: TrainConfig) -> None:
     """The checks that span sections of a TrainConfig (each section checks its own fields)."""
     batch = cfg.rollout.prompts_per_step * cfg.rollout.n
-    if cfg.algo.adv_estimator == "rloo" and cfg.rollout.n < 2:
-        raise ConfigError("algo.adv_estimator=rloo needs rollout.n >= 2 (a leave-one-out baseline)")
+    least = ADV_ESTIMATORS.lookup(cfg.algo.adv_estimator).min_group
+    if cfg.rollout.n < least:
+        raise ConfigError(
+            f"algo.adv_estimator={cfg.algo.adv_estimator} needs rollout.n >= {least} (its baseline needs groups "
+            f"of {least} samples)"
+        )
     mini = cfg.optim.mini_batch_size or batch
     if batch % mini:
         raise ConfigError(
@@ -32,24 +39,11 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             "each micro-batch needs at least one sequence"
         )
     check_distributed(cfg)
-    rounds = cfg.rollout.tree.rounds + (cfg.sampling.method == "dars")
-    if cfg.rollout.tree.enable and cfg.sampling.max_extra_rounds < rounds:
-        raise ConfigError(
-            f"rollout.tree.rounds={cfg.rollout.tree.rounds} needs sampling.max_extra_rounds >= {rounds} "
-            f"(now {cfg.sampling.max_extra_rounds}): each forking round (and DARS's second one) is a round of the step"
-        )
-    check_recording(cfg)
     if cfg.algo.overlong_buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(
             f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens}: every completion would be penalised"
         )
-    if cfg.sampling.method == "dars" and cfg.sampling.dars_n_max <= cfg.rollout.n:
-        raise ConfigError(
-            f"sampling.dars_n_max={cfg.sampling.dars_n_max} leaves no extra samples above rollout.n="
-            f"{cfg.rollout.n}: DARS would do nothing"
-        )
-    check_group_size(cfg)
     if cfg.trainer.log_acceptance and cfg.rollout.partial.enable:
         raise ConfigError(
             "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "
@@ -63,20 +57,6 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             f"algo.preset={cfg.algo.preset!r} samples sparse rollouts but kv.method={cfg.kv.method!r}; "
             f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
             f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
-        )
-
-
-def check_group_size(cfg: TrainConfig) -> None:
-    """Dynamic sampling and VCRL refill the groups whose rewards are all equal: a group of one sample always
-    is, so every step would run all its extra rounds for zero advantage."""
-    if cfg.rollout.n > 1 or cfg.rollout.tree.enable:  # a tree's group is its leaves
-        return
-    on = [k for k, v in (("sampling.dynamic=true", cfg.sampling.dynamic),
-                         ("sampling.method=vcrl", cfg.sampling.method == "vcrl")) if v]  # fmt: skip
-    if on:
-        raise ConfigError(
-            f"{' and '.join(on)} with rollout.n=1: a group of one sample has zero reward variance, so every "
-            "step would run all sampling.max_extra_rounds for nothing; set rollout.n >= 2"
         )
 
 
@@ -143,14 +123,8 @@ def check_learners(cfg: TrainConfig) -> None:
 
 
 def check_distributed(cfg: TrainConfig) -> None:
-    """Rollout workers replace the in-process backend, and return tokens and log-probs of whole samples; a
-    swarm's drawn groups are trained at the step that draws them."""
+    """Rollout workers replace the in-process backend, and return tokens and log-probs of whole samples."""
     check_learners(cfg)
-    if cfg.distributed.swarm.shared_groups and cfg.rollout.partial.enable:
-        raise ConfigError(
-            "distributed.swarm.shared_groups > 0 with rollout.partial.enable=true: APRIL's stop counts "
-            "rollout.prompts_per_step groups and would leave the drawn ones for later; turn one of them off"
-        )
     if not cfg.distributed.rollout_workers:
         return
     if cfg.rollout.backend != "local":
@@ -165,21 +139,4 @@ def check_distributed(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"distributed.rollout_workers > 0 cannot run with {', '.join(asks)} yet: the workers return whole "
             "samples' tokens and log-probs only (no recorded distributions or held positions, no early stop)"
-        )
-
-
-def check_recording(cfg: TrainConfig) -> None:
-    """Recording the sampler (alpha, DistillSparse's replay) needs every trained sample decoded whole in one
-    round: no drafts, forks, shared samples or later rounds."""
-    if not (cfg.trainer.log_acceptance or cfg.distill.enable):
-        return
-    parts = [k for k, on in (("rollout.spec.enable", cfg.rollout.spec.enable),
-                             ("rollout.tree.enable", cfg.rollout.tree.enable),
-                             ("sampling.dynamic", cfg.sampling.dynamic),
-                             (f"sampling.method={cfg.sampling.method}", cfg.sampling.method in ("dars", "vcrl")),
-                             ("distributed.swarm.shared_groups", cfg.distributed.swarm.shared_groups > 0)) if on]  # fmt: skip
-    if parts:
-        raise ConfigError(
-            f"{', '.join(parts)} starts samples from others or adds rounds to a step, whose distributions and held "
-            "positions are not recorded: it cannot run with trainer.log_acceptance or distill.enable"
         )

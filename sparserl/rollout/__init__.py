@@ -16,16 +16,19 @@ from sparserl.rollout.backend import (
 )
 from sparserl.rollout.layer import Collected, RolloutLayer, RolloutState
 from sparserl.rollout.records import GroupRecord, SampleRecord
-from sparserl.rollout.sampling import Dars, DynamicSampling, Vcrl, make_group_source
+from sparserl.rollout.sampling import Dars, DynamicSampling, Vcrl, check_group_sources, make_group_source
 from sparserl.rollout.scheduler import Scheduler, SchedulerStats
 from sparserl.rollout.sources import (
     GROUP_SOURCES,
+    WRAPPERS,
     FreshPrompts,
     GroupPlan,
     GroupSource,
     LeftoverBuffer,
     SourceContext,
+    WrappedSource,
     register_group_source,
+    register_wrapper,
     step_seed,
 )
 from sparserl.rollout.task_view import TaskView
@@ -54,9 +57,13 @@ __all__ = [
     "StaleWeights",
     "TaskView",
     "Vcrl",
+    "WRAPPERS",
+    "WrappedSource",
+    "check_group_sources",
     "make_backend",
     "make_group_source",
     "register_backend",
     "register_group_source",
+    "register_wrapper",
     "step_seed",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 from sparserl.config.rollout import SpecConfig
 from sparserl.engine.sampling import sample_uniforms
 from sparserl.rollout.records import GroupRecord
-from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, WrappedSource
+from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, WrappedSource, register_wrapper
 from sparserl.seeds import derive_seed
 
 SPEC_STREAM = 7  # derive_seed purpose: the verification's uniforms, apart from the sampling streams
@@ -41,10 +41,22 @@ def verification_uniforms(step_seed: int, key: int, length: int) -> list[float]:
     return sample_uniforms(derive_seed(step_seed, SPEC_STREAM), [key], length)[0].tolist()
 
 
+@register_wrapper("spec")
 class SpecReuse(WrappedSource):
     """SPEC-RL around any source: plans of prompts seen before carry their last responses as drafts (one per
     sample, as many as were cached); the trained groups' samples are cached with their verified log-probs,
     the prompts cached longest ago leaving first past `max_cached_tokens`."""
+
+    recordable = False  # drafts: a sample starts from an earlier one
+    order, key = 30, "rollout.spec.enable=true"
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        return cfg.rollout.spec.enable
+
+    @classmethod
+    def around(cls, inner: GroupSource) -> WrappedSource:
+        return cls(inner, inner.ctx.cfg.rollout.spec)
 
     def __init__(self, inner: GroupSource, cfg: SpecConfig) -> None:
         super().__init__(inner)

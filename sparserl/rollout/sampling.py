@@ -10,21 +10,25 @@ import math
 from fractions import Fraction
 from typing import Any
 
+from sparserl.algo.advantages import ADV_ESTIMATORS
+from sparserl.config.errors import ConfigError
 from sparserl.config.sampling import SamplingConfig
+from sparserl.rollout import reuse as _reuse  # noqa: F401 - registers its wrapper
+from sparserl.rollout import swarm as _swarm  # noqa: F401 - registers its wrapper (imports Ray only when built)
+from sparserl.rollout import tree as _tree  # noqa: F401 - registers its wrapper
 from sparserl.rollout.records import GroupRecord
-from sparserl.rollout.reuse import SpecReuse
 from sparserl.rollout.sources import (
     EXTENSION_SHIFT,
-    GROUP_SOURCES,
     FreshPrompts,
     GroupPlan,
     GroupSource,
     LeftoverBuffer,
     SourceContext,
     WrappedSource,
+    chosen_sources,
     register_group_source,
+    register_wrapper,
 )
-from sparserl.rollout.tree import TreeRollouts
 
 
 def flat(g: GroupRecord) -> bool:
@@ -81,17 +85,30 @@ class Dars(FreshPrompts):
     """DARS: a first round of n samples per prompt, then extra samples for the prompts whose accuracy is below
     1/2 (sampling.dars_schedule, up to sampling.dars_n_max in all), on the same group id, so advantages take
     the enlarged group. Groups still all-wrong or all-right are left out of the batch (the paper's filter)
-    unless sampling.dars_keep_degenerate. The schedule's std follows algo.adv_estimator (grpo: with std)."""
+    unless sampling.dars_keep_degenerate. The schedule's std follows the estimator's (`std_normalised`)."""
 
     refills = True
+    recordable = False
 
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
         self.cfg: SamplingConfig = ctx.cfg.sampling
-        self.std = ctx.cfg.algo.adv_estimator == "grpo"
+        self.std = ADV_ESTIMATORS.lookup(ctx.cfg.algo.adv_estimator).std_normalised
         self.extended: set[int] = set()  # group ids given their extras this step
         self.unsolved: set[int] = set()  # first-round all-wrong group ids this step
         self.step = {"dars_extra_samples": 0.0, "dars_saved": 0.0, "dars_hard_prompts": 0.0}
+
+    @classmethod
+    def rounds(cls, cfg: Any) -> int:
+        return 1  # the extra samples' round
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        if cfg.sampling.dars_n_max <= cfg.rollout.n:
+            raise ConfigError(
+                f"sampling.dars_n_max={cfg.sampling.dars_n_max} leaves no extra samples above rollout.n="
+                f"{cfg.rollout.n}: DARS would do nothing"
+            )
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
         if self.new_step(version):
@@ -151,6 +168,8 @@ class Vcrl(FreshPrompts):
     first) in later rounds; short of k kept groups, the best dropped ones fill the batch (counted)."""
 
     refills = True
+    recordable = False
+    needs_reward_variance = True
 
     def __init__(self, ctx: SourceContext) -> None:
         super().__init__(ctx)
@@ -243,12 +262,20 @@ class Vcrl(FreshPrompts):
 # ------------------------------------------------------------------------------------------ DAPO dynamic
 
 
+@register_wrapper("dynamic")
 class DynamicSampling(WrappedSource):
     """DAPO's dynamic sampling around any source: groups whose rewards are all equal are dropped, and new
     groups (the inner source's `plan`) are run until k groups with a signal are in or the layer's round cap
     is reached; short of k, dropped groups fill the batch (counted in sampling/dynamic_filled_groups)."""
 
     refills = True
+    recordable = False
+    needs_reward_variance = True
+    order, key = 20, "sampling.dynamic=true"
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        return cfg.sampling.dynamic
 
     def __init__(self, inner: GroupSource) -> None:
         super().__init__(inner)
@@ -279,19 +306,41 @@ class DynamicSampling(WrappedSource):
 
 
 def make_group_source(ctx: SourceContext) -> LeftoverBuffer:
-    """The run's source (`ctx.cfg`): the registered `sampling.method`, then around it, when asked, tree
-    rollouts, dynamic sampling, SPEC-RL's reuse and SAPO's sharing, all behind the leftover buffer (APRIL's with partial
-    rollouts)."""
-    cfg = ctx.cfg
-    source = GROUP_SOURCES.lookup(cfg.sampling.method)(ctx)
-    if cfg.rollout.tree.enable:
-        source = TreeRollouts(source, cfg.rollout.tree)
-    if cfg.sampling.dynamic:
-        source = DynamicSampling(source)
-    if cfg.rollout.spec.enable:
-        source = SpecReuse(source, cfg.rollout.spec)
-    if cfg.distributed.swarm.enable:
-        from sparserl.rollout.swarm import SwarmSharing  # imports Ray
+    """The run's source (`ctx.cfg`): the registered `sampling.method`, then around it each registered wrapper
+    the config enables (tree rollouts, dynamic sampling, SPEC-RL's reuse, SAPO's sharing...), innermost first,
+    all behind the leftover buffer (APRIL's with partial rollouts)."""
+    check_group_sources(ctx.cfg)
+    method, *wrappers = chosen_sources(ctx.cfg)
+    source = method(ctx)
+    for wrapper in wrappers:
+        source = wrapper.around(source)
+    return LeftoverBuffer(source, ctx.cfg.rollout.partial)
 
-        source = SwarmSharing(source, cfg, ctx.tokenizer)
-    return LeftoverBuffer(source, cfg.rollout.partial)
+
+def check_group_sources(cfg: Any) -> None:
+    """Refuse what the run's source cannot do, from what its classes declare (never their names): the rounds
+    they need, groups of one for those that need reward variance, recording with those that do not decode
+    each sample whole in one round, and each class's own `check`."""
+    chosen = chosen_sources(cfg)
+    for cls in chosen:
+        cls.check(cfg)
+    need = {cls.switch(cfg): cls.rounds(cfg) for cls in chosen if cls.rounds(cfg)}
+    strict = any(cls.needs_its_rounds for cls in chosen)  # the others take what the cap leaves them
+    if strict and sum(need.values()) > cfg.sampling.max_extra_rounds:
+        parts = " and ".join(f"{k} ({n} extra round{'s' * (n > 1)})" for k, n in need.items())
+        raise ConfigError(
+            f"{parts} needs sampling.max_extra_rounds >= {sum(need.values())} (now "
+            f"{cfg.sampling.max_extra_rounds}): each is a round of the step"
+        )
+    variance = [c.switch(cfg) for c in chosen if c.needs_reward_variance]
+    if variance and cfg.rollout.n == 1 and not any(c.grows_groups for c in chosen):
+        raise ConfigError(
+            f"{' and '.join(variance)} with rollout.n=1: a group of one sample has zero reward variance, so every "
+            "step would run all sampling.max_extra_rounds for nothing; set rollout.n >= 2"
+        )
+    unrecorded = [c.switch(cfg) for c in chosen if not c.recordable]
+    if unrecorded and (cfg.trainer.log_acceptance or cfg.distill.enable):
+        raise ConfigError(
+            f"{', '.join(unrecorded)} starts samples from others or adds rounds to a step, whose distributions and "
+            "held positions are not recorded: it cannot run with trainer.log_acceptance or distill.enable"
+        )

@@ -90,11 +90,35 @@ class GroupSource:
     rewards, `state_dict`/`load_state_dict` for state that must survive a resume."""
 
     name: ClassVar[str] = ""
-    refills: ClassVar[bool] = False  # True if `refill` may ask for more rounds (not with partial rollouts)
+    # What the source does, read by the config checks (`check_group_sources`), never its name.
+    # refills: `refill` may ask for more rounds (not with partial rollouts); recordable: every trained sample
+    # is decoded whole from its prompt in the step's one round; needs_reward_variance: it drops groups of equal
+    # rewards (pointless with rollout.n=1); grows_groups: a group grows from one sample (a tree's leaves), so
+    # rollout.n=1 has variance; needs_its_rounds: fewer `rounds` than asked is wrong, not merely less (the
+    # round cap is checked against every class's rounds).
+    refills: ClassVar[bool] = False
+    recordable: ClassVar[bool] = True
+    needs_reward_variance: ClassVar[bool] = False
+    grows_groups: ClassVar[bool] = False
+    needs_its_rounds: ClassVar[bool] = False
 
     def __init__(self, ctx: SourceContext) -> None:
         self.ctx = ctx
         self._seen: tuple[int, Counter] = (-1, Counter())  # (version, occurrences of each row this step)
+
+    @classmethod
+    def switch(cls, cfg: Any) -> str:
+        """The config setting that turns the source on, as errors name it."""
+        return f"sampling.method={cls.name}"
+
+    @classmethod
+    def rounds(cls, cfg: Any) -> int:
+        """The extra rounds a step needs (beyond the first) to do what the config asks."""
+        return 0
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        """Refuse settings of the config the source cannot run with (ConfigError naming the key)."""
 
     def choose(self, k: int, version: int) -> list[int]:
         raise NotImplementedError(f"group source {type(self).__name__} defines neither choose nor plan")
@@ -180,11 +204,29 @@ class FreshPrompts(GroupSource):
 
 class WrappedSource(GroupSource):
     """A source around another (`inner`): every call goes to it unless the wrapper overrides it (the leftover
-    buffer, dynamic sampling, SPEC-RL's reuse, SAPO's sharing)."""
+    buffer, dynamic sampling, SPEC-RL's reuse, SAPO's sharing). A registered wrapper (`@register_wrapper`)
+    wraps the run's source when `enabled(cfg)`, innermost first by `order`; `key` is its config setting."""
+
+    order: ClassVar[int] = 0  # lower: closer to the method's own source
+    key: ClassVar[str] = ""  # the config setting that turns it on, as errors name it
 
     def __init__(self, inner: GroupSource) -> None:
         super().__init__(inner.ctx)
         self.inner = inner
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        """Whether the run's config asks for this wrapper."""
+        raise NotImplementedError(f"wrapper {cls.__name__} does not say when it is enabled")
+
+    @classmethod
+    def around(cls, inner: GroupSource) -> WrappedSource:
+        """The wrapper around `inner`, built from `inner.ctx` (its config, tokenizer)."""
+        return cls(inner)
+
+    @classmethod
+    def switch(cls, cfg: Any) -> str:
+        return cls.key
 
     @property
     def refills(self) -> bool:  # type: ignore[override]
@@ -222,6 +264,16 @@ class WrappedSource(GroupSource):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
+
+
+WRAPPERS: Registry[type[WrappedSource]] = Registry("group-source wrapper")
+register_wrapper = WRAPPERS.register  # class decorator: wraps the run's source whenever `enabled(cfg)`
+
+
+def chosen_sources(cfg: Any) -> list[type[GroupSource]]:
+    """The classes the run's source is made of: `sampling.method`'s, then the enabled wrappers, innermost first."""
+    wrappers = sorted((w for w in WRAPPERS.values() if w.enabled(cfg)), key=lambda w: w.order)
+    return [GROUP_SOURCES.lookup(cfg.sampling.method), *wrappers]
 
 
 class LeftoverBuffer(WrappedSource):

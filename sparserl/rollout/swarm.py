@@ -12,8 +12,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from sparserl.config.errors import ConfigError
 from sparserl.rollout.records import GroupRecord
-from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, WrappedSource, step_seed
+from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, WrappedSource, register_wrapper, step_seed
 
 
 class SwarmPool:
@@ -38,9 +39,35 @@ def tokenizer_id(tokenizer: Any) -> str:
     return f"{getattr(tokenizer, 'name_or_path', '')}:{len(tokenizer)}"
 
 
+@register_wrapper("swarm")
 class SwarmSharing(WrappedSource):
     """Around any source: its plans plus the drawn groups (as plans of kept-whole drafts), and its trained
     local groups published after each step. The pool is external: a resume draws afresh from it."""
+
+    order, key = 40, "distributed.swarm.enable=true"
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        return cfg.distributed.swarm.enable
+
+    @classmethod
+    def around(cls, inner: GroupSource) -> WrappedSource:
+        return cls(inner, inner.ctx.cfg, inner.ctx.tokenizer)
+
+    @classmethod
+    def check(cls, cfg: Any) -> None:
+        """Drawn groups are trained at the step that draws them, as drafts kept whole (not recorded)."""
+        shared = cfg.distributed.swarm.shared_groups
+        if shared and cfg.rollout.partial.enable:
+            raise ConfigError(
+                "distributed.swarm.shared_groups > 0 with rollout.partial.enable=true: APRIL's stop counts "
+                "rollout.prompts_per_step groups and would leave the drawn ones for later; turn one of them off"
+            )
+        if shared and (cfg.trainer.log_acceptance or cfg.distill.enable):
+            raise ConfigError(
+                "distributed.swarm.shared_groups starts samples from others, whose distributions and held "
+                "positions are not recorded: it cannot run with trainer.log_acceptance or distill.enable"
+            )
 
     def __init__(self, inner: GroupSource, cfg: Any, tokenizer: Any) -> None:
         import ray

@@ -12,7 +12,14 @@ from __future__ import annotations
 from typing import Any
 
 from sparserl.rollout.records import GroupRecord, SampleRecord
-from sparserl.rollout.sources import EXTENSION_SHIFT, Draft, GroupPlan, GroupSource, WrappedSource
+from sparserl.rollout.sources import (
+    EXTENSION_SHIFT,
+    Draft,
+    GroupPlan,
+    GroupSource,
+    WrappedSource,
+    register_wrapper,
+)
 
 
 def fork_points(s: SampleRecord, forks: int) -> list[int]:
@@ -22,10 +29,27 @@ def fork_points(s: SampleRecord, forks: int) -> list[int]:
     return sorted(sorted(own, key=lambda t: (s.sampler_logps[t], t))[:forks])
 
 
+@register_wrapper("tree")
 class TreeRollouts(WrappedSource):
     """Around any source: its groups grown as trees (see the module docstring)."""
 
     refills = True
+    recordable = False
+    grows_groups = True  # a tree's group is its leaves
+    needs_its_rounds = True  # the forking rounds asked for
+    order, key = 10, "rollout.tree.enable=true"
+
+    @classmethod
+    def enabled(cls, cfg: Any) -> bool:
+        return cfg.rollout.tree.enable
+
+    @classmethod
+    def around(cls, inner: GroupSource) -> WrappedSource:
+        return cls(inner, inner.ctx.cfg.rollout.tree)
+
+    @classmethod
+    def rounds(cls, cfg: Any) -> int:
+        return cfg.rollout.tree.rounds  # one per forking round
 
     def __init__(self, inner: GroupSource, cfg: Any) -> None:
         super().__init__(inner)

@@ -29,6 +29,7 @@ from sparserl.rollout import (
     RolloutState,
     SourceContext,
     TaskView,
+    check_group_sources,
     make_backend,
     make_group_source,
     step_seed,
@@ -88,6 +89,7 @@ class Trainer:
     ) -> None:
         self._lock: RunLock | None = None
         cfg.validate()
+        check_group_sources(cfg)  # before anything loads: what the sources declare they need
         check_backends(cfg.logging)
         self.cfg = cfg
         self.console = console
