@@ -156,3 +156,26 @@ def test_an_unknown_source_or_backend_is_named(tmp_path):
         with pytest.raises(UserError, match=rf"{key}='nope' is unknown; choose one of"):
             make_trainer(tiny_cfg(tmp_path, f"{key}=nope"))
         assert not (tmp_path / "run").exists()  # no run directory left behind
+
+
+def test_backend_capabilities_are_read_not_its_name():
+    """A config asking for what the run's backend does not declare is refused, naming the keys: whatever the
+    backend's name (a registered one without recording or early stop here)."""
+    import pytest
+
+    from sparserl.config import load_config
+    from sparserl.config.errors import ConfigError
+    from sparserl.rollout import BACKENDS, LocalBackend, check_backend, register_backend
+
+    @register_backend("test_plain")
+    class Plain(LocalBackend):
+        records = partial_stop = False
+
+    try:
+        check_backend(load_config(None, ["rollout.backend=test_plain"]))
+        for key in ("trainer.log_acceptance=true", "rollout.partial.enable=true"):
+            with pytest.raises(ConfigError, match=rf"'test_plain' cannot run with {key.split('=')[0]}"):
+                check_backend(load_config(None, ["rollout.backend=test_plain", key]))
+        check_backend(load_config(None, ["trainer.log_acceptance=true"]))  # the local backend records
+    finally:
+        del BACKENDS["test_plain"]

@@ -123,20 +123,6 @@ def check_learners(cfg: TrainConfig) -> None:
 
 
 def check_distributed(cfg: TrainConfig) -> None:
-    """Rollout workers replace the in-process backend, and return tokens and log-probs of whole samples."""
+    """Learners share the update; what the rollout backend can do is its own check (rollout/backend.py
+    `check_backend`, from what the backend declares)."""
     check_learners(cfg)
-    if not cfg.distributed.rollout_workers:
-        return
-    if cfg.rollout.backend != "local":
-        raise ConfigError(
-            f"distributed.rollout_workers={cfg.distributed.rollout_workers} runs the 'ray' backend, but "
-            f"rollout.backend={cfg.rollout.backend!r} asks for another: set one of them"
-        )
-    asks = [k for k, on in (("trainer.log_acceptance", cfg.trainer.log_acceptance),
-                            ("distill.enable", cfg.distill.enable),
-                            ("rollout.partial.enable", cfg.rollout.partial.enable)) if on]  # fmt: skip
-    if asks:
-        raise ConfigError(
-            f"distributed.rollout_workers > 0 cannot run with {', '.join(asks)} yet: the workers return whole "
-            "samples' tokens and log-probs only (no recorded distributions or held positions, no early stop)"
-        )

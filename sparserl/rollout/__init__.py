@@ -11,6 +11,7 @@ from sparserl.rollout.backend import (
     RolloutBackend,
     Segment,
     StaleWeights,
+    check_backend,
     make_backend,
     register_backend,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "Vcrl",
     "WRAPPERS",
     "WrappedSource",
+    "check_backend",
     "check_group_sources",
     "make_backend",
     "make_group_source",

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.held import HeldRecord, HeldRecorder
@@ -68,9 +69,14 @@ class StaleWeights(RuntimeError):
 
 class RolloutBackend:
     """Base class of the registry. Subclasses implement `run`; `push_weights` records the version held and
-    `check_version` refuses another (the rollout layer calls it before every run)."""
+    `check_version` refuses another (the rollout layer calls it before every run). The class declares what it
+    guarantees (`CAPABILITIES`); `check_backend` refuses a config that asks for more."""
 
     name: ClassVar[str] = ""
+    records: ClassVar[bool] = False  # honours `Recording`: distributions and held positions on its segments
+    partial_stop: ClassVar[bool] = False  # `stop()` ends a run early, its unfinished samples returned (APRIL)
+    scores: ClassVar[bool] = False  # `score`: teacher-forced log-probs (SPEC-RL's verification)
+    deterministic_streams: ClassVar[bool] = True  # a sample's tokens depend on (seed, key, weights) only
 
     def __init__(self, recording: Recording | None = None) -> None:
         self.version = 0
@@ -141,6 +147,8 @@ class LocalBackend(RolloutBackend):
     from the live modules, so `push_weights` has nothing to copy: the trained weights are read afresh at
     every run."""
 
+    records = partial_stop = scores = True
+
     def __init__(self, engine, cfg: RolloutConfig, recording: Recording | None = None) -> None:
         super().__init__(recording)
         self.engine = engine
@@ -194,10 +202,41 @@ class LocalBackend(RolloutBackend):
         return {**run_stats(run), **sched.as_metrics()}
 
 
+CAPABILITIES = {
+    "records": "record the sampler's distributions and held positions",
+    "partial_stop": "stop a run early and return its unfinished samples",
+    "scores": "score completions teacher-forced",
+}  # what a backend may declare, as errors say it
+
+
+def backend_class(cfg: Any) -> type[RolloutBackend]:
+    """The run's backend: 'ray' with distributed.rollout_workers > 0, else rollout.backend."""
+    if cfg.distributed.rollout_workers and cfg.rollout.backend != LocalBackend.name:
+        raise ConfigError(
+            f"distributed.rollout_workers={cfg.distributed.rollout_workers} runs the 'ray' backend, but "
+            f"rollout.backend={cfg.rollout.backend!r} asks for another: set one of them"
+        )
+    return BACKENDS.lookup("ray" if cfg.distributed.rollout_workers else cfg.rollout.backend)
+
+
+def check_backend(cfg: Any) -> None:
+    """Refuse settings that need a capability the run's backend does not declare (never its name)."""
+    cls = backend_class(cfg)
+    asks = {"trainer.log_acceptance": (cfg.trainer.log_acceptance, "records"),
+            "distill.enable": (cfg.distill.enable, "records"),
+            "rollout.partial.enable": (cfg.rollout.partial.enable, "partial_stop"),
+            "rollout.spec.enable": (cfg.rollout.spec.enable, "scores")}  # fmt: skip
+    missing = {key: cap for key, (on, cap) in asks.items() if on and not getattr(cls, cap)}
+    if missing:
+        cannot = sorted({CAPABILITIES[cap] for cap in missing.values()})
+        raise ConfigError(
+            f"rollout backend {cls.name!r} cannot run with {', '.join(missing)}: it does not {' or '.join(cannot)}"
+        )
+
+
 def make_backend(engine, cfg: Any, recording: Recording | None = None) -> RolloutBackend:
-    """The run's backend over `engine`: 'ray' with distributed.rollout_workers > 0, else rollout.backend."""
-    name = "ray" if cfg.distributed.rollout_workers else cfg.rollout.backend
-    return BACKENDS.lookup(name).from_config(engine, cfg, recording)
+    """The run's backend over `engine` (`backend_class`)."""
+    return backend_class(cfg).from_config(engine, cfg, recording)
 
 
 SUMMED_METRICS = {

@@ -166,6 +166,8 @@ class WorkerRewards:
 class RayBackend(RolloutBackend):
     """`distributed.rollout_workers` Ray actors, each a `RolloutWorker`; see the module docstring."""
 
+    scores = True  # whole shares on the workers: no recording, no early stop
+
     def __init__(self, engine: Any, rollout_cfg: Any, distributed: Any, recording: Recording | None = None):
         super().__init__(recording)
         if self.recording.any or rollout_cfg.partial.enable:

@@ -29,6 +29,7 @@ from sparserl.rollout import (
     RolloutState,
     SourceContext,
     TaskView,
+    check_backend,
     check_group_sources,
     make_backend,
     make_group_source,
@@ -89,7 +90,8 @@ class Trainer:
     ) -> None:
         self._lock: RunLock | None = None
         cfg.validate()
-        check_group_sources(cfg)  # before anything loads: what the sources declare they need
+        check_group_sources(cfg)  # before anything loads: what the sources and the backend declare
+        check_backend(cfg)
         check_backends(cfg.logging)
         self.cfg = cfg
         self.console = console
