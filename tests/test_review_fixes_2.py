@@ -109,3 +109,32 @@ def test_rollout_throughput_of_a_steps_rounds_is_their_tokens_over_their_summed_
     ]
     assert merge_run_metrics(rounds, side_by_side=False)["tokens_per_s"] == pytest.approx(150 / 2.0)
     assert merge_run_metrics(rounds, side_by_side=True)["tokens_per_s"] == 150.0  # workers decode at once
+
+
+def test_spec_rl_with_april_caches_only_samples_the_current_weights_drew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """APRIL trains leftovers that older weights drew in part or whole; their log-probs scored now would be
+    the current weights', not those that drew them, so they are not cached as SPEC-RL drafts."""
+    from test_reuse import make
+
+    from sparserl.rollout.layer import RolloutLayer
+    from sparserl.rollout.reuse import SpecReuse
+
+    versions: list[int] = []
+    cached: list[tuple[set[int], int]] = []  # each cached sample's versions and the step's
+    collect, observe = RolloutLayer.collect_step, SpecReuse.observe
+
+    def collect_step(self, source, k, version, seed):
+        versions.append(version)
+        return collect(self, source, k, version, seed)
+
+    def watched(self, groups, leftover):
+        cached.extend((set(s.versions), versions[-1]) for g in groups for s in g.samples if s.scored_logps)
+        return observe(self, groups, leftover)
+
+    monkeypatch.setattr(RolloutLayer, "collect_step", collect_step)
+    monkeypatch.setattr(SpecReuse, "observe", watched)
+    april = ["rollout.partial.enable=true", "rollout.partial.over_provision=2", "rollout.kv_memory_cap=64MiB"]
+    make(tmp_path, *april, "optim.lr=0.05", "trainer.steps=3", "rollout.max_new_tokens=24").train()
+    assert cached and all(drew == {version} for drew, version in cached)

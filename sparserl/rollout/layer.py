@@ -165,7 +165,7 @@ class RolloutLayer:
         t0 = time.perf_counter()
         rounds_s = t0 - t_rounds
         if source.needs_scores:
-            self._score_samples(trained)
+            self._score_samples(trained, version)
         score_s = time.perf_counter() - t0
         source.observe(trained, first.leftover)
         segments = {i: seg for r in rounds for i, seg in r.by_sample.items()}
@@ -243,9 +243,11 @@ class RolloutLayer:
         )
         return Collected(complete, leftover, metrics, segments, by_sample=recorded)
 
-    def _score_samples(self, groups: list[GroupRecord]) -> None:
-        """Each sample's teacher-forced log-probs under the weights that drew it (for a source's cache)."""
-        samples = [s for g in groups for s in g.samples if s.tokens]
+    def _score_samples(self, groups: list[GroupRecord], version: int) -> None:
+        """Each sample's teacher-forced log-probs under the weights that drew it (for a source's cache): the
+        samples drawn wholly by policy `version`, the weights held now. A sample an older policy drew in part
+        or whole (APRIL's leftovers) stays unscored, so that no source caches it under the wrong weights."""
+        samples = [s for g in groups for s in g.samples if s.tokens and set(s.versions) == {version}]
         prompts = [self.task.prompt_ids(s.prompt_id) for s in samples]
         logps = self.backend.score(prompts, [s.tokens for s in samples], self.cfg.temperature)
         for s, lp in zip(samples, logps, strict=True):
