@@ -20,11 +20,16 @@ def kv_text(cfg: Any) -> str:
     return f"sparse {kv.method}, budget {kv.budget}"
 
 
+def own_source(sampling: Any) -> bool:
+    """Whether sampling.method is other than the config's default (plain prompts, one round)."""
+    return sampling.method != type(sampling).method  # a dataclass field's default is its class attribute
+
+
 def active_systems(cfg: Any) -> list[str]:
     """Every system beyond plain GRPO sampling that the run has on, in words, in the order they act."""
     s, r, d = cfg.sampling, cfg.rollout, cfg.distributed
     on = {
-        f"sampling {s.method}": s.method != "fresh",
+        f"sampling {s.method}": own_source(s),
         "dynamic sampling": s.dynamic,
         f"tree rollouts ({r.tree.rounds} rounds x {r.tree.forks} forks x {r.tree.children} children)": (
             r.tree.enable
@@ -73,7 +78,7 @@ def step_numbers(cfg: Any, m: dict[str, Any]) -> str:
     changes (SPEC-RL's reused share, extra samples drawn, tree leaves, staleness, ...)."""
     s, r, d = cfg.sampling, cfg.rollout, cfg.distributed
     parts = [f"H {m['rollout/entropy_estimate']:.2f}"] if "rollout/entropy_estimate" in m else []
-    if s.method != "fresh" or s.dynamic:
+    if own_source(s) or s.dynamic:
         base = r.prompts_per_step * r.n
         parts.append(f"+{max(0.0, m.get('sampling/generated_samples', base) - base):.0f} samples")
     if r.tree.enable:
