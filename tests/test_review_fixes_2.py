@@ -46,6 +46,23 @@ def test_a_nan_sampler_log_prob_is_skipped_and_counted_under_every_preset(
     assert all(torch.isfinite(v).all() for v in weights(trainer).values())
 
 
+# ---------------------------------------------------------------- advantages
+
+
+def test_uniqueness_judges_correct_on_the_task_reward_before_the_overlong_penalty() -> None:
+    """The singleton strategy is right but overlong: its penalty of -1 brings its reward to 0, and it must still
+    count as a correct rollout with a cluster of its own."""
+    from test_uniqueness import GROUP, REWARDS, transform
+
+    from sparserl.algo import AlgoConfig, advantages_from_config
+
+    shaped = REWARDS.clone()
+    shaped[4] -= 1.0  # the singleton, overlong
+    uniqueness = transform()
+    advantages_from_config(shaped, [0] * 8, AlgoConfig(), GROUP, [uniqueness], task_rewards=REWARDS)
+    assert uniqueness.metrics()["clusters_per_group"] == 2.0  # the majority's and the singleton's
+
+
 # ---------------------------------------------------------------- config
 
 

@@ -145,6 +145,8 @@ class AdvantageTransform:
 
     name: ClassVar[str] = ""
     needs_tokens: ClassVar[bool] = False  # True: also called with tokens=[completion ids per sample]
+    # True: also called with task_rewards=[B], the task's rewards before shaping (DAPO's overlong penalty)
+    needs_task_rewards: ClassVar[bool] = False
 
     def __init__(self, ctx: TransformContext) -> None:
         self.ctx = ctx
@@ -190,13 +192,23 @@ def advantages_from_config(
     texts: list[str] | None = None,
     transforms: list[AdvantageTransform] | None = None,
     tokens: list[list[int]] | None = None,
+    task_rewards: Tensor | None = None,
 ) -> Tensor:
     """`advantages` with the estimator, eps and std choice of `cfg`, then each transform in order (they see
-    the rewards, group ids and the completions' texts, and their tokens if they ask: `needs_tokens`);
-    `transforms` defaults to `algo.adv_transforms`."""
+    the rewards, group ids and the completions' texts, and if they ask the tokens and the task's rewards
+    before shaping, `task_rewards`, default `rewards`: `transform_extras`); `transforms` defaults to
+    `algo.adv_transforms`."""
     index = torch.as_tensor(group_index, dtype=torch.long)
     adv = advantages(rewards, index, cfg.adv_estimator, cfg.adv_eps, cfg.adv_std_unbiased)
     for transform in make_adv_transforms(cfg) if transforms is None else transforms:
-        extra = {"tokens": tokens} if transform.needs_tokens else {}
+        extra = transform_extras(transform, tokens, rewards if task_rewards is None else task_rewards)
         adv = transform(adv, rewards, index, texts or [], **extra)
     return adv
+
+
+def transform_extras(transform: AdvantageTransform, tokens: list | None, task_rewards: Tensor) -> dict:
+    """The keyword arguments `transform` asks for (`needs_tokens`, `needs_task_rewards`)."""
+    extra: dict[str, Any] = {"tokens": tokens} if transform.needs_tokens else {}
+    if transform.needs_task_rewards:
+        extra["task_rewards"] = task_rewards
+    return extra

@@ -1,10 +1,10 @@
 """Uniqueness-aware advantages ("Rewarding the Rare", arXiv 2601.08763), as an advantage transform.
 
-Within each group (one prompt's rollouts), a judge clusters the correct rollouts (reward > 0) by solution
-strategy; a correct rollout i is weighted w_i = |C(i)|^-alpha, |C(i)| the size of its cluster among the
-group's correct rollouts, and a wrong one keeps w_i = 1. `shaping.mode=advantage` multiplies the advantages
-by w (token-level rows as wholes); `shaping.mode=reward` multiplies the rewards by w and recomputes the
-advantages. docs/uniqueness.md has the formula, the judges and what is the paper's and what is ours.
+Within each group (one prompt's rollouts), a judge clusters the correct rollouts (task reward > 0, before the
+overlong penalty) by solution strategy; a correct rollout i is weighted w_i = |C(i)|^-alpha, |C(i)| the size of
+its cluster among the group's correct rollouts, and a wrong one keeps w_i = 1. `shaping.mode=advantage`
+multiplies the advantages by w (token-level rows as wholes); `shaping.mode=reward` multiplies the rewards by w
+and recomputes the advantages. docs/uniqueness.md has the formula, the judges and what is the paper's and what is ours.
 
 Here are the pure parts and the rule judge; the judges that run the policy model (`embedding`, `llm`) live in
 sparserl/trainer/judges.py and join `JUDGES` when that module is imported (the trainer imports it).
@@ -26,6 +26,7 @@ from sparserl.algo.advantages import (
     TransformContext,
     advantages,
     register_adv_transform,
+    transform_extras,
 )
 from sparserl.errors import UserError
 from sparserl.registry import Registry
@@ -240,9 +241,16 @@ class Uniqueness(AdvantageTransform):
         return [ADV_TRANSFORMS.lookup(n)(self.ctx) for n in names]
 
     needs_tokens = True  # mode=reward re-runs the chain, whose members (the tree transform) may need them
+    needs_task_rewards = True  # "correct" is the task's verdict, not the reward after the overlong penalty
 
     def __call__(
-        self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str], tokens: list | None = None
+        self,
+        adv: Tensor,
+        rewards: Tensor,
+        group_index: Tensor,
+        texts: list[str],
+        tokens: list | None = None,
+        task_rewards: Tensor | None = None,
     ) -> Tensor:
         if len(texts) != rewards.numel() or adv.shape[0] != rewards.numel():
             raise ValueError(
@@ -250,7 +258,7 @@ class Uniqueness(AdvantageTransform):
                 f"{adv.shape[0]} advantage rows, {rewards.numel()} rewards"
             )
         index = torch.as_tensor(group_index, dtype=torch.long).cpu()
-        correct = (rewards.detach().cpu() > 0).tolist()
+        correct = ((rewards if task_rewards is None else task_rewards).detach().cpu() > 0).tolist()
         labels = cluster_groups(self.judge, correct, index.tolist(), texts)
         w = uniqueness_weights(labels, index.tolist(), self.alpha)
         self._record(labels, index.tolist(), w, correct)
@@ -258,19 +266,25 @@ class Uniqueness(AdvantageTransform):
             return adv  # nothing reweighted (alpha=0, or every strategy unique): the input, bit for bit
         if self.mode == "advantage":
             return scale_rows(adv, w)
-        return self._recompute(adv, rewards, index, texts, w, tokens)
+        return self._recompute(adv, rewards, index, texts, w, tokens, task_rewards)
 
     def _recompute(
-        self, adv: Tensor, rewards: Tensor, index: Tensor, texts: list[str], w: Tensor, tokens: list | None
+        self,
+        adv: Tensor,
+        rewards: Tensor,
+        index: Tensor,
+        texts: list[str],
+        w: Tensor,
+        tokens: list | None,
+        task_rewards: Tensor | None,
     ) -> Tensor:
         """mode=reward: r' = w * r, then the run's estimator and algo.adv_transforms on r'."""
         algo = self.ctx.algo
         shaped = rewards.detach().double() * w.to(rewards.device)
         new = advantages(shaped, index, algo.adv_estimator, algo.adv_eps, algo.adv_std_unbiased)
         for transform in self.chain:
-            new = transform(
-                new, shaped, index, texts, **({"tokens": tokens} if transform.needs_tokens else {})
-            )
+            extra = transform_extras(transform, tokens, rewards if task_rewards is None else task_rewards)
+            new = transform(new, shaped, index, texts, **extra)
         if new.shape != adv.shape:
             raise ValueError(
                 f"shaping.mode=reward recomputed advantages of shape {tuple(new.shape)} but got "

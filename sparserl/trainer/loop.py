@@ -289,8 +289,9 @@ class Trainer:
         prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
         group_index = [s.group_id for s in samples]
         texts = [s.text or "" for s in samples]
+        task_rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # before shaping
         advantages = advantages_from_config(
-            rewards, group_index, cfg.algo, texts, self.adv_transforms, completions
+            rewards, group_index, cfg.algo, texts, self.adv_transforms, completions, task_rewards
         )
         logp_sampler, mask = right_pad([s.sampler_logps for s in samples], torch.float32)
         mask &= right_pad([s.loss_mask for s in samples])[
