@@ -63,6 +63,30 @@ def test_uniqueness_judges_correct_on_the_task_reward_before_the_overlong_penalt
     assert uniqueness.metrics()["clusters_per_group"] == 2.0  # the majority's and the singleton's
 
 
+def test_token_level_advantages_are_whitened_and_logged_without_their_padding() -> None:
+    from types import SimpleNamespace
+
+    from sparserl.algo import AlgoConfig
+    from sparserl.algo.advantages import BatchWhiten, TransformContext
+    from sparserl.trainer.logging import sample_metrics
+
+    tokens = [[5, 6, 7], [8]]
+    adv = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])  # the second row is padded after one token
+    out = BatchWhiten(TransformContext(AlgoConfig(adv_eps=0.0)))(
+        adv, torch.zeros(2), torch.arange(2), [], tokens
+    )
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    expected = (values - values.mean()) / values.std()
+    torch.testing.assert_close(out[0], expected[:3])
+    torch.testing.assert_close(out[1, 0], expected[3])
+    assert torch.equal(out[1, 1:], torch.zeros(2))  # padding stays padding
+    samples = [
+        SimpleNamespace(reward=1.0, sampler_logps=[-1.0] * len(t), tokens=t, finish_reason="eos")
+        for t in tokens
+    ]
+    assert sample_metrics(samples, adv)["adv/abs_mean"] == pytest.approx(10 / 4)
+
+
 # ---------------------------------------------------------------- config
 
 

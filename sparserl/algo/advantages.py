@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import Tensor
 
+from sparserl.algo.masked import token_mask
 from sparserl.registry import Registry
 
 if TYPE_CHECKING:  # the config validates names against the registries below
@@ -165,12 +166,22 @@ register_adv_transform = ADV_TRANSFORMS.register  # class decorator: `algo.adv_t
 @register_adv_transform("batch_whiten")
 class BatchWhiten(AdvantageTransform):
     """Whiten over the whole batch, (A - mean_B A) / (std_B A + eps): REINFORCE++-baseline's global
-    normalisation after a group-mean baseline (algo.adv_estimator=drgrpo)."""
+    normalisation after a group-mean baseline (algo.adv_estimator=drgrpo). Token-level advantages are
+    whitened over the completions' tokens; their padding stays 0."""
 
-    def __call__(self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str]) -> Tensor:
+    needs_tokens = True  # the completions' lengths: where token-level rows hold a value
+
+    def __call__(
+        self, adv: Tensor, rewards: Tensor, group_index: Tensor, texts: list[str], tokens: list | None = None
+    ) -> Tensor:
+        if adv.dim() == 2 and tokens is None:
+            raise ValueError("batch_whiten needs the completions' tokens to leave token-level padding out")
         a = adv.double()
-        std = a.std() if a.numel() > 1 else torch.zeros((), dtype=a.dtype)
-        return ((a - a.mean()) / (std + self.ctx.algo.adv_eps)).to(adv.dtype)
+        valid = token_mask(a, [len(t) for t in tokens or []])
+        values = a[valid]
+        std = values.std() if values.numel() > 1 else torch.zeros((), dtype=a.dtype)
+        out = (a - values.mean()) / (std + self.ctx.algo.adv_eps)
+        return torch.where(valid, out, torch.zeros_like(out)).to(adv.dtype)
 
 
 def make_adv_transforms(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -33,6 +35,14 @@ def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Sum of `x` over `mask` (all of it, or along `dim`)."""
     x = masked_fill_safe(x, mask)
     return x.sum() if dim is None else x.sum(dim)
+
+
+def token_mask(rows: Tensor, lengths: Sequence[int]) -> Tensor:
+    """Where `rows` hold a value: all of a per-sequence [B]; each row's first `lengths[i]` of a per-token
+    [B, T] (advantages padded past a completion's end)."""
+    if rows.dim() == 1:
+        return torch.ones_like(rows, dtype=torch.bool)
+    return torch.arange(rows.shape[1])[None, :] < torch.as_tensor(list(lengths))[:, None]
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None, empty: float = 0.0) -> Tensor:

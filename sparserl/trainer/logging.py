@@ -23,6 +23,7 @@ from rich.progress import (
 )
 from torch import Tensor
 
+from sparserl.algo.masked import masked_mean, token_mask
 from sparserl.config import ConfigError, LoggingConfig, flatten
 from sparserl.engine.cache import dense_kv_bytes
 
@@ -324,6 +325,6 @@ def sample_metrics(samples: list[Any], advantages: Tensor) -> dict[str, float]:
         "length/mean": lengths.mean().item(),
         "length/max": lengths.max().item(),
         "length/truncated_frac": truncated.mean().item(),
-        "adv/abs_mean": advantages.abs().mean().item(),
+        "adv/abs_mean": masked_mean(advantages.abs(), token_mask(advantages, lengths.long().tolist())).item(),
         "rollout/entropy_estimate": -sum(logps) / len(logps) if logps else 0.0,
     }
