@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_trainer import make_trainer, rows, tiny_cfg, weights
 
-from sparserl.config import load_config
+from sparserl.config import ConfigError, load_config
 from sparserl.trainer.update import Learner
 
 # ---------------------------------------------------------------- the learner
@@ -97,6 +97,17 @@ def test_gspo_with_token_mean_is_warned_about() -> None:
         warnings.simplefilter("error")
         load_config(None, ["algo.preset=gspo"])  # seq-mean-token-mean: the paper's
         load_config(None, ["algo.preset=dapo"])  # token-mean with a token-level ratio
+
+
+def test_a_swarm_must_name_its_pool() -> None:
+    """The pool is a detached actor that outlives the runs: a shared default name would hand a later swarm on
+    the same cluster an earlier one's groups."""
+    with pytest.raises(
+        ConfigError, match=r"distributed.swarm.pool='' must name the pool actor, one name per swarm"
+    ):
+        load_config(None, ["distributed.swarm.enable=true"])
+    load_config(None, ["distributed.swarm.enable=true", "distributed.swarm.pool=exp1-seed0"])
+    load_config(None, [])  # no swarm: no name
 
 
 # ---------------------------------------------------------------- rollout workers

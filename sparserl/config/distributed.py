@@ -26,8 +26,12 @@ class SwarmConfig:
     )
     node: int = field(default=0, metadata={"help": "This node's id in the swarm (distinct per node)."})
     pool: str = field(
-        default="sparserl-swarm",
-        metadata={"help": "Name of the pool actor: nodes on one Ray cluster sharing this name form a swarm."},
+        default="",
+        metadata={
+            "help": "Name of the pool actor, required with swarm.enable: nodes on one Ray cluster sharing this "
+            "name form a swarm. The pool outlives the runs (a detached actor), so each swarm needs a name of its "
+            "own (e.g. the experiment's and its seed): a later swarm under an earlier one's name draws its groups."
+        },
     )
     shared_groups: int = field(
         default=0, metadata={"help": "J: groups drawn each step from the other nodes (0: only publish)."}
@@ -47,8 +51,12 @@ class SwarmConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.pool.strip():
-            raise ConfigError("distributed.swarm.pool='' must name the pool actor (default 'sparserl-swarm')")
+        if self.enable and not self.pool.strip():
+            raise ConfigError(
+                f"distributed.swarm.pool={self.pool!r} must name the pool actor, one name per swarm (e.g. the "
+                "experiment's and its seed): the pool outlives the runs on its Ray cluster, so a later swarm "
+                "under an earlier one's name would draw that swarm's groups"
+            )
         if self.shared_groups < 0 or self.window < 1:
             raise ConfigError(
                 f"distributed.swarm.shared_groups={self.shared_groups} must be >= 0 and window={self.window} >= 1"
