@@ -46,6 +46,23 @@ def test_a_nan_sampler_log_prob_is_skipped_and_counted_under_every_preset(
     assert all(torch.isfinite(v).all() for v in weights(trainer).values())
 
 
+def test_tis_batch_normalisation_is_per_micro_batch_so_the_update_depends_on_grad_accum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What docs/architecture.md says: under sparse-rl the IS weights are divided by their mean over each
+    micro-batch, so 1 and 4 micro-batches give other gradients; without that normalisation the same."""
+    from test_update import TIGHT, _captured_gradient
+
+    def gradients(grad_accum: int, *extra: str) -> list[torch.Tensor]:
+        return _captured_gradient(tmp_path, grad_accum, monkeypatch, "algo.preset=sparse-rl", *TIGHT, *extra)
+
+    one, four = gradients(1), gradients(4)
+    assert any(not torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(one, four, strict=True))
+    one, four = gradients(1, "algo.tis_batch_norm=false"), gradients(4, "algo.tis_batch_norm=false")
+    for a, b in zip(one, four, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
 # ---------------------------------------------------------------- advantages
 
 
