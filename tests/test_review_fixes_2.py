@@ -1,7 +1,8 @@
-"""The second review's fixes: a NaN sampler log-prob skipped under every preset, FSDP with a variable batch size
-refused at start-up, the broadcast group re-formed between runs, rollout throughput over the rounds' wall time,
-GSPO with token-mean warned about, SPEC-RL with APRIL refused, uniqueness judged on the task reward, token-level
-advantages whitened without their padding, the SAPO pool named per run."""
+"""The second review's fixes: a NaN sampler log-prob skipped under every preset, TIS batch normalisation per
+micro-batch (what docs/architecture.md says), uniqueness judged on the task reward, token-level advantages
+whitened and logged without their padding, GSPO with token-mean warned about, a SAPO pool named per swarm, a
+replaced worker caught up without the broadcast group, rollout throughput over the rounds' time, SPEC-RL with
+APRIL caching only what the current weights drew (FSDP with a short mini-batch: tests/test_fsdp_variable_batch.py)."""
 
 from __future__ import annotations
 
