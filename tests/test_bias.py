@@ -229,3 +229,13 @@ def test_bias_command_refuses_unknown_estimators(tmp_path, capsys):
     )
     assert code == 1
     assert "bogus" in capsys.readouterr().err
+
+
+def test_block_sparse_samplers_report_alpha_p5(tmp_path):
+    """A block-sparse sampler records its top-k distributions: the report carries alpha's P5 with an interval."""
+    cfg = tiny("kv.method=block_topk", "kv.budget=16", "kv.page_size=4", "kv.dense_layers=[0]")
+    rep = measure(cfg, BiasSettings(prompts=2, batches=2, gradients=False), tmp_path / "b", task=VowelTask())
+    a = rep["rollout"]["alpha_p5_topk"]
+    assert 0.0 <= a["low"] <= a["value"] <= 1.0 and a["high"] <= 1.0
+    assert "alpha_p5_topk" not in measure(tiny(), BiasSettings(prompts=2, batches=2, gradients=False),
+                                          tmp_path / "r", task=VowelTask())["rollout"]  # fmt: skip

@@ -85,6 +85,9 @@ class Coupled:
     dense_mask: Tensor
     held: tuple[Tensor, Tensor]  # mean positions held per sample: sparse, dense
     peak_kv_bytes: tuple[float, float]  # the sparse and the dense engine's own allocations
+    alpha: tuple[Tensor, Tensor] | None = (
+        None  # block-sparse samplers: alpha's top-k bound per token, sample ids
+    )
 
 
 def _group(values: Sequence[Any], n: int) -> list[list[Any]]:

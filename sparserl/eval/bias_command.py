@@ -115,6 +115,7 @@ def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = F
             record = {
                 "clusters": rollout_clusters(c, cfg.rollout.n, estimators),
                 "peak_kv_bytes": c.peak_kv_bytes,
+                "alpha": c.alpha,
             }
             if s.gradients:
                 record["grads"] = run.gradients(c, estimators, s.micro_batch, sketch)
@@ -152,6 +153,9 @@ def summarize(
     peaks = torch.tensor([r["peak_kv_bytes"] for r in records], dtype=torch.float64)
     rollout["kv_saving_peak"] = ratio_of_sums(peaks[:, 0], peaks[:, 1], bootstrap_counts(len(records), s.draws,
                                               seed), complement=True)  # fmt: skip
+    alpha = alpha_p5([r.get("alpha") for r in records])
+    if alpha is not None:
+        rollout["alpha_p5_topk"] = alpha
     report: dict[str, Any] = {"batches_done": len(records), "batches": s.batches, "complete": len(records) == s.batches,
                               "prompts": len(clusters), "rollout": rollout, "trainable_parameters": size,
                               "gradient_reduction": reduction if s.gradients else None,
@@ -165,6 +169,21 @@ def summarize(
                 g["verdict"] = verdict(g["gamma"], g["cosine_gain"], s.matter, s.inert)
         report["estimators"] = grads
     return report
+
+
+def alpha_p5(parts: list) -> dict | None:
+    """P5 of alpha's top-k bound over every token of the batches, with its sequence-level bootstrap 90% interval
+    (block-sparse samplers; None for others)."""
+    from sparserl.algo.acceptance import bootstrap_quantile_interval
+
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    values = torch.cat([a for a, _ in parts])
+    offsets = torch.tensor([0] + [int(s.max()) + 1 for _, s in parts[:-1]]).cumsum(0)
+    sequences = torch.cat([s + o for (_, s), o in zip(parts, offsets, strict=True)])
+    low, high = bootstrap_quantile_interval(values, sequences, 0.05)
+    return {"value": float(torch.quantile(values.double(), 0.05)), "low": low, "high": high}
 
 
 def plot(report: dict, path: Path) -> None:

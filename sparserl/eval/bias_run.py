@@ -55,7 +55,9 @@ class BiasRun:
         keys = [row * n + j for row in rows for j in range(n)]
         kw = dict(n=n, max_new_tokens=r.max_new_tokens, top_p=r.top_p, top_k=r.top_k, stop=list(r.stop), seed=seed,
                   sample_keys=keys)  # fmt: skip
-        sparse = self.sampler.generate(prompts, temperature=r.sampling_temperature, **kw)
+        # a block-sparse sampler records its top-k distributions for alpha (the acceptance rate, docs/calibration.md)
+        record = {"top_logprobs": self.cfg.trainer.acceptance_top_k} if self.cfg.kv.sparse_attention else {}
+        sparse = self.sampler.generate(prompts, temperature=r.sampling_temperature, **kw, **record)
         dense = self.twin.generate(prompts, temperature=r.temperature, **kw)
         sample_rows = [row for row in rows for _ in range(n)]
         sample_prompts = [self.view.prompt_ids(row) for row in sample_rows]
@@ -69,9 +71,19 @@ class BiasRun:
             held = torch.tensor([s.stats.get("held_positions_mean", 0.0) for s in got], dtype=torch.float64)
             out[name] = (tokens, reward, logp, old, mask, held, float(got.stats["peak_kv_bytes"]))
         (st, sr, slp, so, sm, sh, sp), (dt, dr, dlp, do, dm, dh, dp) = out["sparse"], out[DENSE]
+        alpha = self.alpha(sample_prompts, list(sparse)) if record else None
         return Coupled(
-            sample_rows, sample_prompts, st, dt, sr, dr, slp, so, sm, dlp, do, dm, (sh, dh), (sp, dp)
+            sample_rows, sample_prompts, st, dt, sr, dr, slp, so, sm, dlp, do, dm, (sh, dh), (sp, dp), alpha
         )
+
+    def alpha(self, prompts: list[list[int]], samples: list) -> tuple[Tensor, Tensor]:
+        """alpha's top-k lower bound per generated token against the dense policy, and each token's sample."""
+        from sparserl.engine.acceptance import rollout_acceptance
+
+        r = self.cfg.rollout
+        with torch.no_grad(), self.policy.autocast():
+            a = rollout_acceptance(self.policy.module, prompts, samples, r.temperature, r.top_p, r.top_k)
+        return a.topk, a.sequences
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> list[Tensor]:
         """Dense pi_old at rollout.temperature (no grad), as the trainer scores."""
