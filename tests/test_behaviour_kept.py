@@ -11,8 +11,12 @@ largest importance ratio near 7.4 and a perplexity near 531). Issue 59 added rol
 kv/naive_kv_bytes and rollout/entropy_estimate and made kv/dense_kv_bytes (and kv/saved_fraction with it) the
 dense engine's own allocation; only those keys were re-pinned.
 
-Bit-identical on the CPU kind the fixture was written on (its `cpu_capability`); on another vector unit the
-float sums may round differently, so there the metrics are compared to 1e-5 and the weight digest is skipped.
+Bit-identical on the machine the fixture was written on (its `machine`: the vector unit torch dispatches to, the
+CPU's feature flags, the torch and transformers versions); elsewhere the float sums may round differently (the same
+AVX512 capability gave actor/grad_norm 26.56385 against a pinned 26.56383 on another machine or library build), so
+there the metrics are compared to a relative 1e-4 (measured on a second AVX512 machine with the code the fixture
+was written by: at most 4.1e-5, actor/pg_loss near 0.09) and the weight digest is skipped. A fixture without
+`machine` is always compared so.
 """
 
 from __future__ import annotations
@@ -58,6 +62,22 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def machine() -> dict[str, str]:
+    """What bit-identical float results depend on here, as far as a test can see it."""
+    import transformers
+
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags_sha256": hashlib.sha256(" ".join(sorted(flags.split()[2:])).encode()).hexdigest(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
 def _is_timing(key: str) -> bool:
     return key == "time" or key.startswith("time/") or key.endswith("_s") or "per_s" in key
 
@@ -84,7 +104,7 @@ def run_arm(tmp_path: Path, arm: str) -> dict:
 def test_runs_match_the_fixture(tmp_path: Path, arm: str) -> None:
     pinned = json.loads(FIXTURE.read_text())
     want, got = pinned["arms"][arm], run_arm(tmp_path, arm)
-    same_cpu = pinned["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    same_cpu = pinned.get("machine") == machine()
     assert len(got["metrics"]) == len(want["metrics"])
     for a, b in zip(got["metrics"], want["metrics"], strict=True):
         assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
@@ -92,7 +112,7 @@ def test_runs_match_the_fixture(tmp_path: Path, arm: str) -> None:
             if same_cpu or not isinstance(a[k], float):
                 assert a[k] == b[k], (a["step"], k, a[k], b[k])
             else:
-                assert math.isclose(a[k], b[k], rel_tol=1e-5, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+                assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a["step"], k, a[k], b[k])
     if same_cpu:
         assert got["weights_sha256"] == want["weights_sha256"]
 
@@ -101,7 +121,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     import tempfile
 
     torch.set_num_threads(1)
-    out = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "arms": {}}
+    out = {"machine": machine(), "arms": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ARMS:
             out["arms"][name] = run_arm(Path(tmp), name)
