@@ -193,12 +193,22 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
 
 
 def update_result(path: str | Path, section: str, payload: dict[str, Any], goals: dict[str, Any]) -> Path:
-    """A results file several benchmarks share: replace `section` and these goals, keep the others'."""
+    """A results file several benchmarks share: replace `section` and these goals, keep the others' (under the
+    folder's lock, so that benchmarks writing it at once take turns)."""
     path = Path(path)
-    old = json.loads(path.read_text()) if path.is_file() else {}
-    merged = {"goals": {**old.get("goals", {}), **goals}, **{k: v for k, v in old.items() if k != "goals"}}
-    merged[section] = payload
-    return write_json(path, merged)
+    with locked_folder(path):
+        old = json.loads(path.read_text()) if path.is_file() else {}
+        merged = {
+            "goals": {**old.get("goals", {}), **goals},
+            **{k: v for k, v in old.items() if k != "goals"},
+        }
+        merged[section] = payload
+        return write_json(path, merged)
+
+
+def record_result(name: str, section: str, payload: dict[str, Any], goals: dict[str, Any]) -> Path:
+    """`update_result` on docs/results/NAME, the machine's description added to the section."""
+    return update_result(RESULTS / name, section, {**payload, "machine": machine_info()}, goals)
 
 
 def mib(n: float) -> float:

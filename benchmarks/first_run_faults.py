@@ -19,7 +19,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, locked_folder, machine_info, update_result  # noqa: E402
+from _common import record_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -60,19 +60,9 @@ def failing_rows(tmp: Path) -> dict[str, str]:
 
 def leftover_processes(tmp: Path) -> int:
     """Processes a forking reward module started during a one-step tiny run that are alive after it exits."""
-    from tests.test_reward_isolation import SPAWNING_PY, alive
-    from tests.tiny import TINY_RUN
+    from tests.test_reward_isolation import alive, spawning_run
 
-    module = tmp / "spawning.py"
-    module.write_text(SPAWNING_PY)
-    argv = [*TINY_RUN, "rollout.max_new_tokens=4", "trainer.eval_prompts=0", "task.num_examples=20",
-            "trainer.steps=1", "logging.progress=false", f"trainer.output_dir={tmp}/runs",
-            f"task.reward=[builtin, {module}:per_call]"]  # fmt: skip
-    env = {**os.environ, "FORK_AT_IMPORT": "1", "OMP_NUM_THREADS": "1"}
-    with (tmp / "log.txt").open("w") as out:  # a file: a pipe would wait for any survivor
-        subprocess.run([sys.executable, "-m", "sparserl.cli", "train", *argv], env=env, stdout=out, stderr=out,
-                       cwd=tmp, timeout=600, check=True)  # fmt: skip
-    pids = [int(p) for p in (tmp / "pids.txt").read_text().split()]
+    pids = spawning_run(tmp)
     time.sleep(5)  # what a kill sent at exit needs to land
     return sum(alive(p) for p in pids)
 
@@ -89,11 +79,7 @@ def main() -> int:
         "Processes left behind by reward code after a run": {
             "value": left, "target": 0, "met": left == 0, "command": COMMAND},
     }  # fmt: skip
-    path = RESULTS / "first_run.json"
-    with locked_folder(path):
-        update_result(
-            path, "faults", {"rows": rows, "leftover_processes": left, "machine": machine_info()}, goals
-        )
+    path = record_result("first_run.json", "faults", {"rows": rows, "leftover_processes": left}, goals)
     print(f"{len(failing)} of {len(rows)} rows not passing {failing}; {left} processes left -> {path}")
     return 0
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, locked_folder, machine_info, update_result  # noqa: E402
+from _common import record_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_NAME = "Every system of the README's 'one key each' list runs 2 steps on SmolLM2 as written, named on the console"
@@ -64,11 +64,7 @@ def main() -> int:
     failures = sum(r["returncode"] != 0 or not r["named"] for r in rows)
     goal = {GOAL_NAME: {"value": failures, "target": 0, "met": failures == 0 and bool(rows), "command": COMMAND,
                         "unit": "commands that failed or whose console did not name their system"}}  # fmt: skip
-    path = RESULTS / "first_run.json"
-    with locked_folder(path):
-        update_result(
-            path, "systems", {"commands": rows, "extra_overrides": EXTRA, "machine": machine_info()}, goal
-        )
+    path = record_result("first_run.json", "systems", {"commands": rows, "extra_overrides": EXTRA}, goal)
     print(f"{failures} of {len(rows)} failed -> {path}")
     return 0
 

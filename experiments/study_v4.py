@@ -25,8 +25,7 @@ from pathlib import Path
 
 import study_v4_rules as R
 import torch
-from study import write_atomic
-from study_v3 import sample, sft_rung, task_of
+from study_v3 import read, sample, sft_rung, task_of, write
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "experiments" / "study_v4.yaml"
@@ -41,15 +40,6 @@ RUNG = [12, 1]  # v3's kept rung: 12 operands of 1 digit
 CPU_HOURS = {"warmstart": 0.3, "a1": 2.5, "dense_pilot": 0.4, "a2": 4.8, "train": 13.1, "eval": 2.5,
              "reserve": 1.4, "total": 25.0}  # fmt: skip
 COMMIT = "git add docs/results/study_v4 && git commit docs/results/study_v4 -m 'Study v4: <stage> part done'"
-
-
-def read(path: Path, default=None):
-    return json.loads(path.read_text()) if path.is_file() else default
-
-
-def write(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def setting(overrides: list[str] = ()):

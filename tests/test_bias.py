@@ -239,3 +239,11 @@ def test_block_sparse_samplers_report_alpha_p5(tmp_path):
     assert 0.0 <= a["low"] <= a["value"] <= 1.0 and a["high"] <= 1.0
     assert "alpha_p5_topk" not in measure(tiny(), BiasSettings(prompts=2, batches=2, gradients=False),
                                           tmp_path / "r", task=VowelTask())["rollout"]  # fmt: skip
+
+
+def test_preset_estimators_smd_and_tis(tmp_path):
+    """Algo presets as estimators (SMD's distillation term included) give their own gradients and shares."""
+    rep = measure(tiny(), BiasSettings(prompts=2, batches=2, estimators=["smd", "tis"]), tmp_path / "b",
+                  task=VowelTask())  # fmt: skip
+    assert set(rep["estimators"]) == {"naive", "smd", "tis"}
+    assert "smd/touched_share" in rep["rollout"] and "tis/tis_truncation_share" in rep["rollout"]

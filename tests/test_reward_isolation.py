@@ -258,16 +258,14 @@ def test_processes_started_by_reward_code_end_with_its_worker(
     task.close()
 
 
-def test_no_process_started_by_reward_code_outlives_a_run(tmp_path: Path) -> None:
-    """`sparserl train` with a reward module that forks at import and a function that starts a subprocess per
-    call: once the command has exited, none of those processes is alive."""
+def spawning_run(tmp_path: Path) -> list[int]:
+    """`sparserl train` (one tiny step) with a reward module that forks at import and a function that starts a
+    subprocess per call; the pids those started (the command has exited when this returns)."""
     import subprocess
     import sys
 
     from tests.tiny import TINY_RUN
 
-    if not Path("/proc/self/stat").exists():
-        pytest.skip("reads /proc (Linux)")
     path = tmp_path / "spawning.py"
     path.write_text(SPAWNING_PY)
     argv = [*TINY_RUN, "rollout.max_new_tokens=4", "trainer.eval_prompts=0", "task.num_examples=20",
@@ -279,7 +277,14 @@ def test_no_process_started_by_reward_code_outlives_a_run(tmp_path: Path) -> Non
         done = subprocess.run([sys.executable, "-m", "sparserl.cli", "train", *argv], env=env, stdout=out,
                               stderr=out, timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert done.returncode == 0, log.read_text()[-2000:]
-    pids = [int(p) for p in (tmp_path / "pids.txt").read_text().split()]
+    return [int(p) for p in (tmp_path / "pids.txt").read_text().split()]
+
+
+def test_no_process_started_by_reward_code_outlives_a_run(tmp_path: Path) -> None:
+    """Once `sparserl train` has exited, none of the processes its reward code started is alive."""
+    if not Path("/proc/self/stat").exists():
+        pytest.skip("reads /proc (Linux)")
+    pids = spawning_run(tmp_path)
     assert len(pids) >= 2
     deadline = time.monotonic() + 5
     while any(alive(p) for p in pids) and time.monotonic() < deadline:

@@ -24,7 +24,15 @@ from sparserl.cli.common import COMMANDS, MODEL_LOAD_ARGS, ROW_FIELD_ARGS, Arg, 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
 EXIT_INTERRUPTED = 130
-HELP_ORDER = ("train", "eval", "bias", "rollout", "plot", "calibrate", "cost")  # how `sparserl --help` lists them
+HELP_ORDER = (
+    "train",
+    "eval",
+    "bias",
+    "rollout",
+    "plot",
+    "calibrate",
+    "cost",
+)  # how `sparserl --help` lists them
 
 
 class _LazyEpilogParser(argparse.ArgumentParser):

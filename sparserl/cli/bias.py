@@ -8,7 +8,7 @@ import shlex
 import sys
 import time
 
-from sparserl.cli.common import arg, command
+from sparserl.cli.common import CONFIG_ARGS, arg, command
 
 
 def _bias_epilog() -> str:
@@ -33,13 +33,7 @@ def _bias_epilog() -> str:
 @command(
     "bias",
     "Measure whether this config's sparse sampler biases the update, and whether its corrections remove it.",
-    arg("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, as for sparserl train"),
-    arg(
-        "--config",
-        "-c",
-        default=None,
-        help="YAML config file or run preset name; default: the embedded default",
-    ),
+    *CONFIG_ARGS,
     arg("--prompts", type=int, default=None, help="prompts per batch (default: rollout.prompts_per_step)"),
     arg("--batches", "-K", type=int, default=4, help="coupled batches K (default 4; intervals need >= 2)"),
     arg(

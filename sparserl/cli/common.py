@@ -41,6 +41,17 @@ def threads(text: str) -> int:
 
 
 # Argument groups that several subcommands share (eval, calibrate): which rows, and how the model is loaded.
+CONFIG_ARGS = (  # a TrainConfig from YAML + overrides: train, bias
+    arg(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-5 kv.budget=256"
+    ),
+    arg(
+        "--config",
+        "-c",
+        default=None,
+        help="YAML config file or run preset name; default: the embedded default",
+    ),
+)
 ROW_FIELD_ARGS = (
     arg("--split", default="test", help="dataset split for Hugging Face datasets and procedural tasks"),
     arg("--question-key", default="", help="row field of the question (default: auto-detect)"),

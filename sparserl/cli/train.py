@@ -7,7 +7,7 @@ import argparse
 import os
 from typing import Any
 
-from sparserl.cli.common import arg, command
+from sparserl.cli.common import CONFIG_ARGS, arg, command
 from sparserl.signals import StopOnSignal, Terminated, stop_between_steps
 
 # ---------------------------------------------------------------------------------------------- train
@@ -35,15 +35,7 @@ def _train_epilog() -> str:
 @command(
     "train",
     "Train a policy with GRPO-family RL on sparse (or dense) rollouts, from a YAML config plus key=value overrides.",
-    arg(
-        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. optim.lr=1e-5 kv.budget=256"
-    ),
-    arg(
-        "--config",
-        "-c",
-        default=None,
-        help="YAML config file or run preset name; default: the embedded default",
-    ),
+    *CONFIG_ARGS,
     arg(
         "--resume",
         nargs="?",

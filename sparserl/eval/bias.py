@@ -58,7 +58,6 @@ def estimator_configs(algo: AlgoConfig, names: Sequence[str]) -> dict[str, AlgoC
         elif name in PRESETS:
             knobs = {k: v for k, v in PRESETS[name].items() if k != "sparse_rollout"}
             out[name] = dataclasses.replace(base, **{**cleared, **knobs, "kl_coef": 0.0, "entropy_coef": 0.0})
-            out[name].validate()
         elif name != NAIVE:
             raise UserError(
                 f"--estimators: {name!r} is unknown; choose from {', '.join(BUILTIN_ESTIMATORS)} or an algo "

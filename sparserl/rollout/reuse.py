@@ -51,10 +51,6 @@ class SpecReuse(WrappedSource):
     order, key = 30, "rollout.spec.enable=true"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
-        return cfg.rollout.spec.enable
-
-    @classmethod
     def around(cls, inner: GroupSource) -> WrappedSource:
         return cls(inner, inner.ctx.cfg.rollout.spec)
 

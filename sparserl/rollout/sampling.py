@@ -273,10 +273,6 @@ class DynamicSampling(WrappedSource):
     needs_reward_variance = True
     order, key = 20, "sampling.dynamic=true"
 
-    @classmethod
-    def enabled(cls, cfg: Any) -> bool:
-        return cfg.sampling.dynamic
-
     def __init__(self, inner: GroupSource) -> None:
         super().__init__(inner)
         self.step = {"dynamic_extra_groups": 0.0, "dynamic_filled_groups": 0.0}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, ClassVar
 
 from sparserl.config.errors import ConfigError
@@ -216,8 +217,11 @@ class WrappedSource(GroupSource):
 
     @classmethod
     def enabled(cls, cfg: Any) -> bool:
-        """Whether the run's config asks for this wrapper."""
-        raise NotImplementedError(f"wrapper {cls.__name__} does not say when it is enabled")
+        """Whether the run's config asks for this wrapper: its `key` holds ('rollout.tree.enable=true')."""
+        if not cls.key:
+            raise NotImplementedError(f"wrapper {cls.__name__} does not say when it is enabled")
+        path, _, value = cls.key.partition("=")
+        return bool(attrgetter(path)(cfg)) == (value == "true")
 
     @classmethod
     def around(cls, inner: GroupSource) -> WrappedSource:

@@ -47,10 +47,6 @@ class SwarmSharing(WrappedSource):
     order, key = 40, "distributed.swarm.enable=true"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
-        return cfg.distributed.swarm.enable
-
-    @classmethod
     def around(cls, inner: GroupSource) -> WrappedSource:
         return cls(inner, inner.ctx.cfg, inner.ctx.tokenizer)
 

@@ -40,10 +40,6 @@ class TreeRollouts(WrappedSource):
     order, key = 10, "rollout.tree.enable=true"
 
     @classmethod
-    def enabled(cls, cfg: Any) -> bool:
-        return cfg.rollout.tree.enable
-
-    @classmethod
     def around(cls, inner: GroupSource) -> WrappedSource:
         return cls(inner, inner.ctx.cfg.rollout.tree)
 
