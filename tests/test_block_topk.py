@@ -9,7 +9,7 @@ import functools
 import pytest
 import torch
 
-from sparserl.engine import SPARSE_ATTENTION_METHODS, KVConfig, RolloutEngine
+from sparserl.engine import KVConfig, RolloutEngine
 from sparserl.engine.cache import KVCache
 from sparserl.engine.decoder import decode_attention
 from sparserl.engine.sparse_attention import SELECTORS, BlockTopK, PageSparseAttention, make_sparse_attention
@@ -263,8 +263,27 @@ def test_memory_is_the_dense_engines():
 # --- seam and bad input ---------------------------------------------------------------------------------------
 
 
-def test_every_sparse_attention_method_has_a_selector():
-    assert tuple(SELECTORS) == SPARSE_ATTENTION_METHODS and SELECTORS["block_topk"] is BlockTopK
+def test_a_registered_selector_is_a_kv_method():
+    """Registering a page selector is all a new block-sparse method needs: kv.method accepts it and the engine
+    reads pages with it."""
+
+    @SELECTORS.register("first_key")
+    class FirstKey(BlockTopK):
+        """Summarise a page by its first key."""
+
+        def summarise(self, page_keys: torch.Tensor) -> torch.Tensor:
+            return page_keys[..., :1, :].float()
+
+    try:
+        kv = KVConfig(method="first_key", budget=48, page_size=16)
+        assert kv.sparse_attention and not kv.evicting
+        assert isinstance(make_sparse_attention(kv, num_layers=2).selector, FirstKey)
+    finally:
+        del SELECTORS["first_key"]
+    assert SELECTORS["block_topk"] is BlockTopK
+
+
+def test_block_topk_reads_pages_without_evicting():
     kv = KVConfig(method="block_topk", budget=64)
     assert kv.sparse and kv.sparse_attention and not kv.evicting
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sparserl.cli import main
 from sparserl.cost import Cost, CostInputError, ModelShape, Rollout, estimate, load_shape, probe_intensity
-from sparserl.cost.model import METHODS
+from sparserl.cost.model import cost_model
 from sparserl.cost.probe import INTENSITY_PRESETS, resolve_intensity
 from sparserl.cost.report import implied_intensity, parse_size
 from sparserl.cost.shape import shape_from_config
@@ -180,7 +180,7 @@ def test_held_positions_follow_the_engine(kv):
     engine.step_hooks.append(lambda step, cache, alive: seen.append(cache.held().tolist()))
     prompt, output, n = 14, 30, 2
     engine.generate([list(range(5, 5 + prompt))], n=n, max_new_tokens=output)
-    method = METHODS[kv.method](load_shape("tiny-llama"), Rollout(prompt, output, n), kv)
+    method = cost_model(kv)(load_shape("tiny-llama"), Rollout(prompt, output, n), kv)
     assert [[held] * n for held, *_ in method.decode()] == seen
 
 

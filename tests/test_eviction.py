@@ -17,8 +17,9 @@ import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparserl.engine import EVICTION_METHODS, KVConfig, RolloutEngine
+from sparserl.engine import EVICTION_METHODS, KVConfig, RolloutEngine, kv_methods
 from sparserl.engine.cache import KVCache
+from sparserl.engine.compression import EvictionMethod, SlotView
 from sparserl.engine.evicting_prefix import EvictingPrefixCache
 from sparserl.models import ModelLoadError, tiny_model
 
@@ -105,7 +106,7 @@ class StepChecker:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    method=st.sampled_from(EVICTION_METHODS),
+    method=st.sampled_from(tuple(EVICTION_METHODS)),
     granularity=st.sampled_from(GRANULARITIES),
     window=st.integers(1, 6),
     spare=st.integers(1, 12),
@@ -248,6 +249,31 @@ def test_ragged_batch_compresses_each_sequence_as_if_alone(method, granularity):
         alone = e.generate([p], n=1, max_new_tokens=48, temperature=0)[0]
         assert batch[i].completion_ids == alone.completion_ids, i
         assert batch[i].stats == alone.stats, i
+
+
+# --- a new method is one file -----------------------------------------------------------------------------------
+
+
+def test_a_registered_method_is_a_kv_method():
+    """Registering a class is all a new eviction method needs: kv.method accepts it as an evicting method and
+    the engine compresses with it; once it is gone, the name is refused again."""
+
+    @EVICTION_METHODS.register("newest")
+    class Newest(EvictionMethod):
+        """Keep the most recent positions."""
+
+        def score(self, view: SlotView) -> torch.Tensor:
+            return view.positions.float()
+
+    try:
+        kv = KVConfig(method="newest", budget=16, window=4, interval=4)
+        assert kv.evicting and "newest" in kv_methods()
+        batch = engine(kv).generate(random_prompts([20], 1), n=1, max_new_tokens=12, seed=0)
+        assert batch.stats["compression_events"] > 0
+    finally:
+        del EVICTION_METHODS["newest"]
+    with pytest.raises(ValueError, match="kv.method='newest'"):
+        KVConfig(method="newest")
 
 
 # --- bad input -----------------------------------------------------------------------------------------------

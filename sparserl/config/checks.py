@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from sparserl.algo.advantages import ADV_ESTIMATORS
 from sparserl.config.errors import ConfigError
 from sparserl.config.switches import check_switches
-from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS
+from sparserl.engine.kv_config import EVICTION_METHODS, SELECTORS
 
 if TYPE_CHECKING:  # the config's type only: sections.py calls these
     from sparserl.config.sections import TrainConfig
@@ -56,7 +56,7 @@ def cross_section_checks(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"algo.preset={cfg.algo.preset!r} samples sparse rollouts but kv.method={cfg.kv.method!r}; "
             f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
-            f"({', '.join(SPARSE_ATTENTION_METHODS)}), or use algo.preset=dense"
+            f"({', '.join(SELECTORS)}), or use algo.preset=dense"
         )
 
 

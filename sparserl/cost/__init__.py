@@ -4,7 +4,7 @@ See docs/cost_model.md."""
 
 from __future__ import annotations
 
-from sparserl.cost.model import METHODS, Cost, Estimate, KVMethod, Rollout, estimate
+from sparserl.cost.model import METHODS, Cost, Estimate, KVMethod, Rollout, cost_model, estimate
 from sparserl.cost.probe import INTENSITY_PRESETS, probe_intensity, resolve_intensity
 from sparserl.cost.shape import CostInputError, ModelShape, load_shape, shape_from_config
 
@@ -17,6 +17,7 @@ __all__ = [
     "KVMethod",
     "ModelShape",
     "Rollout",
+    "cost_model",
     "estimate",
     "load_shape",
     "probe_intensity",

@@ -18,7 +18,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from sparserl.cost.shape import CostInputError, ModelShape
-from sparserl.engine.kv_config import EVICTION_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
+from sparserl.engine.kv_config import KVConfig
+from sparserl.registry import Registry
 
 CENTROID_BYTES = 4  # block_topk keeps its page centroids in float32 whatever the model's dtype
 
@@ -119,6 +120,10 @@ class KVMethod(ABC):
         return 0
 
 
+METHODS: Registry[type[KVMethod]] = Registry("cost model")
+
+
+@METHODS.register("dense")
 class Dense(KVMethod):
     """Every layer reads every position; the cache holds prompt + output positions."""
 
@@ -133,6 +138,7 @@ class Dense(KVMethod):
         return "-"
 
 
+@METHODS.register("eviction")
 class Eviction(KVMethod):
     """KV eviction as the engine runs it (docs/eviction.md): a prompt over its budget is cut to it after
     prefill; before every `interval`-th decode step a sample holding `budget` or more positions is cut to
@@ -165,6 +171,7 @@ class Eviction(KVMethod):
         return min(bound, self.rollout.prompt_len + self.rollout.output_len)
 
 
+@METHODS.register("block_sparse")
 class BlockSparse(KVMethod):
     """Sparrow's block-sparse attention as the engine runs it (`kv.method=block_topk`): the whole cache is
     kept. Outside `kv.dense_layers`, a step whose pages (the partial current one included) exceed the budget's
@@ -218,11 +225,10 @@ class BlockSparse(KVMethod):
         return pages * self.head_slice * CENTROID_BYTES
 
 
-METHODS: dict[str, type[KVMethod]] = {
-    "dense": Dense,
-    **dict.fromkeys(EVICTION_METHODS, Eviction),
-    **dict.fromkeys(SPARSE_ATTENTION_METHODS, BlockSparse),
-}
+def cost_model(kv: KVConfig) -> type[KVMethod]:
+    """The cost model of kv.method's kind: every registered eviction method runs through the engine's Evictor,
+    every registered page selector reads pages as block_topk does, so the kind decides the cost."""
+    return METHODS.lookup("eviction" if kv.evicting else "block_sparse" if kv.sparse_attention else "dense")
 
 
 @dataclass
@@ -262,9 +268,7 @@ def prefill_cost(shape: ModelShape, rollout: Rollout, kept: int) -> Cost:
 
 def estimate(shape: ModelShape, rollout: Rollout, kv: KVConfig) -> Estimate:
     """Sum the exact per-step costs of a rollout under the KV policy `kv` (no asymptotics)."""
-    if kv.method not in METHODS:
-        raise CostInputError(f"kv.method={kv.method!r} has no cost model; known: {', '.join(METHODS)}")
-    method = METHODS[kv.method](shape, rollout, kv)
+    method = cost_model(kv)(shape, rollout, kv)
     n, b, steps = rollout.n, shape.dtype_bytes, rollout.output_len - 1
     read = extra_flops = extra_bytes = 0
     for _, layer_positions, flops, moved in method.decode():

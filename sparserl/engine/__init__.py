@@ -3,21 +3,21 @@ sampling, scoring."""
 
 from __future__ import annotations
 
-from sparserl.engine.kv_config import EVICTION_METHODS, KV_METHODS, SPARSE_ATTENTION_METHODS, KVConfig
+from sparserl.engine.kv_config import EVICTION_METHODS, SELECTORS, KVConfig, kv_methods
 from sparserl.engine.rollout import RolloutEngine, Rollouts, Sample
 from sparserl.engine.sampling import TokenDistributions
 from sparserl.engine.scoring import completion_logprobs, score, score_distributions
 
 __all__ = [
     "EVICTION_METHODS",
-    "KV_METHODS",
-    "SPARSE_ATTENTION_METHODS",
+    "SELECTORS",
     "KVConfig",
     "RolloutEngine",
     "Rollouts",
     "Sample",
     "TokenDistributions",
     "completion_logprobs",
+    "kv_methods",
     "score",
     "score_distributions",
 ]

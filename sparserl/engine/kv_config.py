@@ -1,18 +1,23 @@
 """How the rollout engine keeps and reads its KV cache: dense, evicted down to a per-sequence budget, or whole
-with each decode step reading only some pages (block-sparse attention)."""
+with each decode step reading only some pages (block-sparse attention). kv.method names one of the registered
+eviction methods (EVICTION_METHODS) or page selectors (SELECTORS); those modules import this one for typing
+only, so a method is one file."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparserl.engine.compression import EVICTION_METHODS
 from sparserl.engine.schedule import MAX_LENGTH, BudgetSchedule, parse_schedule
+from sparserl.engine.sparse_attention import SELECTORS
+from sparserl.engine.sparse_attention.base import ALWAYS_READ_PAGES
 from sparserl.errors import UserError
 
-EVICTION_METHODS = ("rkv", "snapkv", "h2o", "streaming_llm", "random")
-SPARSE_ATTENTION_METHODS = ("block_topk",)
-KV_METHODS = ("dense", *EVICTION_METHODS, *SPARSE_ATTENTION_METHODS)
-ALWAYS_READ_PAGES = 3  # block-sparse attention reads the first page and the 2 most recent pages at every step
+
+def kv_methods() -> tuple[str, ...]:
+    """Every kv.method value: dense, the registered eviction methods, then the registered page selectors."""
+    return ("dense", *EVICTION_METHODS, *SELECTORS)
 
 
 @dataclass
@@ -22,9 +27,9 @@ class KVConfig:
     method: str = field(
         default="dense",
         metadata={
-            "help": f"KV policy while sampling: one of {', '.join(KV_METHODS)}. Eviction methods "
-            f"({', '.join(EVICTION_METHODS)}) cut the cache to the budget; block_topk keeps it whole and "
-            "reads the budget's worth of pages per step."
+            "help": f"KV policy while sampling: one of {', '.join(kv_methods())}. Eviction methods "
+            f"({', '.join(EVICTION_METHODS)}) cut the cache to the budget; block-sparse ones "
+            f"({', '.join(SELECTORS)}) keep it whole and read the budget's worth of pages per step."
         },
     )
     budget: int = field(
@@ -81,8 +86,8 @@ class KVConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the `random` control method."})
 
     def __post_init__(self) -> None:
-        if self.method not in KV_METHODS:
-            raise UserError(f"kv.method={self.method!r} is unknown; choose one of {', '.join(KV_METHODS)}")
+        if self.method not in kv_methods():
+            raise UserError(f"kv.method={self.method!r} is unknown; choose one of {', '.join(kv_methods())}")
         if self.granularity not in ("per_head", "shared"):
             raise UserError(f"kv.granularity={self.granularity!r} must be 'per_head' or 'shared'")
         if self.window < 1 or self.interval < 1:
@@ -148,7 +153,7 @@ class KVConfig:
     @property
     def sparse_attention(self) -> bool:
         """True when the cache is kept whole and each decode step reads only some of its pages."""
-        return self.method in SPARSE_ATTENTION_METHODS
+        return self.method in SELECTORS
 
     @property
     def sparse(self) -> bool:

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from sparserl.engine.cache import KVCache
-from sparserl.engine.kv_config import KVConfig
+from sparserl.registry import Registry
+
+if TYPE_CHECKING:  # kv_config validates kv.method against EVICTION_METHODS: it imports this module
+    from sparserl.engine.kv_config import KVConfig
 
 
 @dataclass
@@ -54,6 +58,9 @@ class EvictionMethod(ABC):
         """See the prefill attention [rows, Hkv, G, T, T] (only called when `needs_prefill_attention`)."""
 
     needs_prefill_attention: bool = False
+
+
+EVICTION_METHODS: Registry[type[EvictionMethod]] = Registry("kv.method")
 
 
 def window_attention(view: SlotView) -> Tensor:

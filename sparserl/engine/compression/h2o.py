@@ -5,9 +5,10 @@ from __future__ import annotations
 from torch import Tensor
 
 from sparserl.engine.cache import KVCache
-from sparserl.engine.compression.base import EvictionMethod, SlotView
+from sparserl.engine.compression.base import EVICTION_METHODS, EvictionMethod, SlotView
 
 
+@EVICTION_METHODS.register("h2o")
 class H2O(EvictionMethod):
     extras = ("attention",)
     needs_prefill_attention = True

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from sparserl.engine.compression.base import EvictionMethod, SlotView
-from sparserl.engine.kv_config import KVConfig
+from sparserl.engine.compression.base import EVICTION_METHODS, EvictionMethod, SlotView
+
+if TYPE_CHECKING:
+    from sparserl.engine.kv_config import KVConfig
 
 
+@EVICTION_METHODS.register("random")
 class RandomEviction(EvictionMethod):
     """Uniformly random scores, drawn from a generator seeded by `kv.seed` and the `generate` seed, so that a
     rollout is reproducible whatever ran before it."""

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparserl.engine.compression.base import EvictionMethod, SlotView, max_pool, window_attention
+from sparserl.engine.compression.base import (
+    EVICTION_METHODS,
+    EvictionMethod,
+    SlotView,
+    max_pool,
+    window_attention,
+)
 
 
 def newest_near_duplicate(k: Tensor, threshold: float, block: int) -> Tensor:
@@ -60,6 +66,7 @@ def redundancy(keys: Tensor, held: Tensor, threshold: float, block: int = 128) -
     return mean.masked_fill(~held[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
 
 
+@EVICTION_METHODS.register("rkv")
 class RKV(EvictionMethod):
     def score(self, view: SlotView) -> Tensor:
         importance = max_pool(window_attention(view), self.cfg.pool_kernel)

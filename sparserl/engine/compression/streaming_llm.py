@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from sparserl.engine.compression.base import EvictionMethod, SlotView
+from sparserl.engine.compression.base import EVICTION_METHODS, EvictionMethod, SlotView
 
 
+@EVICTION_METHODS.register("streaming_llm")
 class StreamingLLM(EvictionMethod):
     def score(self, view: SlotView) -> Tensor:
         pos = view.positions.float()

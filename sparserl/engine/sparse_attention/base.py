@@ -11,14 +11,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from sparserl.engine.cache import KVCache
-from sparserl.engine.kv_config import ALWAYS_READ_PAGES, KVConfig
 from sparserl.engine.shared_prefix import SharedPrefixCache
 from sparserl.errors import UserError
+from sparserl.registry import Registry
+
+if TYPE_CHECKING:  # kv_config validates kv.method against SELECTORS: it imports this module
+    from sparserl.engine.kv_config import KVConfig
+
+ALWAYS_READ_PAGES = 3  # block-sparse attention reads the first page and the 2 most recent pages at every step
 
 
 class PageSelector(ABC):
@@ -32,6 +38,9 @@ class PageSelector(ABC):
     def score(self, queries: Tensor, summaries: Tensor) -> Tensor:
         """queries [rows, Hkv, G, D] (the G query heads of each KV head), summaries [rows, Hkv, P, S, D] ->
         scores [rows, Hkv, P], higher = read."""
+
+
+SELECTORS: Registry[type[PageSelector]] = Registry("kv.method")
 
 
 @dataclass

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from sparserl.engine.sparse_attention.base import PageSelector
+from sparserl.engine.sparse_attention.base import SELECTORS, PageSelector
 
 
+@SELECTORS.register("block_topk")
 class BlockTopK(PageSelector):
     """q_bar is the mean of the KV group's query heads, so one score per KV head and page (spec section 1)."""
 
