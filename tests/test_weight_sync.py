@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from sparserl.config import ConfigError, load_config
 from sparserl.config.distributed import WEIGHT_SYNC_CHOICES
+from sparserl.errors import UserError
 from sparserl.rollout import weight_sync
 from sparserl.rollout.weight_sync import WEIGHT_SYNCS, broadcast, buckets, open_group, resolve_weight_sync
 
@@ -22,6 +23,10 @@ def test_weight_sync_choices_are_the_registry_and_a_wrong_one_is_named():
     )
     with pytest.raises(ConfigError, match="distributed.weight_sync='nccl': choose one of auto, object_store"):
         load_config(None, ["distributed.weight_sync=nccl"])
+    with pytest.raises(
+        UserError, match="distributed.weight_sync='nccl' is unknown; choose one of object_store"
+    ):
+        WEIGHT_SYNCS.lookup("nccl")  # what a backend built without the config's check would say
 
 
 def test_buckets_are_runs_of_small_tensors_of_one_dtype_cut_at_the_size(monkeypatch):

@@ -184,7 +184,7 @@ class RayBackend(RolloutBackend):
             init_ray(ray, distributed)
         self.restarts, self.workers, self.pids, self.state, self.task_ref = 0, [], [], None, None
         sync = resolve_weight_sync(distributed.weight_sync, distributed.gpus_per_worker)
-        self.sync = WEIGHT_SYNCS[sync](ray, distributed.gpus_per_worker, distributed.start_timeout_s)
+        self.sync = WEIGHT_SYNCS.lookup(sync)(ray, distributed.gpus_per_worker, distributed.start_timeout_s)
         try:
             check_schedulable(ray, distributed.rollout_workers, distributed.cpus_per_worker,
                               distributed.gpus_per_worker, "rollout workers", "distributed.rollout_workers")  # fmt: skip

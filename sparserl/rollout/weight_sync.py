@@ -22,16 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-WEIGHT_SYNCS: dict[str, type[WeightSync]] = {}
-
-
-def register_weight_sync(name: str):
-    def wrap(cls: type[WeightSync]) -> type[WeightSync]:
-        cls.name = name
-        WEIGHT_SYNCS[name] = cls
-        return cls
-
-    return wrap
+from sparserl.registry import Registry
 
 
 def resolve_weight_sync(setting: str, gpus_per_worker: float) -> str:
@@ -59,7 +50,10 @@ class WeightSync:
         """Called after a push failed (a worker died during it), before the next."""
 
 
-@register_weight_sync("object_store")
+WEIGHT_SYNCS: Registry[type[WeightSync]] = Registry("distributed.weight_sync")
+
+
+@WEIGHT_SYNCS.register("object_store")
 class ObjectStoreSync(WeightSync):
     def push(self, workers: list[Any], version: int, state: dict[str, torch.Tensor]) -> None:
         self.ref = self.ray.put(state)
@@ -69,7 +63,7 @@ class ObjectStoreSync(WeightSync):
         self.ray.get(workers[i].push.remote(version, self.ref))
 
 
-@register_weight_sync("broadcast")
+@WEIGHT_SYNCS.register("broadcast")
 class BroadcastSync(WeightSync):
     group: Any = None
 
