@@ -11,9 +11,18 @@ from pathlib import Path
 import pytest
 
 from sparserl.errors import DataError, UserError
-from sparserl.tasks import BOXED_INSTRUCTION, Example, TaskConfig, make_task
+from sparserl.registry import Registry
+from sparserl.tasks import (
+    BOXED_INSTRUCTION,
+    BUILTIN_TASKS,
+    TASKS,
+    Example,
+    TaskConfig,
+    make_task,
+    register_task,
+)
 from sparserl.tasks.answers import reference_answer
-from sparserl.tasks.arithmetic import evaluate
+from sparserl.tasks.arithmetic import ArithmeticTask, evaluate
 from sparserl.tasks.dataset import DatasetTask
 from sparserl.tasks.long_arithmetic import FACT_NAMES
 from tests.shared_data import DATA
@@ -54,6 +63,18 @@ def test_every_config_field_has_a_default_and_help() -> None:
 def test_config_errors_name_the_key(overrides: dict, key: str) -> None:
     with pytest.raises(ValueError, match=re.escape(key)):
         TaskConfig(**overrides)
+
+
+def test_tasks_are_a_registry_that_leaves_task_names_alone() -> None:
+    """The built-in tasks are the registry's first entries (tasks/config.py's list for the config is the same),
+    and a factory registered under a new name is selected by it without renaming its Task class."""
+    assert isinstance(TASKS, Registry) and tuple(TASKS)[: len(BUILTIN_TASKS)] == BUILTIN_TASKS
+    register_task("sums")(ArithmeticTask)
+    try:
+        task = make_task(TaskConfig(name="sums"))
+        assert isinstance(task, ArithmeticTask) and task.name == "arithmetic"
+    finally:
+        del TASKS["sums"]
 
 
 def test_unknown_task_name_lists_the_choices() -> None:
