@@ -9,7 +9,10 @@ exactly `budget`; otherwise it grows by one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,6 +277,18 @@ def test_a_registered_method_is_a_kv_method():
         del EVICTION_METHODS["newest"]
     with pytest.raises(ValueError, match="kv.method='newest'"):
         KVConfig(method="newest")
+
+
+def test_method_lists_in_help_come_from_the_registries():
+    """kv.method's help names every registered method, and no command's help writes out its own list (the
+    eviction methods' names appear in sparserl/cli only in examples, never beside each other)."""
+    method_help = next(f.metadata["help"] for f in dataclasses.fields(KVConfig) if f.name == "method")
+    assert all(name in method_help for name in kv_methods())
+    cli = Path(__file__).resolve().parent.parent / "sparserl" / "cli"
+    for path in sorted(cli.glob("*.py")):
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            listed = [name for name in EVICTION_METHODS if re.search(rf"\b{name}\b", line)]
+            assert len(listed) < 2, f"{path.name}:{lineno} lists kv.method names by hand: {line.strip()}"
 
 
 # --- bad input -----------------------------------------------------------------------------------------------

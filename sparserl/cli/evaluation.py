@@ -39,8 +39,8 @@ def _eval_epilog() -> str:
     arg(
         "--kv",
         default=None,
-        help="also evaluate sparse inference with this KV method (rkv, snapkv, h2o, streaming_llm, random); "
-        "default: dense only",
+        help="also evaluate sparse inference with this kv.method (any but dense: `sparserl train --help` lists "
+        "them under kv.method); default: dense only",
     ),
     arg(
         "--budget", type=int, default=None, help="with --kv: retained KV positions per sequence (default 512)"
@@ -110,9 +110,7 @@ def eval_(args: argparse.Namespace) -> int:
         help="with a data file: row field of the question (default: auto-detect)",
     ),
     arg("--answer-key", default="", help="with a data file: row field of the answer (default: auto-detect)"),
-    arg(
-        "--kv", default="rkv", help="KV method: dense, rkv, snapkv, h2o, streaming_llm, random (default rkv)"
-    ),
+    arg("--kv", default="rkv", help="a kv.method (`sparserl train --help` lists them; default rkv)"),
     arg("--budget", type=int, default=128, help="retained KV positions per sequence (default 128)"),
     arg("--window", type=int, default=None, help="always-kept recent positions (default: KVConfig's)"),
     arg("--interval", type=int, default=16, help="decode steps between compressions (default 16)"),

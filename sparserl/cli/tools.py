@@ -110,7 +110,11 @@ def _calibrate_epilog() -> str:
     *ROW_FIELD_ARGS,
     arg("--prompts", type=int, default=4, help="calibration prompts (default 4)"),
     arg("--offset", type=int, default=0, help="index of the first prompt; held-out checks use others"),
-    arg("--method", default="block_topk", help="block_topk or an eviction method (rkv, snapkv, h2o, ...)"),
+    arg(
+        "--method",
+        default="block_topk",
+        help="a kv.method other than dense (`sparserl train --help` lists them; default block_topk)",
+    ),
     arg(
         "--budgets",
         default=None,

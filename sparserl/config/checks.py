@@ -18,6 +18,13 @@ if TYPE_CHECKING:  # the config's type only: sections.py calls these
     from sparserl.config.sections import TrainConfig
 
 
+def sparse_kv_methods() -> str:
+    """The registered kv.method values that sample sparsely, for errors that ask for one."""
+    return (
+        f"an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one ({', '.join(SELECTORS)})"
+    )
+
+
 def cross_section_checks(cfg: TrainConfig) -> None:
     """The checks that span sections of a TrainConfig (each section checks its own fields)."""
     batch = cfg.rollout.prompts_per_step * cfg.rollout.n
@@ -55,8 +62,7 @@ def cross_section_checks(cfg: TrainConfig) -> None:
     if cfg.algo.sparse_rollout and not cfg.kv.sparse:
         raise ConfigError(
             f"algo.preset={cfg.algo.preset!r} samples sparse rollouts but kv.method={cfg.kv.method!r}; "
-            f"set kv.method to an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one "
-            f"({', '.join(SELECTORS)}), or use algo.preset=dense"
+            f"set kv.method to {sparse_kv_methods()}, or use algo.preset=dense"
         )
 
 
@@ -88,8 +94,8 @@ def check_distill(cfg: TrainConfig) -> None:
     if not (cfg.algo.sparse_rollout and cfg.kv.sparse):
         raise ConfigError(
             f"distill.enable=true trains an adapter for sparse rollouts, but rollouts are dense "
-            f"(algo.preset={cfg.algo.preset!r}, kv.method={cfg.kv.method!r}): set kv.method to block_topk or "
-            "an eviction method and a sparse preset (e.g. algo.preset=tis), or distill.enable=false"
+            f"(algo.preset={cfg.algo.preset!r}, kv.method={cfg.kv.method!r}): set kv.method to "
+            f"{sparse_kv_methods()} and a sparse preset (e.g. algo.preset=tis), or distill.enable=false"
         )
     if cfg.model.lora and d.adapter_name == "default":
         raise ConfigError(
