@@ -37,6 +37,18 @@ def test_train_help_lists_every_field(capsys: pytest.CaptureFixture[str]) -> Non
     assert "sparse-rl" in out and "--resume" in out
 
 
+def test_train_help_lists_the_registered_group_sources(capsys: pytest.CaptureFixture[str]) -> None:
+    """sampling.method's choices come from GROUP_SOURCES, each with its docstring's summary: a source
+    registered in a user's module is listed as the built-in ones are."""
+    from sparserl.rollout import GROUP_SOURCES
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert f"group sources (sampling.method=NAME): {GROUP_SOURCES.described()}" in out
+    assert "'dars' (extra samples for hard prompts in a second round (DARS))" in out
+
+
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([]) == cli.EXIT_USAGE
     assert "train" in capsys.readouterr().out

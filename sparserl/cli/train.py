@@ -17,6 +17,7 @@ def _train_epilog() -> str:
     from sparserl.algo import PRESETS
     from sparserl.algo.presets import LOSS_PRESETS
     from sparserl.config import CONFIG_DIR, format_help, list_run_presets
+    from sparserl.rollout import GROUP_SOURCES
 
     return (
         "examples:\n"
@@ -29,6 +30,7 @@ def _train_epilog() -> str:
         "loss preset sets only the loss and keeps the config's rollout preset and corrections)\n\n"
         "config keys (override any with section.key=value; lists comma-separated or [a, b]; null for none):"
         + format_help()
+        + f"\n\ngroup sources (sampling.method=NAME): {GROUP_SOURCES.described()}"
     )
 
 

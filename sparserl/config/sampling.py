@@ -17,10 +17,9 @@ class SamplingConfig:
     method: str = field(
         default="fresh",
         metadata={
-            "help": "Group source (GROUP_SOURCES; register your own with register_group_source): 'fresh' "
-            "(prompts in a seeded permutation per epoch), 'dars' (DARS: extra samples for hard prompts in a "
-            "second round), 'vcrl' (VCRL: prompts chosen by the variance of their group rewards, with a memory "
-            "bank of high-variance prompts). Formerly rollout.source."
+            "help": "Group source: a name registered in GROUP_SOURCES (register your own with "
+            "register_group_source); `sparserl train --help` lists them with what each does after the keys. "
+            "Formerly rollout.source."
         },
     )
     dynamic: bool = field(

@@ -82,10 +82,10 @@ def dars_extra_samples(a: Fraction, n: int, n_max: int, schedule: str = "et", st
 
 @register_group_source("dars")
 class Dars(FreshPrompts):
-    """DARS: a first round of n samples per prompt, then extra samples for the prompts whose accuracy is below
-    1/2 (sampling.dars_schedule, up to sampling.dars_n_max in all), on the same group id, so advantages take
-    the enlarged group. Groups still all-wrong or all-right are left out of the batch (the paper's filter)
-    unless sampling.dars_keep_degenerate. The schedule's std follows the estimator's (`std_normalised`)."""
+    """Extra samples for hard prompts in a second round (DARS). A first round of n samples per prompt, then
+    extra samples for the prompts whose accuracy is below 1/2 (sampling.dars_schedule, up to
+    sampling.dars_n_max in all), on the same group id, so advantages take the enlarged group. Groups still
+    all-wrong or all-right are left out of the batch (the paper's filter) unless sampling.dars_keep_degenerate. The schedule's std follows the estimator's (`std_normalised`)."""
 
     refills = True
     recordable = False
@@ -161,7 +161,8 @@ def normalised_variance(rewards: list[float]) -> float:
 
 @register_group_source("vcrl")
 class Vcrl(FreshPrompts):
-    """VCRL: groups scored by p, their rewards' normalised variance. Prompts with p >= sampling.vcrl_kappa
+    """Prompts chosen by the variance of their group rewards, with a memory bank of high-variance prompts (VCRL).
+    Groups are scored by p, their rewards' normalised variance. Prompts with p >= sampling.vcrl_kappa
     enter a memory bank (priority p, an EMA when seen again; out after vcrl_max_age steps unseen or when the
     bank is full); each step replays up to vcrl_replay_fraction of its groups from the bank, highest priority
     first, and fresh prompts fill the rest. Groups below kappa are dropped and their slots refilled (bank
