@@ -39,7 +39,9 @@ def test_zero_one_and_two_workers_give_the_same_samples(tmp_path):
         assert metrics["rollout/worker_restarts"] == 0
         for a, b in zip(local, remote, strict=True):
             assert a.completions == b.completions
-            torch.testing.assert_close(a.logp_sampler, b.logp_sampler, atol=1e-5, rtol=0)
+            # the same tokens; the log-probs to float32 round-off of a process of its own (measured: 1.5e-5 on an
+            # AVX512 machine with the code of the previous release, 0 on the one this test was written on)
+            torch.testing.assert_close(a.logp_sampler, b.logp_sampler, atol=1e-4, rtol=0)
 
 
 def test_a_worker_refuses_a_version_it_does_not_hold(tmp_path):
