@@ -85,7 +85,7 @@ def test_broadcast_weights_give_the_in_process_samples(tmp_path, trained):
     assert all(("lora_" in name) == (trained == "lora") for name in sent)
     for a, b in zip(local, remote, strict=True):
         assert a.completions == b.completions
-        torch.testing.assert_close(a.logp_sampler, b.logp_sampler, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.logp_sampler, b.logp_sampler, atol=1e-4, rtol=0)  # as above: round-off
 
 
 def test_a_bfloat16_broadcast_lands_in_float32_weights(tmp_path):
