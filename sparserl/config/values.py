@@ -46,6 +46,19 @@ _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
 
+def _list_text(text: str, of_strings: bool, bad: ConfigError) -> Any:
+    """A command-line list: YAML's `[a, b]` (a list of strings YAML cannot read, such as `[builtin, :f]`, split
+    on commas: each item's own check then names the one at fault) or plain `a,b`."""
+    if not text.startswith("["):
+        return [v.strip() for v in text.split(",") if v.strip()]
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        if not of_strings or not text.endswith("]"):
+            raise bad from None
+        return [v.strip() for v in text[1:-1].split(",") if v.strip()]
+
+
 def coerce(value: Any, tp: Any, key: str) -> Any:
     """Convert `value` (typed YAML, or a command-line string) to the field type `tp`, or raise ConfigError."""
     optional, inner = is_optional(tp)
@@ -100,17 +113,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    value = yaml.safe_load(text)
-                except yaml.YAMLError:
-                    if item_tp is not str or not text.endswith("]"):
-                        raise bad from None
-                    # plain words YAML cannot read (':f'): their own checks name the one at fault
-                    value = [v.strip() for v in text[1:-1].split(",") if v.strip()]
-            else:
-                value = [v.strip() for v in text.split(",") if v.strip()]
+            value = _list_text(value.strip(), item_tp is str, bad)
         if not isinstance(value, (list, tuple)):
             raise bad
         return [coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
