@@ -7,7 +7,8 @@ the same command after a kill.
     python experiments/study_v4.py setup       # rules, goals, estimate -> docs/results/study_v4/study_v4.json (commit first)
     nohup python experiments/study_v4.py warmstart > /tmp/study_v4_warmstart.log 2>&1 &   # ~0.4 CPU-h
     nohup python experiments/study_v4.py a1 > /tmp/study_v4_a1.log 2>&1 &   # ~2.5 CPU-h, one sampler at a time
-    python experiments/study_v4.py a2          # ~4.8 CPU-h (after A1: the samplers R1 picks)
+    python experiments/study_v4.py pilot       # ~0.4 CPU-h: the dense pilot (learning rate, a training rollout's cost)
+    python experiments/study_v4.py a2          # ~12 CPU-h (after A1: the samplers R1 picks)
     python experiments/study_v4.py bias-default   # the 15-minute goal: sparserl bias on the embedded default
     python experiments/study_v4.py report      # the rules judged so far, the goals
 """
@@ -159,6 +160,35 @@ def a2(args) -> None:
             run_bias("a2", name, a["extended_batches"], estimators)
 
 
+def pilot(args) -> None:
+    """The dense pilot: 10 rollouts of the dense arm on the training rows at v3's pilot learning rate, v3's rule
+    for keeping or halving it, and the measured CPU seconds of a training rollout (to rescale stage B's estimate)."""
+    import study_v3_rules as R3
+    from study import train_arm
+    from study_v3 import curves
+
+    path = RESULTS / "pilot.json"
+    if read(path):
+        print("pilot done:", read(path)["lr"])
+        return
+    lr = R3.RULES["pilot"]["lr"]
+    overrides = [
+        "algo.preset=dense",
+        "trainer.seed=0",
+        "trainer.steps=10",
+        "trainer.threads=1",
+        f"optim.lr={lr}",
+    ]
+    run = train_arm(RUNS, "pilot-dense", overrides, [], config=CONFIG)
+    c = curves(run)
+    chosen, why = R3.pilot_lr([v for v in c["kl_ref"] if v is not None], c["reward"], lr)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    cpu = [r["time/step_cpu"] for r in rows if "time/step_cpu" in r]
+    write(path, {"goals": {}, "lr": chosen, "reason": why, "curves": c, "cpu_s_per_rollout": cpu,
+                 "command": "python experiments/study_v4.py pilot"})  # fmt: skip
+    print("lr", chosen, why, "\ncommit:", COMMIT)
+
+
 def bias_default(args) -> None:
     """The goal's benchmark: `sparserl bias trainer.threads=1 --batches 4` on the embedded default, its whole
     process's CPU seconds (the child's rusage: model load, sampling, gradients, report) and wall time."""
@@ -212,13 +242,13 @@ def probe_rows() -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["setup", "warmstart", "a1", "a2", "bias-default", "report"])
+    p.add_argument("stage", choices=["setup", "warmstart", "a1", "pilot", "a2", "bias-default", "report"])
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-4)
     args = p.parse_args()
     os.chdir(ROOT)  # the setting names its model relative to the repository root
     torch.set_num_threads(1)
-    stages = {"setup": setup, "warmstart": warmstart, "a1": a1, "a2": a2, "bias-default": bias_default,
+    stages = {"setup": setup, "warmstart": warmstart, "a1": a1, "pilot": pilot, "a2": a2, "bias-default": bias_default,
               "report": report}  # fmt: skip
     stages[args.stage](args)
     return 0
