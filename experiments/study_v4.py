@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -114,6 +115,25 @@ def warmstart(args) -> None:
     print(json.dumps(reproduced_goal(state)), "\ncommit:", COMMIT)
 
 
+def ensure_warmstart(args) -> None:
+    """The warm start's model on this machine: a fresh checkout has its record (warmstart.json) but not its
+    weights (runs/ is not committed), so they are retrained from the same seed and data (~0.3 CPU-h) and must give
+    the committed SFT losses exactly."""
+    if (WARMSTART / "config.json").is_file():
+        return
+    committed = read(RESULTS / "warmstart.json", {})
+    if not committed.get("done"):
+        raise SystemExit("no warm start yet: python experiments/study_v4.py warmstart")
+    print("the warm start's weights are not on this machine: retraining them (~0.3 CPU-h)", flush=True)
+    state: dict = {}
+    cfg = setting([f"task.num_operands={RUNG[0]}", f"task.max_digits={RUNG[1]}"])
+    sft_rung(list(RUNG), args, state, runs=RUNS / "rebuild", out=WARMSTART, save=lambda _: None, cfg=cfg)
+    key = f"{RUNG[0]}x{RUNG[1]}"
+    if state["rungs"][key]["losses"] != committed["rungs"][key]["losses"]:
+        shutil.rmtree(WARMSTART, ignore_errors=True)
+        raise SystemExit("the retrained warm start's SFT losses differ from warmstart.json's: not used")
+
+
 def run_bias(stage: str, name: str, batches: int, estimators: str) -> dict:
     """`sparserl bias` for one sampler of the dial on the probe rows (4 prompts x 8 per batch), in its own
     resumable process; its report copied to docs/results/study_v4/STAGE/NAME.json."""
@@ -132,6 +152,7 @@ def run_bias(stage: str, name: str, batches: int, estimators: str) -> dict:
 
 def a1(args) -> None:
     """Stage A1: rollout statistics per sampler (32 prompts x 8, no gradients)."""
+    ensure_warmstart(args)
     for name in R.SAMPLERS:
         if not read(RESULTS / "a1" / f"{name}.json", {}).get("complete"):
             run_bias("a1", name, R.RULES["a1"]["prompts"] // 4, "none")
@@ -140,6 +161,7 @@ def a1(args) -> None:
 def a2(args) -> None:
     """Stage A2: the gradients of naive, sparse-rl, seq-is and smd at K = 12 for the samplers R1's ranking picks
     (fixed in study_v4.json when first chosen), then R2's extension to K = 24 for the top 2 real samplers."""
+    ensure_warmstart(args)
     reports = {name: read(RESULTS / "a1" / f"{name}.json", {}) for name in R.SAMPLERS}
     missing = [k for k, r in reports.items() if not r.get("complete")]
     if missing:
@@ -171,6 +193,7 @@ def pilot(args) -> None:
     if read(path):
         print("pilot done:", read(path)["lr"])
         return
+    ensure_warmstart(args)
     lr = R3.RULES["pilot"]["lr"]
     overrides = [
         "algo.preset=dense",
