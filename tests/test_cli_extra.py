@@ -91,17 +91,21 @@ def test_eval_cli_without_kv_is_dense_only(
     assert "dense" in result and "sparse" not in result and result["kv"] is None
 
 
-def test_eval_cli_run_dir_uses_its_model_and_task(
-    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def finished_run(tmp_path: Path, tiny_dir: Path, *overrides: str) -> Path:
+    """A run directory as training leaves it: its config.yaml (the tiny model plus `overrides`) and final/."""
     run = tmp_path / "run"
     run.mkdir()
-    save_config(
-        load_config(None, [f"model.spec={tiny_dir}", "task.name=long_arithmetic"]), run / "config.yaml"
-    )
+    save_config(load_config(None, [f"model.spec={tiny_dir}", *overrides]), run / "config.yaml")
     model, tok = tiny_model(seed=0)
     model.save_pretrained(run / "final")
     tok.save_pretrained(run / "final")
+    return run
+
+
+def test_eval_cli_run_dir_uses_its_model_and_task(
+    tiny_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = finished_run(tmp_path, tiny_dir, "task.name=long_arithmetic")
     rc, out, err = run_cli(
         capsys,
         "eval",
@@ -135,14 +139,7 @@ def test_eval_cli_length_defaults_to_training_s_and_its_table_keeps_whole_header
     for text in ("inference", "truncated", "retained", "peak KV", "sparse (rkv, budget 40)"):
         assert text in err, err
     assert "\u2026" not in err  # rich's ellipsis
-    run = tmp_path / "run"
-    run.mkdir()
-    save_config(
-        load_config(None, [f"model.spec={tiny_dir}", "rollout.max_new_tokens=6"]), run / "config.yaml"
-    )
-    model, tok = tiny_model(seed=0)
-    model.save_pretrained(run / "final")
-    tok.save_pretrained(run / "final")
+    run = finished_run(tmp_path, tiny_dir, "rollout.max_new_tokens=6")
     rc, out, err = run_cli(capsys, "eval", "--model", str(run), "--data", str(qa_file), "-k", "1", "-q")
     assert rc == 0, err
     assert json.loads(out)["sampling"]["max_new_tokens"] == 6
