@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from sparserl.algo.advantages import ADV_ESTIMATORS, ADV_TRANSFORMS
+from sparserl.algo.config_checks import check_ranges
 from sparserl.algo.losses import POLICY_LOSSES
 from sparserl.algo.rs_aliases import ALIASES as RS_ALIASES
 from sparserl.algo.rs_aliases import NO_EQUIVALENT as RS_NO_EQUIVALENT
@@ -296,52 +297,9 @@ class AlgoConfig:
                     f"algo.correction_mode='none' ignores {', '.join('algo.' + k for k in on)}; "
                     "set algo.correction_mode='decoupled' (or 'bypass') or unset them"
                 )
-        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
-            raise ValueError(
-                f"algo.overlong_buffer={self.overlong_buffer} and algo.overlong_penalty={self.overlong_penalty} "
-                "must be >= 0"
-            )
-        if self.loss_token_norm is not None and self.loss_token_norm < 1:
-            raise ValueError(f"algo.loss_token_norm={self.loss_token_norm} must be >= 1")
         for name in self.adv_transforms:
             _choice("adv_transforms", name, tuple(ADV_TRANSFORMS))
-        for lo, hi in (
-            ("token_rs_low", "token_rs_high"),
-            ("icepop_low", "icepop_high"),
-            ("seq_mis_low", "seq_mis_high"),
-            ("geo_rs_low", "geo_rs_high"),
-            ("prefix_rs_low", "prefix_rs_high"),
-        ):
-            a, b = getattr(self, lo), getattr(self, hi)
-            if a is not None and b is not None and a > b:
-                raise ValueError(f"algo.{lo}={a} must be <= algo.{hi}={b}")
-            for name, v in ((lo, a), (hi, b)):
-                if v is not None and v < 0:
-                    raise ValueError(f"algo.{name}={v} must be >= 0 (it bounds a ratio)")
-        if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
-            raise ValueError(f"algo.veto_threshold={self.veto_threshold} must be in (0, 1)")
-        for key in ("k3_rs_threshold", "prob_diff_threshold"):
-            if getattr(self, key) is not None and getattr(self, key) < 0:
-                raise ValueError(f"algo.{key}={getattr(self, key)} must be >= 0")
-        if self.adv_eps < 0 or self.batch_norm_min < 0:
-            raise ValueError("algo.adv_eps and algo.batch_norm_min must be >= 0")
-        if self.entropy_coef < 0:
-            raise ValueError(f"algo.entropy_coef={self.entropy_coef} must be >= 0 (it is a bonus)")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"algo.tis_cap={self.tis_cap} must be > 0")
-        if self.seq_tis_cap is not None and self.seq_tis_cap <= 0:
-            raise ValueError(f"algo.seq_tis_cap={self.seq_tis_cap} must be > 0")
-        if self.eps_low < 0 or self.eps_high < 0:
-            raise ValueError(f"algo.eps_low={self.eps_low} and algo.eps_high={self.eps_high} must be >= 0")
-        if self.eps_low >= 1:
-            raise ValueError(f"algo.eps_low={self.eps_low} must be < 1 (the lower clip is 1 - eps_low)")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ValueError(f"algo.dual_clip_c={self.dual_clip_c} must be > 1")
-        for key in ("kl_coef", "sampler_kl_coef"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"algo.{key}={getattr(self, key)} must be >= 0")
-        if self.log_ratio_clamp <= 0 or self.kl_clamp <= 0:
-            raise ValueError("algo.log_ratio_clamp and algo.kl_clamp must be > 0")
+        check_ranges(self)
 
     @property
     def needs_recompute(self) -> bool:
