@@ -9,7 +9,9 @@ metrics moved by float rounding, at most 2.3e-5 absolute, on a perplexity near 4
 resident (rollout/occupancy), the update's metrics moved by float rounding (at most 1.9e-4 absolute, on a
 largest importance ratio near 7.4 and a perplexity near 531). Issue 59 added rollout/peak_dense_kv_bytes,
 kv/naive_kv_bytes and rollout/entropy_estimate and made kv/dense_kv_bytes (and kv/saved_fraction with it) the
-dense engine's own allocation; only those keys were re-pinned.
+dense engine's own allocation; only those keys were re-pinned. The mismatch metrics of verl and NeMo-RL and the IS
+ratio's spread before and after the corrections (rollout_corr/pearson_corr, token_mult_prob_error, gen_kl_error,
+policy_kl_error, js_divergence_error, xi_std, weight_std, weight_min) were added by pinning only those keys.
 
 Bit-identical on the machine the fixture was written on (its `machine`: the vector unit torch dispatches to, the
 CPU's feature flags, the torch and transformers versions); elsewhere the float sums may round differently (the same

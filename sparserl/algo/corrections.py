@@ -27,6 +27,7 @@ from sparserl.algo.masked import (
     to_floats,
     upcast,
 )
+from sparserl.algo.mismatch import backend_mismatch
 from sparserl.algo.rs_aliases import ALIASES as VERL_RS_ALIASES  # noqa: F401  verl's rollout_rs names
 from sparserl.algo.rs_aliases import NO_EQUIVALENT as VERL_RS_NO_EQUIVALENT  # noqa: F401
 from sparserl.algo.rs_aliases import rollout_rs_overrides  # noqa: F401  (algo.rollout_rs)
@@ -321,9 +322,16 @@ def correction_weights(
     m["seq_rejection_rate"] = masked_mean((~kept_seqs).float(), r.has_tokens)
     m["token_keep_fraction"] = masked_mean(keep.float(), r.valid, empty=0.0)
     m["weight_mean"] = masked_mean(weight, keep, empty=0.0)
+    m["weight_std"] = _std(weight, keep)
+    m["weight_min"] = masked_min(weight, keep, empty=0.0)
     m["weight_max"] = masked_max(weight, keep, empty=0.0)
     m["weight_ess"] = _ess(weight, keep)
     return weight.detach(), keep, {PREFIX + k: v for k, v in to_floats(m).items()}
+
+
+def _std(x: Tensor, mask: Tensor) -> Tensor:
+    """Population standard deviation sqrt(mean((x - mean x)^2)) over `mask`; 0 if empty."""
+    return masked_mean((x - masked_mean(x, mask)).square(), mask).sqrt()
 
 
 def _ess(w: Tensor, mask: Tensor) -> Tensor:
@@ -360,9 +368,12 @@ def mismatch_metrics(r: Ratios) -> dict[str, Tensor]:
     m["chi2_seq"] = masked_mean((2.0 * sum_log.double()).exp(), has_tokens, empty=1.0) - 1.0
     m["ess"] = _ess(xi.double(), valid)
     m["xi_mean"] = masked_mean(xi, valid, empty=1.0)
+    m["xi_std"] = _std(xi, valid)
     m["xi_min"] = masked_min(xi, valid, empty=1.0)
     m["xi_max"] = masked_max(xi, valid, empty=1.0)
     m["log_xi_min"] = masked_min(raw, valid, empty=0.0)
     m["log_xi_max"] = masked_max(raw, valid, empty=0.0)
     m["response_tokens"] = valid.sum().float()
+    m["gen_kl_error"] = m["k3_kl"]  # NeMo-RL's name (k3 of log xi, its default kl_type)
+    m.update(backend_mismatch(old, samp, log_xi, valid))
     return m
