@@ -120,7 +120,7 @@ class TwoProcesses:
 
 def time_push(trainer, dtype) -> tuple[float, float]:
     """Wall seconds and this process's CPU seconds of one push of the trainable tensors in `dtype`."""
-    from sparserl.rollout.ray_backend import trainable_state
+    from sparserl.distributed.weights import trainable_state
 
     state = {k: v.to(dtype) for k, v in trainable_state(trainer.policy.module).items()}
     t0, c0 = time.perf_counter(), time.process_time()

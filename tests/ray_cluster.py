@@ -1,5 +1,5 @@
 """A local 2-CPU Ray for a test module (`from tests.ray_cluster import local_ray`): started once per module,
-with the process's SIGTERM handler kept (sparserl/rollout/ray_backend.py), shut down after."""
+with the process's SIGTERM handler kept (sparserl/distributed/cluster.py), shut down after."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     ray = pytest.importorskip("ray")
-    from sparserl.rollout.ray_backend import keep_signal_handlers
+    from sparserl.distributed.cluster import keep_signal_handlers
 
     with keep_signal_handlers():
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,

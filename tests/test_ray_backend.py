@@ -91,7 +91,7 @@ def test_broadcast_weights_give_the_in_process_samples(tmp_path, trained):
 def test_a_bfloat16_broadcast_lands_in_float32_weights(tmp_path):
     """A state pushed in bfloat16 (half the bytes on the wire) is received in bfloat16 and copied into the
     workers' float32 weights: they hold exactly its values."""
-    from sparserl.rollout.ray_backend import trainable_state
+    from sparserl.distributed.weights import trainable_state
 
     extra = ("distributed.rollout_workers=2", "distributed.weight_sync=broadcast")
     trainer = make_trainer(tiny_cfg(tmp_path, *extra))

@@ -160,7 +160,7 @@ class _FakeRay:
 def test_a_replaced_worker_catches_up_alone_and_the_broadcast_group_is_formed_at_the_next_push() -> None:
     """Worker 0 is decoding its share when worker 1 is replaced: forming the group then would wait for worker 0
     (up to distributed.start_timeout_s). The new worker gets the version through the object store alone."""
-    from sparserl.rollout.weight_sync import BroadcastSync
+    from sparserl.distributed.weight_sync import BroadcastSync
 
     calls: list = []
     sync = BroadcastSync(_FakeRay(), 0.0, 1.0)

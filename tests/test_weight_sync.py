@@ -1,4 +1,4 @@
-"""The weight syncs' registry and the bucketed broadcast (sparserl/rollout/weight_sync.py) without Ray: two
+"""The weight syncs' registry and the bucketed broadcast (sparserl/distributed/weight_sync.py) without Ray: two
 processes in a gloo group; the Ray backend's use of them is in tests/test_ray_backend.py."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 
 from sparserl.config import ConfigError, load_config
 from sparserl.config.distributed import WEIGHT_SYNC_CHOICES
+from sparserl.distributed import weight_sync
+from sparserl.distributed.weight_sync import WEIGHT_SYNCS, broadcast, buckets, open_group, resolve_weight_sync
 from sparserl.errors import UserError
-from sparserl.rollout import weight_sync
-from sparserl.rollout.weight_sync import WEIGHT_SYNCS, broadcast, buckets, open_group, resolve_weight_sync
 
 
 def test_weight_sync_choices_are_the_registry_and_a_wrong_one_is_named():

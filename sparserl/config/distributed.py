@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from sparserl.config.errors import ConfigError
 
 SWARM_CORRECTIONS = ("ratio1", "sender_logp")
-# auto + the names in WEIGHT_SYNCS (sparserl/rollout/weight_sync.py), written out because the rollout package
+# auto + the names in WEIGHT_SYNCS (sparserl/distributed/weight_sync.py), written out because the rollout package
 # imports the config; tests/test_weight_sync.py keeps the two equal
 WEIGHT_SYNC_CHOICES = ("auto", "object_store", "broadcast")
 

@@ -4,7 +4,7 @@ Each worker holds its own copy of the model and a local backend (engine + schedu
 controller: `run` splits the requests into one contiguous share per worker (a group's samples stay together,
 so its prompt is prefilled once), gathers each share's plain `Segment`s as it finishes (`ray.wait`), and hands
 them to the layer. Weights travel after every optimizer phase with their version (the trainable tensors only:
-with LoRA, the adapter), through the object store or a torch.distributed broadcast (rollout/weight_sync.py,
+with LoRA, the adapter), through the object store or a torch.distributed broadcast (distributed/weight_sync.py,
 `distributed.weight_sync`); a worker asked to run at a version it does not hold refuses. A
 worker that dies mid-run (its process killed) is replaced, sent the current weights, and its share runs again
 on it: its segments had not been handed over, so no sample is lost or duplicated, and none is stale.
@@ -18,16 +18,22 @@ Ray is imported when the backend is built, never when sparserl is imported.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from sparserl.distributed.cluster import init_ray
+from sparserl.distributed.placement import check_schedulable, free_resources
+from sparserl.distributed.weight_sync import (
+    WEIGHT_SYNCS,
+    broadcast,
+    client_store,
+    open_group,
+    resolve_weight_sync,
+)
+from sparserl.distributed.weights import load_named, trainable_state
 from sparserl.engine.decoding import Request, Sampling
 from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import ClusterError, UserError
@@ -39,13 +45,6 @@ from sparserl.rollout.backend import (
     Segment,
     merge_run_metrics,
     register_backend,
-)
-from sparserl.rollout.weight_sync import (
-    WEIGHT_SYNCS,
-    broadcast,
-    client_store,
-    open_group,
-    resolve_weight_sync,
 )
 
 
@@ -323,91 +322,6 @@ class RayBackend(RolloutBackend):
         if self.started_ray:
             self.ray.shutdown()
             self.started_ray = False
-
-
-NAMESPACE = "sparserl"  # the runs' actors (a swarm's pool) are found by name within it
-
-
-@contextlib.contextmanager
-def keep_signal_handlers() -> Iterator[None]:
-    """`ray.init` installs its own SIGTERM handler in the driver and leaves it after shutdown; a run's own (save
-    the step, exit 143: sparserl/signals.py) is put back."""
-    main = threading.current_thread() is threading.main_thread()
-    saved = signal.getsignal(signal.SIGTERM) if main else None
-    try:
-        yield
-    finally:
-        if main and saved is not None:
-            signal.signal(signal.SIGTERM, saved)
-
-
-def init_ray(ray: Any, cfg: Any) -> None:
-    """A local Ray (empty `ray_address`) or the cluster at the address; an unreachable one is a ClusterError
-    naming it within seconds (`check_reachable`). The process's SIGTERM handler is kept."""
-    where = f"the Ray cluster at distributed.ray_address={cfg.ray_address!r}" if cfg.ray_address else "Ray"
-    try:
-        if cfg.ray_address:
-            check_reachable(cfg.ray_address, min(CONNECT_TIMEOUT_S, cfg.start_timeout_s))
-            with keep_signal_handlers():
-                ray.init(
-                    address=cfg.ray_address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False
-                )
-        else:
-            with keep_signal_handlers():
-                ray.init(num_cpus=max(cfg.local_ray_cpus(), 1), namespace=NAMESPACE, include_dashboard=False,
-                         logging_level="ERROR", log_to_driver=False, object_store_memory=512 * 2**20)  # fmt: skip
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise ClusterError(f"could not start or reach {where}: {e}") from None
-
-
-CONNECT_TIMEOUT_S = (
-    10.0  # seconds a connection to distributed.ray_address may take (Ray itself waits minutes)
-)
-
-
-def check_reachable(address: str, timeout_s: float) -> None:
-    """A `host:port` address (also `ray://host:port`) that takes no TCP connection within `timeout_s` is a
-    ConnectionError now, where ray.init would retry for minutes; other forms ('auto') are Ray's to resolve."""
-    host, sep, port = address.removeprefix("ray://").rpartition(":")
-    if not sep or not host or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout_s).close()
-    except OSError as e:
-        raise ConnectionError(
-            f"nothing answers at {address} ({e.strerror or e}; waited {timeout_s:g} s at most)"
-        ) from None
-
-
-def check_schedulable(ray: Any, count: int, cpus: float, gpus: float, what: str, key: str) -> None:
-    """`count` actors of `cpus` CPUs and `gpus` GPUs each fit the cluster's total resources (free or not), or a
-    ClusterError naming them now rather than after distributed.start_timeout_s of waiting for them."""
-    total = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-    if count * cpus <= total.get("CPU", 0) + 1e-9 and count * gpus <= total.get("GPU", 0) + 1e-9:
-        return
-    raise ClusterError(
-        f"{count} {what} cannot all be placed: each asks for {cpus:g} CPUs and {gpus:g} GPUs, and the Ray cluster "
-        f"has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all (lower {key} or the "
-        "per-actor resources)"
-    )
-
-
-def free_resources(ray: Any) -> dict[str, float]:
-    """The cluster's free CPUs, GPUs and memory, without the placement groups' internal entries."""
-    return {k: v for k, v in ray.available_resources().items() if "_group_" not in k}
-
-
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors the optimizer changes (all of them without LoRA, the adapter with it), detached on the CPU."""
-    return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def load_named(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` (parameter name -> tensor, as `trainable_state` gives) into the model's parameters in place."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in state.items():
-            params[name].copy_(tensor)
 
 
 def split(prompts: list[list[int]], parts: int) -> list[range]:

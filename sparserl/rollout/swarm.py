@@ -68,7 +68,7 @@ class SwarmSharing(WrappedSource):
     def __init__(self, inner: GroupSource, cfg: Any, tokenizer: Any) -> None:
         import ray
 
-        from sparserl.rollout.ray_backend import init_ray
+        from sparserl.distributed.cluster import init_ray
 
         super().__init__(inner)
         self.cfg, self.tokenizer = cfg.distributed.swarm, tokenizer

@@ -26,10 +26,12 @@ import torch
 from torch import Tensor
 
 from sparserl.config import ConfigError, TrainConfig
+from sparserl.distributed import placement
+from sparserl.distributed.cluster import init_ray
+from sparserl.distributed.weights import load_named
 from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import ClusterError
 from sparserl.process_memory import actor_peaks, peak_rss_bytes
-from sparserl.rollout.ray_backend import check_schedulable, free_resources, init_ray, load_named
 from sparserl.trainer import sharding
 from sparserl.trainer.policy import autocast_for
 from sparserl.trainer.update import Batch, Learner, SingleProcess
@@ -215,26 +217,21 @@ class LearnerGroup:
 
     def _start(self, cfg: TrainConfig) -> None:
         """The placement group (all ranks or none, within start_timeout_s), the ranks, their process group."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         ray, c = self.ray, self.cfg
-        check_schedulable(
+        placement.check_schedulable(
             ray, c.learners, c.cpus_per_learner, c.gpus_per_learner, "learners", "distributed.learners"
         )
-        bundle = {"CPU": c.cpus_per_learner} | ({"GPU": c.gpus_per_learner} if c.gpus_per_learner else {})
-        self.placement = placement_group([bundle] * c.learners, strategy="PACK")
-        ready, _ = ray.wait([self.placement.ready()], timeout=c.start_timeout_s)
-        if not ready:
+        self.placement = placement.gang(c.learners, c.cpus_per_learner, c.gpus_per_learner)
+        if not placement.placed(ray, self.placement, c.start_timeout_s):
             raise ClusterError(
                 f"the {c.learners} learners did not start within {c.start_timeout_s:g} s: each asks for "
                 f"{c.cpus_per_learner:g} CPUs and {c.gpus_per_learner:g} GPUs, all at once; free in the Ray "
-                f"cluster: {free_resources(ray)} (lower distributed.learners or the per-learner resources)"
+                f"cluster: {placement.free_resources(ray)} (lower distributed.learners or the per-learner resources)"
             )
         actor = ray.remote(num_cpus=c.cpus_per_learner, num_gpus=c.gpus_per_learner)(LearnerRank)
         module_ref = ray.put(self.module)
         for rank in range(c.learners):
-            where = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank)
+            where = placement.in_bundle(self.placement, rank)
             self.ranks.append(
                 actor.options(scheduling_strategy=where).remote(cfg, module_ref, self.names, rank, c.learners)
             )
@@ -321,9 +318,7 @@ class LearnerGroup:
             self.ray.kill(rank)
         self.ranks = []
         if self.placement is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self.placement)
+            placement.remove(self.placement)
             self.placement = None
         if self.started_ray:
             self.ray.shutdown()
