@@ -75,3 +75,65 @@ def test_no_valid_token_gives_the_neutral_values():
     _, _, m = correction_weights(old, samp, torch.zeros(1, 2, dtype=torch.bool), AlgoConfig())
     assert m[P + "token_mult_prob_error"] == 1.0
     assert m[P + "js_divergence_error"] == m[P + "policy_kl_error"] == m[P + "xi_std"] == 0.0
+
+
+# ---- two-sided outlier veto (SkyRL) --------------------------------------------------------------------------
+
+
+def _xi(rows: list[list[float]], mask: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log pi_old, log pi_sparse (at log-prob 0, so log xi is exact) and the mask, for the given xi."""
+    log_xi = torch.tensor(rows, dtype=D).log()
+    return log_xi, torch.zeros_like(log_xi), torch.tensor(mask, dtype=torch.bool)
+
+
+def test_outlier_veto_drops_a_sequence_for_one_token_outside_either_bound():
+    # seq 0: 3.0 > 2.5; seq 1: 0.3 < 0.4; seq 2: on both bounds (kept: inclusive); seq 3: its outlier is padding
+    old, samp, mask = _xi(
+        [[1.0, 0.5, 3.0], [0.3, 1.0, 1.0], [0.4, 2.5, 1.0], [1.0, 1.0, 1000.0]],
+        [[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 1, 0]],
+    )
+    cfg = AlgoConfig(
+        correction_mode="decoupled", outlier_token_is_threshold_low=0.4, outlier_token_is_threshold_high=2.5
+    )
+    w, keep, m = correction_weights(old, samp, mask, cfg)
+    assert keep.tolist() == [[False] * 3, [False] * 3, [True] * 3, [True, True, False]]
+    assert torch.equal(w, keep.to(D))  # a veto weights nothing
+    assert m[P + "outlier_seq_masked_fraction"] == 0.5
+    assert m[P + "outlier_seq_under_low_fraction"] == m[P + "outlier_seq_over_high_fraction"] == 0.25
+    one_sided = AlgoConfig(correction_mode="decoupled", outlier_token_is_threshold_high=2.5)
+    assert correction_weights(old, samp, mask, one_sided)[1][:, 0].tolist() == [False, True, True, True]
+
+
+def test_outlier_veto_bounds_are_checked():
+    with pytest.raises(ValueError, match="outlier_token_is_threshold_low=3.0 must be <="):
+        AlgoConfig(
+            correction_mode="decoupled",
+            outlier_token_is_threshold_low=3.0,
+            outlier_token_is_threshold_high=2.0,
+        )
+    with pytest.raises(
+        ValueError, match="correction_mode='none' ignores algo.outlier_token_is_threshold_low"
+    ):
+        AlgoConfig(outlier_token_is_threshold_low=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "t", "stat"),
+    [
+        ("seq_max_k2", 0.08, lambda x: x * x / 2),
+        ("seq_max_k3", 0.05, lambda x: math.expm1(x) - x),
+    ],
+)
+def test_verl_seq_max_names_are_the_outlier_veto(name, t, stat):
+    """verl keeps a sequence whose largest per-token statistic of log r = log xi is <= t."""
+    log_xi = [[0.2, -0.3, 0.0], [0.2, 0.45, 0.0], [-0.41, 0.0, 0.0], [0.35, 0.1, 0.0], [0.1, 0.1, 5.0]]
+    mask = [[1, 1, 1]] * 4 + [[1, 1, 0]]
+    old, samp = torch.tensor(log_xi, dtype=D), torch.zeros(5, 3, dtype=D)
+    cfg = AlgoConfig(correction_mode="decoupled", rollout_rs=[f"{name}:{t}"])
+    _, keep, _ = correction_weights(old, samp, torch.tensor(mask, dtype=torch.bool), cfg)
+    want = [
+        max(stat(x) for x, b in zip(row, bits, strict=True) if b) <= t
+        for row, bits in zip(log_xi, mask, strict=True)
+    ]
+    assert keep.any(dim=1).tolist() == want
+    assert True in want and False in want  # the rule bites, and not everywhere

@@ -26,6 +26,8 @@ def emitted() -> set[str]:
         prefix_rs_low=0.5,
         prefix_rs_high=2.0,
         sampler_kl_coef=0.1,
+        outlier_token_is_threshold_low=1e-4,
+        outlier_token_is_threshold_high=100.0,
     )
     g = torch.Generator().manual_seed(0)
     old, samp = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)

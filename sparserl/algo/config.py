@@ -34,6 +34,8 @@ CORRECTION_KNOBS = (
     "seq_tis_cap",
     "prefix_rs_low",
     "prefix_rs_high",
+    "outlier_token_is_threshold_low",
+    "outlier_token_is_threshold_high",
 )
 
 
@@ -93,6 +95,21 @@ class AlgoConfig:
     veto_threshold: float | None = field(
         default=None,
         metadata={"help": "Veto: reject a sequence if any response token has xi < this (Sparse-RL: 1e-4)."},
+    )
+    outlier_token_is_threshold_low: float | None = field(
+        default=None,
+        metadata={
+            "help": "Two-sided outlier veto (SkyRL's name): reject a sequence if any response token has xi below "
+            "this (SkyRL suggests 1e-4); xi's log clamped to +-log_ratio_clamp as SkyRL's. veto_threshold is the "
+            "one-sided rule on the unclamped xi."
+        },
+    )
+    outlier_token_is_threshold_high: float | None = field(
+        default=None,
+        metadata={
+            "help": "Two-sided outlier veto: reject a sequence if any response token has xi above this (SkyRL "
+            "suggests 100)."
+        },
     )
     token_rs_low: float | None = field(
         default=None, metadata={"help": "Token rejection: mask a token with xi below this (Sparse-RL: 0.5)."}

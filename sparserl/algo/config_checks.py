@@ -15,6 +15,7 @@ RATIO_BOUNDS = (
     ("seq_mis_low", "seq_mis_high"),
     ("geo_rs_low", "geo_rs_high"),
     ("prefix_rs_low", "prefix_rs_high"),
+    ("outlier_token_is_threshold_low", "outlier_token_is_threshold_high"),
 )
 
 

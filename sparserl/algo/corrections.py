@@ -199,6 +199,21 @@ def veto(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
     return Verdict(vetoed, metrics)
 
 
+def outlier_veto(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
+    """Two-sided outlier veto (SkyRL's outlier_token_is_threshold_*): reject a sequence if any token's xi is
+    below the low threshold or above the high one."""
+    if cfg.outlier_token_is_threshold_low is None and cfg.outlier_token_is_threshold_high is None:
+        return None
+    lo, hi = _outside(r.log_xi, cfg.outlier_token_is_threshold_low, cfg.outlier_token_is_threshold_high)
+    under, over = (lo & r.valid).any(dim=1), (hi & r.valid).any(dim=1)
+    metrics = {
+        "outlier_seq_masked_fraction": masked_mean((under | over).float(), r.has_tokens),
+        "outlier_seq_under_low_fraction": masked_mean(under.float(), r.has_tokens),
+        "outlier_seq_over_high_fraction": masked_mean(over.float(), r.has_tokens),
+    }
+    return Verdict(under | over, metrics)
+
+
 # ---- token rejection rules -----------------------------------------------------------------------------------
 
 
@@ -251,7 +266,7 @@ def prob_diff(r: Ratios, cfg: AlgoConfig) -> Verdict | None:
 
 # A new rule: one function above, its config field(s) in AlgoConfig (and CORRECTION_KNOBS), one entry here.
 SEQUENCE_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (
-    seq_mis, seq_tis, geo_rs, k3_rs, veto
+    seq_mis, seq_tis, geo_rs, k3_rs, veto, outlier_veto
 )  # fmt: skip
 TOKEN_RULES: tuple[Callable[[Ratios, AlgoConfig], Verdict | None], ...] = (token_rs, prefix_rs, prob_diff)
 
@@ -306,8 +321,8 @@ def correction_weights(
             when that mean is <= cfg.batch_norm_min). Normalisation is over the batch passed in: call it on
             the (micro-)batch the reference normalises over.
         keep_mask: [B, T] bool, `mask` minus rejected tokens (token RS, prefix RS, IcePop, prob-diff) and minus
-            every token of a rejected sequence (veto, Seq-MIS, Geo-RS, K3-RS). It lies inside `mask`, so it *is*
-            the loss mask of `policy_loss` (response mask times keep mask).
+            every token of a rejected sequence (veto, outlier veto, Seq-MIS, Geo-RS, K3-RS). It lies inside
+            `mask`, so it *is* the loss mask of `policy_loss` (response mask times keep mask).
         metrics: floats keyed 'rollout_corr/<name>', names as in docs/metrics.md.
     """
     r = log_ratios(logp_old, logp_sampler, mask, cfg.log_ratio_clamp, advantages)

@@ -13,6 +13,8 @@ Equivalent (same kept set, up to rounding at the bound itself):
                     each side of 1)
 - seq_mean_k1 lo_hi -> Geo-RS, geometric-mean xi in [1/hi, 1/lo]
 - seq_mean_k3 t  -> K3-RS with threshold t
+- seq_max_k2 t   -> the two-sided outlier veto, every token's xi in [exp(-sqrt(2 t)), exp(sqrt(2 t))]
+- seq_max_k3 t   -> the two-sided outlier veto, every token's xi in token_k3's [a, b]
 """
 
 from __future__ import annotations
@@ -27,9 +29,6 @@ NO_EQUIVALENT: dict[str, str] = {
     "seq_sum_k2": "no rule bounds the sum over a sequence of (log xi)^2 / 2",
     "seq_sum_k3": "no rule bounds the sum over a sequence of k3 (K3-RS bounds its mean: seq_mean_k3)",
     "seq_mean_k2": "no rule bounds the mean of (log xi)^2 / 2 (Geo-RS bounds the mean of log xi: seq_mean_k1)",
-    "seq_max_k2": "the veto rejects a sequence for one token with xi below a bound, one-sided; no rule rejects "
-    "for one token outside a two-sided |log xi| bound",
-    "seq_max_k3": "the veto is one-sided on xi; no rule rejects a sequence for its largest per-token k3",
 }
 
 
@@ -80,6 +79,14 @@ def _token_k3(spec: str) -> dict[str, float]:
     return {"token_rs_low": lo, "token_rs_high": hi}
 
 
+def _seq_max(token_bounds: dict[str, float]) -> dict[str, float]:
+    """A token rule's xi bounds as the outlier veto's: one token outside them rejects its sequence."""
+    return {
+        "outlier_token_is_threshold_low": token_bounds["token_rs_low"],
+        "outlier_token_is_threshold_high": token_bounds["token_rs_high"],
+    }
+
+
 def _seq_mean_k1(spec: str) -> dict[str, float]:
     lo, hi = _k1_bounds(spec)
     return {"geo_rs_low": 1.0 / hi, "geo_rs_high": 1.0 / lo}
@@ -96,6 +103,8 @@ ALIASES: dict[str, Callable[[str], dict[str, float]]] = {
     "token_k3": _token_k3,
     "seq_mean_k1": _seq_mean_k1,
     "seq_mean_k3": _seq_mean_k3,
+    "seq_max_k2": lambda spec: _seq_max(_token_k2(spec)),
+    "seq_max_k3": lambda spec: _seq_max(_token_k3(spec)),
 }
 
 
