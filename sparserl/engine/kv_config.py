@@ -137,7 +137,7 @@ class KVConfig:
                     f"{ALWAYS_READ_PAGES} x kv.page_size={self.page_size} = {ALWAYS_READ_PAGES * self.page_size}"
                 )
             return
-        sinks = self.method == "streaming_llm"
+        sinks = EVICTION_METHODS[self.method].keeps_sinks
         if budget <= self.window + (self.n_sink if sinks else 0):
             raise UserError(
                 f"{name} must exceed the always-kept positions (window {self.window}"

@@ -40,6 +40,9 @@ class EvictionMethod(ABC):
     """One KV eviction rule. Higher score = keep. Subclasses stay small: a score, maybe an observer."""
 
     extras: tuple[str, ...] = ()
+    # True: the first kv.n_sink positions (attention sinks) score above every other candidate, so they are held
+    # like the recent window (kv.budget must exceed both)
+    keeps_sinks: bool = False
 
     def __init__(self, cfg: KVConfig):
         self.cfg = cfg

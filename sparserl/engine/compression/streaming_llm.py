@@ -9,6 +9,8 @@ from sparserl.engine.compression.base import EVICTION_METHODS, EvictionMethod, S
 
 @EVICTION_METHODS.register("streaming_llm")
 class StreamingLLM(EvictionMethod):
+    keeps_sinks = True
+
     def score(self, view: SlotView) -> Tensor:
         pos = view.positions.float()
         return pos + (view.positions < self.cfg.n_sink).float() * 1e12
