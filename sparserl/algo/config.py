@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 from sparserl.algo.advantages import ADV_ESTIMATORS, ADV_TRANSFORMS
 from sparserl.algo.config_checks import check_ranges
-from sparserl.algo.losses import POLICY_LOSSES
+from sparserl.algo.losses import POLICY_LOSS_ALIASES, POLICY_LOSSES, REFUSED_POLICY_LOSSES
 from sparserl.algo.rs_aliases import ALIASES as RS_ALIASES
 from sparserl.algo.rs_aliases import NO_EQUIVALENT as RS_NO_EQUIVALENT
 from sparserl.algo.rs_aliases import rollout_rs_overrides, tighter
@@ -16,6 +17,8 @@ CORRECTION_MODES = ("none", "decoupled", "bypass")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SAMPLER_KL_ESTIMATORS = ("hinge", "kl")
+# Other projects' names of keys here (TRL's -> verl's), accepted by algo_config and the config files
+KEY_ALIASES = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}
 # Knobs that only act when correction_mode is 'decoupled' or 'bypass'.
 CORRECTION_KNOBS = (
     "veto_threshold",
@@ -203,7 +206,11 @@ class AlgoConfig:
             "your own with register_policy_loss): 'ppo_clip' (PPO's token-ratio clip, dual clip on request), "
             "'gspo' (GSPO: length-normalised sequence ratio exp(mean_t log r_t), clipped per sequence; "
             "paper eps 3e-4/4e-4), 'cispo' (CISPO: -sg(clip(r_t)) * A * log pi_t, every token keeps its "
-            "gradient). The clip bounds are eps_low/eps_high."
+            "gradient), 'soft_sapo' (Soft Adaptive Policy Optimization, TRL's and verl's loss 'sapo', also "
+            "accepted as 'sapo_loss': a sigmoid gate on r_t instead of the clip, tau_pos/tau_neg; not sparserl's "
+            "SAPO, the swarm sharing of rollouts in distributed.swarm.*, which is why plain 'sapo' is refused), "
+            "'clip_cov' and 'kl_cov' (Clip-Cov, KL-Cov: the highest-covariance tokens lose their gradient or pay "
+            "a KL; clip_cov_*, kl_cov_ratio, ppo_kl_coef). The clip bounds are eps_low/eps_high."
         },
     )
     eps_low: float = field(
@@ -216,6 +223,50 @@ class AlgoConfig:
     dual_clip_c: float | None = field(
         default=None,
         metadata={"help": "Dual clip: for A < 0 the per-token loss is capped at -c * A (c > 1, e.g. 3.0)."},
+    )
+    tau_pos: float = field(
+        default=1.0,
+        metadata={
+            "help": "soft_sapo: the gate's temperature where A > 0 (verl's tau_pos; TRL's sapo_temperature_pos is "
+            "accepted for it; the paper's 1.0)."
+        },
+    )
+    tau_neg: float = field(
+        default=1.05,
+        metadata={
+            "help": "soft_sapo: the gate's temperature where A <= 0 (verl's tau_neg; TRL's sapo_temperature_neg; the "
+            "paper's 1.05: negative updates fade faster off-policy)."
+        },
+    )
+    clip_cov_ratio: float = field(
+        default=0.0002,
+        metadata={
+            "help": "clip_cov: share of the loss-mask tokens whose gradient is cut (verl's default 2e-4)."
+        },
+    )
+    clip_cov_lb: float = field(
+        default=1.0,
+        metadata={
+            "help": "clip_cov: lower bound (exclusive) of the covariance of the tokens drawn (verl's 1.0)."
+        },
+    )
+    clip_cov_ub: float = field(
+        default=5.0,
+        metadata={
+            "help": "clip_cov: upper bound (exclusive) of the covariance of the tokens drawn (verl's 5.0)."
+        },
+    )
+    kl_cov_ratio: float = field(
+        default=0.0002,
+        metadata={
+            "help": "kl_cov: share of the loss-mask tokens, those of largest covariance, that pay the KL."
+        },
+    )
+    ppo_kl_coef: float = field(
+        default=1.0,
+        metadata={
+            "help": "kl_cov: weight of |log pi_theta - log pi_old| on those tokens (verl's ppo_kl_coef)."
+        },
     )
     overlong_buffer: int = field(
         default=0,
@@ -291,6 +342,11 @@ class AlgoConfig:
             for key, value in rollout_rs_overrides(self.rollout_rs).items():
                 setattr(self, key, tighter(key, getattr(self, key), value))
         _choice("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        if self.policy_loss in REFUSED_POLICY_LOSSES:
+            raise ValueError(
+                f"algo.policy_loss={self.policy_loss!r}: {REFUSED_POLICY_LOSSES[self.policy_loss]}"
+            )
+        self.policy_loss = POLICY_LOSS_ALIASES.get(self.policy_loss, self.policy_loss)
         _choice("policy_loss", self.policy_loss, tuple(POLICY_LOSSES))
         _choice("correction_mode", self.correction_mode, CORRECTION_MODES)
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
@@ -327,3 +383,14 @@ class AlgoConfig:
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ValueError(f"algo.{key}={value!r} is unknown; choose one of {', '.join(allowed)}")
+
+
+def canonical_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with the keys of KEY_ALIASES renamed to this config's; a key given under both names is an error."""
+    out = dict(values)
+    for alias, key in KEY_ALIASES.items():
+        if alias in out:
+            if key in out:
+                raise ValueError(f"algo.{alias} and algo.{key} are one key (TRL's and verl's names): set one")
+            out[key] = out.pop(alias)
+    return out

@@ -64,6 +64,13 @@ def _loss_ranges(cfg: AlgoConfig) -> None:
         raise ValueError(f"algo.eps_low={cfg.eps_low} must be < 1 (the lower clip is 1 - eps_low)")
     if cfg.dual_clip_c is not None and cfg.dual_clip_c <= 1:
         raise ValueError(f"algo.dual_clip_c={cfg.dual_clip_c} must be > 1")
-    for key in ("kl_coef", "sampler_kl_coef"):
+    for key in ("kl_coef", "sampler_kl_coef", "ppo_kl_coef"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"algo.{key}={getattr(cfg, key)} must be >= 0")
+    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+        if not 0 < getattr(cfg, key) <= 1:
+            raise ValueError(f"algo.{key}={getattr(cfg, key)} must be in (0, 1] (a share of the tokens)")
+    if cfg.clip_cov_lb >= cfg.clip_cov_ub:
+        raise ValueError(f"algo.clip_cov_lb={cfg.clip_cov_lb} must be < algo.clip_cov_ub={cfg.clip_cov_ub}")
+    if cfg.tau_pos <= 0 or cfg.tau_neg <= 0:
+        raise ValueError(f"algo.tau_pos={cfg.tau_pos} and algo.tau_neg={cfg.tau_neg} must be > 0")

@@ -11,6 +11,10 @@ IS weights and aggregation), the ratio it used, and where its clip and dual clip
   the gradient s_i * grad log pi_theta(o_t), so seq-mean-token-mean aggregation gives grad s_i exactly.
 - cispo: CISPO (MiniMax-M1): -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * log pi_theta(o_t); the IS
   weight is clipped and detached, so every token keeps its gradient (PPO zeroes the clipped ones).
+- soft_sapo: Soft Adaptive Policy Optimization (TRL's and verl's loss 'sapo'): a smooth gate on r_t instead of
+  the clip. Not sparserl's SAPO, the swarm sharing of rollouts (distributed.swarm.*): hence the name.
+- clip_cov, kl_cov: Clip-Cov and KL-Cov ("The Entropy Mechanism of RL for Reasoning LMs", verl's names): the
+  few tokens of highest covariance of advantage and log-prob lose their gradient, or pay a KL penalty.
 
 Register another with `@register_policy_loss("name")` (verl's policy_loss registry is the model).
 """
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from sparserl.algo.masked import masked_sum
+from sparserl.algo.masked import masked_mean, masked_sum
 from sparserl.registry import Registry
 
 if TYPE_CHECKING:  # the config validates algo.policy_loss against POLICY_LOSSES
@@ -34,6 +38,13 @@ PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, "AlgoConfig"], tuple[Tens
 
 POLICY_LOSSES: Registry[Any] = Registry("algo.policy_loss")
 register_policy_loss = POLICY_LOSSES.register  # function decorator: `algo.policy_loss=name`
+# Other spellings accepted as algo.policy_loss (AlgoConfig stores the registered name), and names refused
+POLICY_LOSS_ALIASES = {"sapo_loss": "soft_sapo"}
+REFUSED_POLICY_LOSSES = {
+    "sapo": "TRL and verl call Soft Adaptive Policy Optimization 'sapo', but SAPO here is the swarm sharing "
+    "of rollouts (distributed.swarm.*, docs/distributed.md), not a loss: the soft-gated loss is "
+    "algo.policy_loss=soft_sapo (or sapo_loss)",
+}
 
 
 def token_ratio(lp: Tensor, old: Tensor, cfg: AlgoConfig) -> Tensor:
@@ -96,3 +107,61 @@ def cispo(
     pg = -weight * adv * lp
     clipped = m & (weight != ratio.detach())
     return pg, ratio, clipped, torch.zeros_like(m)
+
+
+@register_policy_loss("soft_sapo")
+def soft_sapo(
+    lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg: AlgoConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Soft Adaptive Policy Optimization (Qwen, arXiv 2511.20347): -f(r_t) A with the gate
+    f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, else tau_neg. Its gradient,
+    4 sigmoid(1 - sigmoid) r A grad log pi, is PPO's at r = 1 and fades smoothly off-policy: nothing is clipped."""
+    ratio = token_ratio(lp, old, cfg)
+    tau = torch.full_like(adv, cfg.tau_neg).masked_fill(adv > 0, cfg.tau_pos)
+    none = torch.zeros_like(m)
+    return -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * adv, ratio, none, none
+
+
+def token_cov(lp: Tensor, adv: Tensor, m: Tensor) -> Tensor:
+    """Each token's term of the covariance of advantage and log-prob over the loss mask,
+    (A - mean A)(log pi - mean log pi), detached (Clip-Cov and KL-Cov pick tokens by it)."""
+    lp = lp.detach()
+    return (adv - masked_mean(adv, m)) * (lp - masked_mean(lp, m))
+
+
+def _at(m: Tensor, flat_index: Tensor) -> Tensor:
+    """A bool tensor shaped like `m`, True at the flat positions `flat_index`."""
+    return (
+        torch.zeros(m.numel(), dtype=torch.bool, device=m.device).index_fill(0, flat_index, True).view_as(m)
+    )
+
+
+@register_policy_loss("clip_cov")
+def clip_cov(
+    lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg: AlgoConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Clip-Cov: PPO's surrogate, then loss and gradient 0 at max(1, int(clip_cov_ratio x n)) tokens drawn at
+    random (torch's global generator, as verl) among those the PPO clip left whose covariance is inside
+    (clip_cov_lb, clip_cov_ub); `clipped` marks both kinds of token without gradient."""
+    pg, ratio, clipped, dual = surrogate(token_ratio(lp, old, cfg), adv, m, cfg)
+    cov = token_cov(lp, adv, m)
+    candidates = (m & ~clipped & (cov > cfg.clip_cov_lb) & (cov < cfg.clip_cov_ub)).flatten().nonzero()[:, 0]
+    n = max(int(cfg.clip_cov_ratio * int(m.sum())), 1)
+    cut = _at(m, candidates[torch.randperm(candidates.numel(), device=m.device)[:n]])
+    return torch.where(cut, torch.zeros_like(pg), pg), ratio, clipped | cut, dual
+
+
+@register_policy_loss("kl_cov")
+def kl_cov(
+    lp: Tensor, old: Tensor, adv: Tensor, m: Tensor, cfg: AlgoConfig
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """KL-Cov: -r_t A, no clip, plus ppo_kl_coef |log r_t| at the max(1, int(kl_cov_ratio x n))
+    tokens of largest covariance, those of them above 0 (verl takes the top k whatever their sign: the same
+    unless fewer than k are positive; here a batch without covariance, e.g. all A = 0, pays nothing).
+    `clipped` marks the penalised tokens."""
+    log_r = (lp - old).clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)  # token_ratio's, so |log r| is finite
+    cov = torch.where(m, token_cov(lp, adv, m), torch.full_like(lp, float("-inf")))
+    k = min(max(int(cfg.kl_cov_ratio * int(m.sum())), 1), m.numel())
+    picked = _at(m, cov.flatten().topk(k).indices) & (cov > 0)
+    pg = -adv * log_r.exp() + cfg.ppo_kl_coef * log_r.abs() * picked
+    return pg, log_r.exp(), picked, torch.zeros_like(m)

@@ -6,7 +6,7 @@ import re
 from dataclasses import fields
 from typing import Any
 
-from sparserl.algo.config import AlgoConfig
+from sparserl.algo.config import AlgoConfig, canonical_keys
 from sparserl.algo.losses import POLICY_LOSSES
 
 # The sampling/correction presets share the reference's loss (eps 0.2, beta 1e-4 with k3, seq-mean-token-mean)
@@ -130,6 +130,7 @@ def preset_values(chain: str, base: str | None = None) -> tuple[str, dict[str, A
 
 def algo_config(preset: str = "dense", **overrides: Any) -> AlgoConfig:
     """Build an AlgoConfig from a named preset (or a chain, 'tis+gspo'), then apply `overrides` key by key."""
+    overrides = canonical_keys(overrides)
     valid = {f.name for f in fields(AlgoConfig)}
     unknown = sorted(set(overrides) - valid)
     if unknown:

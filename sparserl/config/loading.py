@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from sparserl.algo.config import canonical_keys
 from sparserl.algo.presets import merge_presets, preset_names
 from sparserl.config.sections import (
     CONFIG_DIR,
@@ -51,6 +52,11 @@ def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
 def _build(cls: type, data: Any, prefix: str, where: _Where) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where(prefix)}'{prefix}' must be a mapping of keys to values, got {data!r}")
+    if cls is AlgoSection:  # TRL's key names for verl's (algo/config.py KEY_ALIASES)
+        try:
+            data = canonical_keys(data)
+        except ValueError as e:
+            raise ConfigError(f"{where(prefix)}{e}") from None
     hints = field_types(cls)
     valid = [f.name for f in fields(cls)]
     kwargs: dict[str, Any] = {}
