@@ -1,7 +1,7 @@
-"""The field's newer corrections, losses and mismatch metrics, each against a value computed by hand (in scalars,
-not by the library) on a few tokens: the two-sided outlier veto, DeepSeek-V3.2's off-policy sequence mask and
-importance-corrected KL, TRL's truncated-completion and entropy masks, Clip-Cov, KL-Cov, Soft Adaptive Policy
-Optimization, and the mismatch metrics of verl and NeMo-RL."""
+"""The field's newer corrections and mismatch metrics, each against a value computed by hand (in scalars, not by
+the library) on a few tokens: the two-sided outlier veto (and verl's seq_max names for it), the IS ratio before
+and after the corrections, and the mismatch metrics of verl and NeMo-RL. The losses and masks of the same
+round: tests/test_algo_field_v2_losses.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import statistics
 import pytest
 import torch
 
-from sparserl.algo import AlgoConfig, algo_config, correction_weights, policy_loss
-from sparserl.config import load_config
+from sparserl.algo import AlgoConfig, correction_weights
 
 D = torch.float64
 P = "rollout_corr/"
@@ -138,102 +137,3 @@ def test_verl_seq_max_names_are_the_outlier_veto(name, t, stat):
     ]
     assert keep.any(dim=1).tolist() == want
     assert True in want and False in want  # the rule bites, and not everywhere
-
-
-# ---- losses: Soft Adaptive Policy Optimization, Clip-Cov, KL-Cov -------------------------------------------
-
-NOKL = {"kl_coef": 0.0}
-
-
-def _sigmoid(x: float) -> float:
-    return 1.0 / (1.0 + math.exp(-x))
-
-
-def _loss(lp_rows, old_rows, adv, cfg, mask=None):
-    """policy_loss (seq-mean-token-mean, no weights) and its gradient with respect to log pi_theta."""
-    lp = torch.tensor(lp_rows, dtype=D, requires_grad=True)
-    old = torch.tensor(old_rows, dtype=D)
-    m = torch.ones_like(old, dtype=torch.bool) if mask is None else torch.tensor(mask)
-    loss, metrics = policy_loss(lp, old, torch.tensor(adv, dtype=D), m, None, cfg)
-    loss.backward()
-    return loss.item(), lp.grad, metrics
-
-
-def _close(x: torch.Tensor, rows: list[list[float]]) -> None:
-    torch.testing.assert_close(x, torch.tensor(rows, dtype=D))
-
-
-def test_soft_sapo_is_the_papers_gate_in_value_and_gradient():
-    """SAPO: loss -f(r) A, f(r) = (4 / tau) sigmoid(tau (r - 1)); d/dlog pi = -4 s (1 - s) r A, s the sigmoid."""
-    cfg = AlgoConfig(policy_loss="soft_sapo", tau_pos=1.0, tau_neg=1.05, **NOKL)
-    loss, grad, m = _loss([[-1.0], [-0.5]], [[-1.2], [-0.5]], [1.0, -2.0], cfg)
-    r0 = math.exp(0.2)
-    s0, s1 = _sigmoid(1.0 * (r0 - 1)), _sigmoid(1.05 * 0.0)
-    assert loss == pytest.approx((-4.0 * s0 * 1.0 + -(4 / 1.05) * s1 * -2.0) / 2)
-    assert grad[0, 0].item() == pytest.approx(-4 * s0 * (1 - s0) * r0 * 1.0 / 2)
-    assert grad[1, 0].item() == pytest.approx(-4 * 0.25 * 1.0 * -2.0 / 2)  # r = 1: PPO's gradient, -A
-    assert m["actor/pg_clipfrac"] == 0.0
-
-
-def test_soft_sapo_names_and_trls_keys():
-    assert AlgoConfig(policy_loss="sapo_loss").policy_loss == "soft_sapo"
-    with pytest.raises(ValueError, match="swarm sharing of rollouts"):
-        AlgoConfig(policy_loss="sapo")
-    cfg = algo_config("dense", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0)
-    assert (cfg.tau_pos, cfg.tau_neg) == (0.5, 2.0)
-    with pytest.raises(ValueError, match="one key"):
-        algo_config("dense", tau_pos=1.0, sapo_temperature_pos=0.5)
-    run = load_config(None, ["algo.sapo_temperature_neg=1.5", "algo.policy_loss=sapo_loss"])
-    assert (run.algo.tau_neg, run.algo.policy_loss) == (1.5, "soft_sapo")
-
-
-# Covariance batch: A = +1, -1 per sequence (mean 0), log pi - mean log pi = [[1.5, -1.5], [-0.5, 0.5]], so the
-# per-token covariance terms are [[1.5, -1.5], [0.5, -0.5]]; with (lb, ub) = (1, 5) only token (0, 0) qualifies.
-COV_LP, COV_ADV = [[-0.5, -3.5], [-2.5, -1.5]], [1.0, -1.0]
-
-
-def test_clip_cov_cuts_the_gradient_of_the_token_in_the_covariance_band():
-    cfg = AlgoConfig(policy_loss="clip_cov", **NOKL)
-    loss, grad, m = _loss(COV_LP, COV_LP, COV_ADV, cfg)  # ratio 1: the PPO clip is idle
-    assert loss == pytest.approx(((0.0 - 1.0) / 2 + (1.0 + 1.0) / 2) / 2)  # token (0, 0)'s -A r is gone
-    _close(grad, [[0.0, -0.25], [0.25, 0.25]])  # -A r / (n_i B) elsewhere
-    assert m["actor/pg_clipfrac"] == 0.25
-
-
-def test_clip_cov_leaves_a_ppo_clipped_token_to_the_clip():
-    old = [[-0.8, -3.5], [-2.5, -1.5]]  # token (0, 0): r = e^0.3 > 1.2 with A > 0: PPO clips it, no gradient
-    loss, grad, m = _loss(COV_LP, old, COV_ADV, AlgoConfig(policy_loss="clip_cov", **NOKL))
-    assert loss == pytest.approx(((-1.2 - 1.0) / 2 + 1.0) / 2)
-    _close(grad, [[0.0, -0.25], [0.25, 0.25]])
-    assert m["actor/pg_clipfrac"] == 0.25
-
-
-def test_clip_cov_draws_its_share_among_more_candidates():
-    cfg = AlgoConfig(policy_loss="clip_cov", clip_cov_lb=0.1, **NOKL)  # tokens (0, 0) and (1, 0) qualify
-    for seed in range(4):
-        torch.manual_seed(seed)
-        _, grad, m = _loss(COV_LP, COV_LP, COV_ADV, cfg)
-        assert m["actor/pg_clipfrac"] == 0.25  # max(1, int(2e-4 x 4)) = 1 of the 2
-        assert (grad == 0).sum() == 1 and (grad[0, 0] == 0) != (grad[1, 0] == 0)
-
-
-def test_kl_cov_penalises_the_largest_covariance_tokens():
-    """KL-Cov: -A r + ppo_kl_coef |log pi - log pi_old| at the top-k covariance tokens, -A r elsewhere."""
-    old = [[-0.7, -3.5], [-2.5, -1.5]]  # token (0, 0): log r = 0.2
-    cfg = AlgoConfig(policy_loss="kl_cov", ppo_kl_coef=1.0, **NOKL)  # k = max(1, int(2e-4 x 4)) = 1
-    loss, grad, m = _loss(COV_LP, old, COV_ADV, cfg)
-    r = math.exp(0.2)
-    assert loss == pytest.approx(((-r + 0.2 - 1.0) / 2 + (1.0 + 1.0) / 2) / 2)
-    assert grad[0, 0].item() == pytest.approx((-r + 1.0) / 4)
-    assert m["actor/pg_clipfrac"] == 0.25
-    two = AlgoConfig(policy_loss="kl_cov", kl_cov_ratio=0.5, ppo_kl_coef=3.0, **NOKL)  # k = 2: (0,0), (1,0)
-    _, grad2, m2 = _loss(COV_LP, [[-0.7, -3.5], [-2.6, -1.5]], COV_ADV, two)
-    assert grad2[1, 0].item() == pytest.approx((1.0 * math.exp(0.1) + 3.0) / 4)
-    assert m2["actor/pg_clipfrac"] == 0.5
-
-
-def test_kl_cov_without_covariance_penalises_nothing():
-    _, grad, m = _loss(
-        COV_LP, [[-0.7, -3.5], [-2.5, -1.5]], [0.0, 0.0], AlgoConfig(policy_loss="kl_cov", **NOKL)
-    )
-    assert m["actor/pg_clipfrac"] == 0.0 and torch.equal(grad, torch.zeros_like(grad))

@@ -28,6 +28,8 @@ def emitted() -> set[str]:
         sampler_kl_coef=0.1,
         outlier_token_is_threshold_low=1e-4,
         outlier_token_is_threshold_high=100.0,
+        off_policy_mask_threshold=0.5,
+        top_entropy_quantile=0.5,
     )
     g = torch.Generator().manual_seed(0)
     old, samp = -torch.rand(2, 3, generator=g), -torch.rand(2, 3, generator=g)

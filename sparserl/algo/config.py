@@ -8,6 +8,7 @@ from typing import Any
 
 from sparserl.algo.advantages import ADV_ESTIMATORS, ADV_TRANSFORMS
 from sparserl.algo.config_checks import check_ranges
+from sparserl.algo.keep_sampling import KEEP_SAMPLING_REFUSAL, NotAvailableInUpdate
 from sparserl.algo.losses import POLICY_LOSS_ALIASES, POLICY_LOSSES, REFUSED_POLICY_LOSSES
 from sparserl.algo.rs_aliases import ALIASES as RS_ALIASES
 from sparserl.algo.rs_aliases import NO_EQUIVALENT as RS_NO_EQUIVALENT
@@ -15,7 +16,7 @@ from sparserl.algo.rs_aliases import rollout_rs_overrides, tighter
 
 CORRECTION_MODES = ("none", "decoupled", "bypass")
 LOSS_AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3_is")
 SAMPLER_KL_ESTIMATORS = ("hinge", "kl")
 # Other projects' names of keys here (TRL's -> verl's), accepted by algo_config and the config files
 KEY_ALIASES = {"sapo_temperature_pos": "tau_pos", "sapo_temperature_neg": "tau_neg"}
@@ -302,7 +303,12 @@ class AlgoConfig:
         },
     )
     kl_estimator: str = field(
-        default="k3", metadata={"help": f"KL-to-reference estimator, one of {', '.join(KL_ESTIMATORS)}."}
+        default="k3",
+        metadata={
+            "help": f"KL-to-reference estimator, one of {', '.join(KL_ESTIMATORS)}. 'k3_is': DeepSeek-V3.2's "
+            "unbiased estimate, k3 weighted by r_t = pi_theta / pi_old (the PPO anchor; with its gradient), "
+            "unbiased off-policy; TRL's use_bias_correction_kl=true."
+        },
     )
     kl_coef: float = field(
         default=1e-4,
@@ -312,6 +318,37 @@ class AlgoConfig:
         default=10.0, metadata={"help": "The per-token KL estimate is clamped to [-c, c]."}
     )
     entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus: loss -= coef * entropy."})
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSeek-V3.2's off-policy sequence masking (TRL's name; the paper's delta): the policy "
+            "term of a token is dropped when its advantage is < 0 and its sequence's mean log(pi_sampler / "
+            "pi_theta) over the loss mask exceeds this (TRL suggests 0.5). KL and entropy terms stay. None: off."
+        },
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL's name: a completion that hit its length cap (finish 'length') gets loss mask 0, "
+            "every term and denominator included."
+        },
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={
+            "help": "TRL's name (the 80/20 paper's rho): the policy term only on the tokens whose entropy is in "
+            "the top quantile of the (micro-)batch's loss-mask tokens (>= its (1 - rho) quantile); 1.0: every "
+            "token (off), 0.2 the paper's. Computes the learner's token entropies."
+        },
+    )
+    keep_sampling_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "DeepSeek-V3.2's keep-sampling mask (pi_theta and pi_old renormalised over the sampler's "
+            "top-p/top-k kept set): refused, since the update has the drawn tokens' log-probs only, not the "
+            "learner's full distributions; algo/keep_sampling.py does it for callers that have them."
+        },
+    )
     sampler_kl_coef: float = field(
         default=0.0,
         metadata={
@@ -373,6 +410,13 @@ class AlgoConfig:
         for name in self.adv_transforms:
             _choice("adv_transforms", name, tuple(ADV_TRANSFORMS))
         check_ranges(self)
+        if self.keep_sampling_mask:
+            raise NotAvailableInUpdate(KEEP_SAMPLING_REFUSAL)
+
+    @property
+    def needs_entropy(self) -> bool:
+        """True when the loss reads the learner's per-token entropy (entropy bonus, top_entropy_quantile)."""
+        return self.entropy_coef > 0 or self.top_entropy_quantile < 1.0
 
     @property
     def needs_recompute(self) -> bool:

@@ -67,7 +67,7 @@ def _loss_ranges(cfg: AlgoConfig) -> None:
     for key in ("kl_coef", "sampler_kl_coef", "ppo_kl_coef"):
         if getattr(cfg, key) < 0:
             raise ValueError(f"algo.{key}={getattr(cfg, key)} must be >= 0")
-    for key in ("clip_cov_ratio", "kl_cov_ratio"):
+    for key in ("clip_cov_ratio", "kl_cov_ratio", "top_entropy_quantile"):
         if not 0 < getattr(cfg, key) <= 1:
             raise ValueError(f"algo.{key}={getattr(cfg, key)} must be in (0, 1] (a share of the tokens)")
     if cfg.clip_cov_lb >= cfg.clip_cov_ub:

@@ -17,6 +17,7 @@ from sparserl.algo.masked import (
     to_floats,
     upcast,
 )
+from sparserl.algo.token_masks import PgInputs, pg_keep
 
 PREFIX = "actor/"
 
@@ -63,12 +64,22 @@ def aggregate(
     return per_seq.sum() / d
 
 
-def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str, clamp: float) -> Tensor:
+def kl_penalty(
+    logp: Tensor, logp_ref: Tensor, estimator: str, clamp: float, logp_old: Tensor | None = None
+) -> Tensor:
     """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta, clamped to [-clamp, clamp].
 
     k1 = log pi - log pi_ref; k2 = (k1)^2 / 2; k3 = exp(-k1) + k1 - 1 (unbiased, >= 0, low variance).
+    k3_is = r k3 with r = pi_theta / pi_old (log clamped to +-clamp, with its gradient): DeepSeek-V3.2's
+    estimate for samples of pi_old, unbiased in value, its gradient r grad log pi_theta log(pi_theta / pi_ref)
+    that of the KL.
     """
     d = logp - logp_ref
+    if estimator == "k3_is":
+        if logp_old is None:
+            raise ValueError("kl estimator 'k3_is' needs logp_old (the pi_old the tokens were sampled under)")
+        ratio = (logp - logp_old).clamp(-clamp, clamp).exp()
+        return (ratio * kl_penalty(logp, logp_ref, "k3", clamp)).clamp(-clamp, clamp)
     if estimator == "k1":
         kl = d
     elif estimator == "k2":
@@ -76,7 +87,7 @@ def kl_penalty(logp: Tensor, logp_ref: Tensor, estimator: str, clamp: float) -> 
     elif estimator == "k3":
         kl = torch.exp((-d).clamp(max=clamp + 1.0)) + d - 1.0  # exp bounded so kl never overflows to inf
     else:
-        raise ValueError(f"kl estimator {estimator!r} is unknown; choose one of k1, k2, k3")
+        raise ValueError(f"kl estimator {estimator!r} is unknown; choose one of k1, k2, k3, k3_is")
     return kl.clamp(-clamp, clamp)
 
 
@@ -118,7 +129,8 @@ def policy_loss(
     pg_t = w_t * max(-r_t A, -clip(r_t, 1 - eps_low, 1 + eps_high) A), capped at -c A for A < 0 (dual clip),
     loss = agg(pg) + beta * agg(kl(pi_theta || pi_ref)) - entropy_coef * agg(entropy)
            + sampler_kl_coef * agg_response(sampler_kl(pi_theta, pi_sparse))   (SMD; over every response token).
-    That is cfg.policy_loss='ppo_clip'; 'gspo' and 'cispo' replace the surrogate (algo/losses.py).
+    That is cfg.policy_loss='ppo_clip'; the others replace the surrogate (algo/losses.py), and the masks of
+    algo/token_masks.py (off_policy_mask_threshold, top_entropy_quantile) drop pg_t where they fire.
 
     Args:
         logp: [B, T] log pi_theta of the sampled tokens, with gradient.
@@ -146,7 +158,8 @@ def policy_loss(
     adv = masked_fill_safe(upcast(advantages.detach()), m)
     w = _importance_weights(weights, lp, m)
     pg, ratio, clipped, dual = POLICY_LOSSES.lookup(cfg.policy_loss)(lp, old, adv, m, cfg)
-    pg_tok = w * pg
+    keep_pg, masked = pg_keep(PgInputs(lp, adv, m, entropy, logp_sampler), cfg)  # algo/token_masks.py
+    pg_tok = w * pg if keep_pg is None else torch.where(keep_pg, w * pg, torch.zeros_like(pg))
 
     agg = {"response_mask": response_mask, "denominator": denominator}
     pg_loss = aggregate(pg_tok, m, cfg, **agg)
@@ -159,9 +172,10 @@ def policy_loss(
         "ratio_mean": masked_mean(ratio.detach(), m, empty=1.0),
         "ratio_max": masked_max(ratio.detach(), m, empty=1.0),
         "kept_tokens": m.sum().float(),
+        **masked,
     }
 
-    extra, more = _regularisers(logp, lp, m, cfg, agg, logp_ref, entropy, logp_sampler, response_mask)
+    extra, more = _regularisers(logp, lp, old, m, cfg, agg, logp_ref, entropy, logp_sampler, response_mask)
     loss = loss + extra
     metrics.update(more)
     metrics["loss"] = loss.detach()
@@ -171,6 +185,7 @@ def policy_loss(
 def _regularisers(
     logp: Tensor,
     lp: Tensor,
+    old: Tensor,
     m: Tensor,
     cfg: AlgoConfig,
     agg: dict,
@@ -180,14 +195,15 @@ def _regularisers(
     response_mask: Tensor | None,
 ) -> tuple[Tensor | float, dict[str, Tensor]]:
     """What the KL to the reference, the entropy bonus and SMD's pull toward the sampler add to the loss (0 when
-    all are off), and their metrics; `lp` is `logp` upcast and zero off the loss mask `m`."""
+    all are off), and their metrics; `lp` is `logp` upcast and zero off the loss mask `m`, `old` the PPO anchor
+    (k3_is weighs the KL by pi_theta / pi_old)."""
     loss: Tensor | float = 0.0
     metrics: dict[str, Tensor] = {}
     if cfg.kl_coef > 0 and logp_ref is None:
         raise ValueError(f"algo.kl_coef={cfg.kl_coef} > 0 needs logp_ref (log-probs of the reference model)")
     if logp_ref is not None:
         ref = masked_fill_safe(upcast(logp_ref.detach()), m)
-        kl_loss = aggregate(kl_penalty(lp, ref, cfg.kl_estimator, cfg.kl_clamp), m, cfg, **agg)
+        kl_loss = aggregate(kl_penalty(lp, ref, cfg.kl_estimator, cfg.kl_clamp, old), m, cfg, **agg)
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss
         metrics["kl_ref"] = kl_loss.detach()

@@ -22,6 +22,7 @@ from sparserl.algo import (
     policy_loss,
     ppo_anchor,
 )
+from sparserl.algo.token_masks import truncated_completion_mask
 from sparserl.config import TrainConfig
 from sparserl.engine.decoder import causal_lm
 from sparserl.engine.module_mode import module_mode
@@ -51,6 +52,7 @@ class Batch:
     logp_ref: Tensor | None  # [B, T] reference policy (None when kl_coef == 0)
     advantages: Tensor  # [B] per sequence, or [B, T] per token
     held: list | None = None  # per sample, what an evicting sampler held (engine.held), for its replay
+    truncated: Tensor | None = None  # [B] bool: cut at their length cap (algo.mask_truncated_completions)
 
     def advantages_of(self, rows: Tensor, length: int) -> Tensor:
         """The advantages of `rows`, cut to `length` tokens when they are per token."""
@@ -283,7 +285,8 @@ class Learner:
                 return stand_in(self._forward(batch, torch.zeros(1, dtype=torch.long))[0])[0], {}, 0.0
             logp, entropy = self._forward(batch, micro)
             T = logp.shape[1]
-            mask = batch.mask[micro, :T]
+            truncated = batch.truncated[micro] if batch.truncated is not None else None
+            mask = truncated_completion_mask(batch.mask[micro, :T], truncated, algo)
             if from_learner:
                 anchor[micro, :T] = logp.detach()
             old = anchor[micro, :T]
@@ -342,7 +345,7 @@ class Learner:
                 [batch.prompts[i] for i in idx],
                 [batch.completions[i] for i in idx],
                 temperature=self.cfg.rollout.temperature,
-                with_entropy=self.cfg.algo.entropy_coef > 0,
+                with_entropy=self.cfg.algo.needs_entropy,
             )
         return out[0].cpu(), (out[2].cpu() if len(out) > 2 else None)
 
