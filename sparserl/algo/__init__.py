@@ -8,7 +8,8 @@ Typical use per batch of rollouts (mask = response mask, [B, T]):
     loss, m2 = policy_loss(logp, ppo_anchor(logp_old, logp_sampler, cfg), adv, keep, w, cfg, logp_ref)
 
 SMD (preset smd) in one call: `smd_loss(logp, logp_old, logp_sampler, mask, adv)` (algo/smd.py).
-The surrogate is `cfg.policy_loss` (POLICY_LOSSES: ppo_clip, gspo, cispo); verl's rejection names map to the
+The surrogate is `cfg.policy_loss` (POLICY_LOSSES: ppo_clip, gspo, cispo, soft_sapo, clip_cov, kl_cov); the
+masks on its term and the truncated-completion mask are in algo/token_masks.py; verl's rejection names map to the
 rules through `cfg.rollout_rs` (rollout_rs_overrides).
 """
 
