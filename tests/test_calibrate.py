@@ -135,7 +135,8 @@ def test_calibrate_writes_json_png_and_a_schedule_a_training_step_uses(tmp_path:
                    "kv.dense_layers=[0]", "trainer.steps=1")  # fmt: skip
     trainer = make_trainer(cfg)
     trainer.train()
-    assert trainer.engine.kv.schedule == saved["schedule"] and trainer.engine.step_budget is not None
+    engine = trainer.rollouts.backend.engine  # the one the rollouts ran on
+    assert engine.kv.schedule == saved["schedule"] and engine.step_budget is not None
     assert [r["step"] for r in rows(tmp_path / "run") if "reward/mean" in r] == [1]
 
 

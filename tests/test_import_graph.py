@@ -200,3 +200,35 @@ def test_no_import_cycles():
     cycles = find_cycles(graph)
     message = "\n\n".join(f"import cycle:\n{_describe(cycle, graph)}" for cycle in cycles)
     assert not cycles, message
+
+
+BACKEND_MODULES = ("sparserl.rollout.backend", "sparserl.rollout.ray_backend")
+
+
+def _names_taken_from(init: Path, modules: tuple[str, ...]) -> set[str]:
+    """The names a package's __init__ imports from `modules` (what it re-exports from them)."""
+    tree = ast.parse(init.read_text(), filename=str(init))
+    return {
+        alias.asname or alias.name
+        for node in _imports(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules
+        for alias in node.names
+    }
+
+
+def test_the_trainer_imports_no_rollout_backend():
+    """The trainer builds its backend through the rollout layer's entry point (sparserl.rollout.build) and
+    never names one: no module of sparserl.trainer imports a backend module, deferred imports included, nor a
+    name the rollout package re-exports from one."""
+    graph = import_graph()
+    files = {_module_name(p, ROOT): p for p in ROOT.rglob("*.py")}
+    trainer = {m: p for m, p in files.items() if m == "sparserl.trainer" or m.startswith("sparserl.trainer.")}
+    found = [f"{m} -> {b} ({graph[m][b]})" for m in trainer for b in BACKEND_MODULES if b in graph[m]]
+    reexported = _names_taken_from(ROOT / "rollout" / "__init__.py", BACKEND_MODULES)
+    assert {"make_backend", "check_backend", "LocalBackend"} <= reexported  # what the check below looks for
+    for module, path in trainer.items():
+        for node in _imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "sparserl.rollout":
+                names = sorted({a.name for a in node.names} & reexported)
+                found += [f"{module} -> sparserl.rollout.{name} (line {node.lineno})" for name in names]
+    assert not found, "the trainer imports a rollout backend:\n  " + "\n  ".join(found)

@@ -14,6 +14,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
+from sparserl.distributed.weights import trainable_state  # noqa: E402
 from sparserl.rollout import StaleWeights  # noqa: E402
 from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
 from tests.test_trainer import make_trainer, tiny_cfg  # noqa: E402
@@ -52,6 +53,8 @@ def test_a_worker_refuses_a_version_it_does_not_hold(tmp_path):
             backend.check_version(3)
         with pytest.raises(ray.exceptions.RayTaskError, match="holds the weights of policy version 0"):
             ray.get(backend.workers[0].run.remote([], None, 3, 0))
+        with pytest.raises(ValueError, match=r"push_weights\(1, state\) needs the tensors that changed"):
+            backend.push_weights(1)  # its workers hold copies: a version without its weights is refused
     finally:
         trainer.close()
 
@@ -91,8 +94,6 @@ def test_broadcast_weights_give_the_in_process_samples(tmp_path, trained):
 def test_a_bfloat16_broadcast_lands_in_float32_weights(tmp_path):
     """A state pushed in bfloat16 (half the bytes on the wire) is received in bfloat16 and copied into the
     workers' float32 weights: they hold exactly its values."""
-    from sparserl.distributed.weights import trainable_state
-
     extra = ("distributed.rollout_workers=2", "distributed.weight_sync=broadcast")
     trainer = make_trainer(tiny_cfg(tmp_path, *extra))
     try:
@@ -127,7 +128,7 @@ def test_killed_workers_rejoin_the_weight_broadcast(tmp_path):
         os.kill(backend.pids[1], signal.SIGKILL)
         second, metrics = trainer.rollout(2)
         os.kill(backend.pids[0], signal.SIGKILL)
-        backend.push_weights(2)
+        backend.push_weights(2, trainable_state(trainer.policy.module))
         for worker in backend.workers:  # each holds version 2 now
             with pytest.raises(ray.exceptions.RayTaskError, match="holds the weights of policy version 2"):
                 ray.get(worker.run.remote([], None, 1, 0))
@@ -147,12 +148,12 @@ def test_a_worker_dying_during_a_broadcast_is_replaced_and_the_push_made_again(t
     )
     trainer = make_trainer(tiny_cfg(tmp_path, *extra))
     try:
-        backend = trainer.rollouts.backend
-        backend.push_weights(1)
+        backend, state = trainer.rollouts.backend, trainable_state(trainer.policy.module)
+        backend.push_weights(1, state)
         check, skipped = backend.replace_dead, []
         backend.replace_dead = lambda: skipped.append(1) if not skipped else check()
         os.kill(backend.pids[1], signal.SIGKILL)
-        backend.push_weights(2)
+        backend.push_weights(2, state)
         for worker in backend.workers:
             with pytest.raises(ray.exceptions.RayTaskError, match="holds the weights of policy version 2"):
                 ray.get(worker.run.remote([], None, 1, 0))

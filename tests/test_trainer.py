@@ -244,9 +244,20 @@ def test_lora_reference_is_the_adapter_free_model(tmp_path: Path) -> None:
     assert all("lora" in k for k in trainer.policy.weights())  # checkpoints hold only the adapter
 
 
+def test_rollouts_run_on_the_backends_own_engine_and_the_trainer_builds_none_unasked(tmp_path: Path) -> None:
+    """The local backend builds its engine over the policy's modules from the config; the trainer's own engine
+    (held-out evaluation, the judges) is built only when asked for, with the same settings."""
+    trainer = make_trainer(tiny_cfg(tmp_path, "trainer.steps=1"))
+    trainer.train()
+    engine = trainer.rollouts.backend.engine
+    assert engine.model is trainer.policy.module and trainer.own_engine.engine is None
+    assert trainer.engine.kv == engine.kv and trainer.engine.decoder.dtype == engine.decoder.dtype
+    trainer.close()
+
+
 def test_dense_preset_uses_a_dense_cache(tmp_path: Path) -> None:
     trainer = make_trainer(tiny_cfg(tmp_path, "algo.preset=dense", "trainer.steps=1"))
-    assert trainer.engine.evictor is None
+    assert trainer.rollouts.backend.engine.evictor is None
     trainer.train()
     row = [r for r in rows(tmp_path / "run") if "reward/mean" in r][0]
     assert row["kv/saved_fraction"] == 0.0

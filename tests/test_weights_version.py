@@ -120,9 +120,9 @@ def _stale_gap(tmp_path: Path, *extra: str, name: str) -> float:
     trainer = make_trainer(cfg)
     assert trainer.learner.optimizer.defaults["fused"]  # the optimizer that bumps no version counter
     batch, _ = trainer.rollout(1)
-    assert _gap_to_scorer(trainer.policy.module, _gen(trainer.engine)) < 1e-4
+    assert _gap_to_scorer(trainer.policy.module, _gen(trainer.rollouts.backend.engine)) < 1e-4
     trainer.learn(1, batch)
-    gap = _gap_to_scorer(trainer.policy.module, _gen(trainer.engine))
+    gap = _gap_to_scorer(trainer.policy.module, _gen(trainer.rollouts.backend.engine))
     trainer.close()
     return gap
 

@@ -22,6 +22,11 @@ def causal_lm(model: nn.Module) -> PreTrainedModel:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The positions the model was trained for (its config's max_position_embeddings; None when unsaid)."""
+    return getattr(causal_lm(model).config, "max_position_embeddings", None)
+
+
 def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -53,7 +58,7 @@ class Decoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.max_positions = getattr(cfg, "max_position_embeddings", None)
+        self.max_positions = max_positions(lm)
         self.scale = self.head_dim**-0.5
         self.dtype = dtype or self.model.lm_head.weight.dtype
         self.modules = ModuleProjections(self.layers, lm.lm_head)

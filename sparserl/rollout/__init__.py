@@ -7,7 +7,6 @@ from sparserl.rollout import ray_backend as _ray_backend  # noqa: F401 - registe
 from sparserl.rollout.backend import (
     BACKENDS,
     LocalBackend,
-    Recording,
     RolloutBackend,
     Segment,
     StaleWeights,
@@ -16,7 +15,7 @@ from sparserl.rollout.backend import (
     register_backend,
 )
 from sparserl.rollout.layer import Collected, RolloutLayer, RolloutState
-from sparserl.rollout.records import GroupRecord, SampleRecord
+from sparserl.rollout.records import GroupRecord, Recording, SampleRecord
 from sparserl.rollout.sampling import Dars, DynamicSampling, Vcrl, check_group_sources, make_group_source
 from sparserl.rollout.scheduler import Scheduler, SchedulerStats
 from sparserl.rollout.sources import (

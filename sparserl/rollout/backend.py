@@ -20,10 +20,12 @@ from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.held import HeldRecord, HeldRecorder
-from sparserl.engine.rollout import run_stats
+from sparserl.engine.rollout import RolloutEngine, run_stats
+from sparserl.engine.run_settings import engine_settings
 from sparserl.engine.sampling import DistributionRecorder
 from sparserl.engine.scoring import score
 from sparserl.registry import Registry
+from sparserl.rollout.records import Recording
 from sparserl.rollout.rewards import RewardWorker
 from sparserl.rollout.scheduler import Scheduler
 
@@ -49,20 +51,6 @@ class Segment:
         return self.tokens
 
 
-@dataclass
-class Recording:
-    """What the samples' segments carry besides tokens: the sampler's top-k / full log-probs per token (alpha)
-    and the positions an evicting cache held (a teacher-forced replay)."""
-
-    top_logprobs: int = 0
-    full_logprobs: bool = False
-    held: bool = False
-
-    @property
-    def any(self) -> bool:
-        return bool(self.top_logprobs or self.full_logprobs or self.held)
-
-
 class StaleWeights(RuntimeError):
     """A backend was asked to sample with a policy version it does not hold."""
 
@@ -77,19 +65,30 @@ class RolloutBackend:
     partial_stop: ClassVar[bool] = False  # `stop()` ends a run early, its unfinished samples returned (APRIL)
     scores: ClassVar[bool] = False  # `score`: teacher-forced log-probs (SPEC-RL's verification)
     deterministic_streams: ClassVar[bool] = True  # a sample's tokens depend on (seed, key, weights) only
+    copies_weights: ClassVar[bool] = False  # samples from copies of the weights: push_weights needs `state`
 
     def __init__(self, recording: Recording | None = None) -> None:
         self.version = 0
         self.recording = recording or Recording()
 
     @classmethod
-    def from_config(cls, engine: Any, cfg: Any, recording: Recording | None = None) -> RolloutBackend:
-        """Built from the run's TrainConfig (the local backend reads cfg.rollout; the Ray one also
-        cfg.distributed)."""
-        return cls(engine, cfg.rollout, recording)
+    def from_config(
+        cls,
+        cfg: Any,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        recording: Recording | None = None,
+        notify: Callable[[str], None] | None = None,
+    ) -> RolloutBackend:
+        """Built from the run's TrainConfig over the policy's `model` and `tokenizer`: whatever it samples with
+        (an engine, workers holding copies) it builds itself, with `engine_settings`. `notify` is told what the
+        run should hear (a decode step compiling)."""
+        raise NotImplementedError(f"rollout backend {cls.name!r} does not say how to build it from a config")
 
-    def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
-        """Hold the weights of policy `version` (`state`: the tensors that changed; None when shared)."""
+    def push_weights(self, version: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Hold the weights of policy `version`. `state`: the tensors that changed (the trainable state,
+        `sparserl.distributed.weights.trainable_state`), which a backend that `copies_weights` needs; None for
+        one that samples from the trained modules themselves."""
         self.version = version
 
     def check_version(self, version: int) -> None:
@@ -153,6 +152,20 @@ class LocalBackend(RolloutBackend):
         super().__init__(recording)
         self.engine = engine
         self.scheduler = Scheduler(engine, cfg.kv_memory_cap_bytes, cfg.batching)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Any,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        recording: Recording | None = None,
+        notify: Callable[[str], None] | None = None,
+    ) -> LocalBackend:
+        """Its own engine over the policy's modules themselves, with the run's engine settings."""
+        engine = RolloutEngine(model, tokenizer, **engine_settings(cfg, model)[0])
+        engine.notify = notify
+        return cls(engine, cfg.rollout, recording)
 
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         self.scheduler.check_fits(prompt_length, max_new_tokens)
@@ -234,9 +247,15 @@ def check_backend(cfg: Any) -> None:
         )
 
 
-def make_backend(engine, cfg: Any, recording: Recording | None = None) -> RolloutBackend:
-    """The run's backend over `engine` (`backend_class`)."""
-    return backend_class(cfg).from_config(engine, cfg, recording)
+def make_backend(
+    cfg: Any,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    recording: Recording | None = None,
+    notify: Callable[[str], None] | None = None,
+) -> RolloutBackend:
+    """The run's backend (`backend_class`) over the policy's `model`, built from the config alone."""
+    return backend_class(cfg).from_config(cfg, model, tokenizer, recording, notify)
 
 
 SUMMED_METRICS = {

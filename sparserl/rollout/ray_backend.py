@@ -33,19 +33,20 @@ from sparserl.distributed.weight_sync import (
     open_group,
     resolve_weight_sync,
 )
-from sparserl.distributed.weights import load_named, trainable_state
+from sparserl.distributed.weights import load_named
 from sparserl.engine.decoding import Request, Sampling
+from sparserl.engine.run_settings import engine_settings
 from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import ClusterError, UserError
 from sparserl.process_memory import actor_peaks, peak_rss_bytes
 from sparserl.rollout.backend import (
     LocalBackend,
-    Recording,
     RolloutBackend,
     Segment,
     merge_run_metrics,
     register_backend,
 )
+from sparserl.rollout.records import Recording
 
 
 class RolloutWorker:
@@ -166,8 +167,18 @@ class RayBackend(RolloutBackend):
     """`distributed.rollout_workers` Ray actors, each a `RolloutWorker`; see the module docstring."""
 
     scores = True  # whole shares on the workers: no recording, no early stop
+    copies_weights = True
 
-    def __init__(self, engine: Any, rollout_cfg: Any, distributed: Any, recording: Recording | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        engine_args: dict[str, Any],
+        rollout_cfg: Any,
+        distributed: Any,
+        recording: Recording | None = None,
+    ):
+        """Workers over copies of `model`, each with a `RolloutEngine(model, tokenizer, **engine_args)`."""
         super().__init__(recording)
         if self.recording.any or rollout_cfg.partial.enable:
             raise ValueError(
@@ -177,7 +188,8 @@ class RayBackend(RolloutBackend):
             )
         import ray
 
-        self.ray, self.cfg, self.rollout_cfg, self.engine = ray, distributed, rollout_cfg, engine
+        self.ray, self.cfg, self.rollout_cfg = ray, distributed, rollout_cfg
+        self.tokenizer, self.engine_args = tokenizer, engine_args
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
             init_ray(ray, distributed)
@@ -187,7 +199,7 @@ class RayBackend(RolloutBackend):
         try:
             check_schedulable(ray, distributed.rollout_workers, distributed.cpus_per_worker,
                               distributed.gpus_per_worker, "rollout workers", "distributed.rollout_workers")  # fmt: skip
-            self.model_ref = ray.put(engine.model)
+            self.model_ref = ray.put(model)
             self.workers = [self._start_worker() for _ in range(distributed.rollout_workers)]
             self.pids = self.wait_ready(self.workers)  # each worker's process (the fault tests kill them)
         except BaseException:
@@ -195,15 +207,22 @@ class RayBackend(RolloutBackend):
             raise
 
     @classmethod
-    def from_config(cls, engine: Any, cfg: Any, recording: Recording | None = None) -> RayBackend:
-        return cls(engine, cfg.rollout, cfg.distributed, recording)
+    def from_config(
+        cls,
+        cfg: Any,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        recording: Recording | None = None,
+        notify: Callable[[str], None] | None = None,
+    ) -> RayBackend:
+        """The workers' engines get the run's engine settings; what they say stays on the workers."""
+        return cls(model, tokenizer, engine_settings(cfg, model)[0], cfg.rollout, cfg.distributed, recording)
 
     def _start_worker(self) -> Any:
-        c, engine = self.cfg, self.engine
+        c = self.cfg
         actor = self.ray.remote(num_cpus=c.cpus_per_worker, num_gpus=c.gpus_per_worker)(RolloutWorker)
-        args = {"kv": engine.kv, "dtype": engine.decoder.dtype, "compile": engine.compiled_step is not None}
         threads = max(1, int(c.cpus_per_worker))
-        return actor.remote(self.model_ref, engine.tokenizer, args, self.rollout_cfg, threads)
+        return actor.remote(self.model_ref, self.tokenizer, self.engine_args, self.rollout_cfg, threads)
 
     def wait_ready(self, workers: list[Any]) -> list[int]:
         """Every worker started within `start_timeout_s` (their process ids), or an error naming what was asked
@@ -220,12 +239,17 @@ class RayBackend(RolloutBackend):
             )
         return ray.get(pending)
 
-    def push_weights(self, version: int, state: dict[str, Any] | None = None) -> None:
-        """The trainable tensors (the adapter with LoRA) to every worker (`distributed.weight_sync`). Workers
-        that died since their last call are replaced first; one that dies during the push fails it, and the
-        push is made again after its replacement."""
+    def push_weights(self, version: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """`state`, the trainable tensors (the adapter with LoRA), to every worker (`distributed.weight_sync`).
+        Workers that died since their last call are replaced first; one that dies during the push fails it, and
+        the push is made again after its replacement."""
+        if state is None:
+            raise ValueError(
+                f"rollout backend {self.name!r}: its workers hold copies of the weights, so push_weights({version}, "
+                "state) needs the tensors that changed (sparserl.distributed.weights.trainable_state)"
+            )
         self.replace_dead()
-        self.version, self.state = version, state or trainable_state(self.engine.model)
+        self.version, self.state = version, state
         try:
             self.sync.push(self.workers, version, self.state)
         except (self.ray.exceptions.RayError, RuntimeError):

@@ -1,4 +1,5 @@
-"""What a rollout hands the trainer: one record per sample, with per-token provenance, grouped by prompt.
+"""What a rollout hands the trainer: one record per sample, with per-token provenance, grouped by prompt; and
+what the backend's segments are asked to record besides tokens (`Recording`).
 
 A token carries the policy version that sampled it, so that a token drawn in an earlier step (APRIL's resumed
 samples) can be told from one drawn now, and a loss mask can leave stale tokens out.
@@ -8,6 +9,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+
+@dataclass
+class Recording:
+    """What the samples' segments carry besides tokens: the sampler's top-k / full log-probs per token (alpha)
+    and the positions an evicting cache held (a teacher-forced replay)."""
+
+    top_logprobs: int = 0
+    full_logprobs: bool = False
+    held: bool = False
+
+    @property
+    def any(self) -> bool:
+        return bool(self.top_logprobs or self.full_logprobs or self.held)
 
 
 @dataclass

@@ -4,6 +4,7 @@ run and across arms), with a dense cache and, when trainer.eval_sparse is on, wi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sparserl.engine import RolloutEngine
@@ -62,15 +63,15 @@ class HeldOutEval:
 
 
 def held_out_eval(
-    cfg: Any, view: TaskView | None, usable_rows: Any, engine: Any, policy: Any
+    cfg: Any, view: TaskView | None, usable_rows: Any, engine: Callable[[], Any], policy: Any
 ) -> HeldOutEval | None:
     """The run's held-out evaluation (None without held-out prompts): a dense engine over the policy's modules
-    (the training `engine` itself when it is dense), and the training KV policy too with trainer.eval_sparse;
-    `usable_rows(view, want)` picks the first rows that fit the model."""
+    (the trainer's `engine()`, with the run's settings, when the run is dense), and the training KV policy too
+    with trainer.eval_sparse; `usable_rows(view, want)` picks the first rows that fit the model."""
     if view is None or cfg.trainer.eval_prompts == 0:
         return None
     dense = (
-        RolloutEngine(policy.module, policy.tokenizer, dtype=policy.compute_dtype) if cfg.sparse else engine
+        RolloutEngine(policy.module, policy.tokenizer, dtype=policy.compute_dtype) if cfg.sparse else engine()
     )
-    engines = {"dense": dense, **({"sparse": engine} if cfg.trainer.eval_sparse and cfg.sparse else {})}
+    engines = {"dense": dense, **({"sparse": engine()} if cfg.trainer.eval_sparse and cfg.sparse else {})}
     return HeldOutEval(cfg, view, usable_rows(view, cfg.trainer.eval_prompts), engines, policy.module)

@@ -12,7 +12,6 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,25 +20,20 @@ from torch import Tensor
 from sparserl.algo import advantages_from_config, make_adv_transforms
 from sparserl.algo.reward_shaping import overlong_penalty
 from sparserl.config import TrainConfig, save_config
+from sparserl.distributed.weights import trainable_state
+from sparserl.engine.decoder import max_positions
 from sparserl.engine.padding import right_pad
+from sparserl.engine.rollout import RolloutEngine
+from sparserl.engine.run_settings import engine_settings
 from sparserl.engine.weights import drop_packed
-from sparserl.rollout import (
-    Recording,
-    RolloutLayer,
-    RolloutState,
-    SourceContext,
-    TaskView,
-    check_backend,
-    check_group_sources,
-    make_backend,
-    make_group_source,
-    step_seed,
-)
-from sparserl.rollout.records import SampleRecord
+from sparserl.rollout import RolloutState, SourceContext, TaskView, make_group_source, step_seed
+from sparserl.rollout.build import build_rollout, check_rollout
+from sparserl.rollout.records import Recording, SampleRecord
 from sparserl.trainer import distill as _distill  # noqa: F401 - registers the DistillSparse add-on
 from sparserl.trainer import judges as _judges  # noqa: F401 - registers the model-backed uniqueness judges
 from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
 from sparserl.trainer.addons import dense_logprobs_needed, make_addons, records_held
+from sparserl.trainer.builder import JudgeResources, OwnEngine, Relay
 from sparserl.trainer.checkpoint import (
     SOURCE_PART,
     Checkpoint,
@@ -90,13 +84,13 @@ class Trainer:
     ) -> None:
         self._lock: RunLock | None = None
         cfg.validate()
-        check_group_sources(cfg)  # before anything loads: what the sources and the backend declare
-        check_backend(cfg)
+        check_rollout(cfg)  # before anything loads: what the sources and the backend declare
         check_backends(cfg.logging)
         self.cfg = cfg
         self.console = console
         self.notes: list[str] = []  # said once the run starts (e.g. a damaged checkpoint skipped)
         self.stop_check: Callable[[], None] | None = None  # called before each step (SIGTERM: stop there)
+        self.say = Relay()  # the engines' notes, to the progress display while `train` runs
         self.run_dir = Path(run_dir) if run_dir is not None else new_run_dir(cfg)
         created = not self.run_dir.exists() or (run_dir is None and not any(self.run_dir.iterdir()))
         if resume and not self.run_dir.is_dir():
@@ -129,15 +123,9 @@ class Trainer:
         self.tokenizer = self.policy.tokenizer
         check_acceptance(cfg, self.policy.module.get_input_embeddings().weight.shape[0])
 
-        from sparserl.engine import RolloutEngine
-        from sparserl.engine.rollout import resolve_compile
-
-        dtype = self.policy.compute_dtype
-        kv = cfg.kv if cfg.sparse else None
-        steps = cfg.trainer.steps * cfg.rollout.max_new_tokens
-        compiled, why = resolve_compile(cfg.engine.compile, self.policy.module, kv, steps)
-        self.notes += [why] if cfg.engine.compile == "auto" and compiled else []
-        self.engine = RolloutEngine(self.policy.module, self.tokenizer, kv, dtype, compiled)
+        settings, compile_note = engine_settings(cfg, self.policy.module)
+        self.notes += [compile_note] if compile_note else []
+        self.own_engine = OwnEngine(self.policy.module, self.tokenizer, settings, self.say)
         self.learner = make_learner(
             cfg, self.policy.module, self.policy.trainable_parameters(), self.policy.autocast
         )
@@ -146,17 +134,20 @@ class Trainer:
         self.train_view = TaskView(self.task, self.tokenizer)
         self.eval_view = TaskView(self.eval_task, self.tokenizer) if self.eval_task is not None else None
         self.train_rows = self._usable_rows(self.train_view)
-        self.held_out = held_out_eval(cfg, self.eval_view, self._usable_rows, self.engine, self.policy)
+        self.held_out = held_out_eval(cfg, self.eval_view, self._usable_rows, self.own_engine, self.policy)
         self.source = make_group_source(
             SourceContext(self.train_rows, cfg.rollout.n, seed, cfg, self.tokenizer)
         )
-        self.adv_transforms = make_adv_transforms(cfg.algo, cfg.shaping, self._judge_resources())
+        self.adv_transforms = make_adv_transforms(
+            cfg.algo, cfg.shaping, JudgeResources(self.policy, self.own_engine)
+        )
         recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
-        backend = make_backend(self.engine, cfg, recording)
-        self.rollouts = RolloutLayer(backend, self.train_view, cfg.rollout, cfg.sampling.max_extra_rounds)
+        self.rollouts = build_rollout(
+            cfg, self.policy.module, self.tokenizer, self.train_view, recording, self.say
+        )
         # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
         longest = max(len(self.train_view.prompt_ids(r)) for r in self.train_rows[:64])
-        backend.check_fits(longest, cfg.rollout.max_new_tokens)
+        self.rollouts.backend.check_fits(longest, cfg.rollout.max_new_tokens)
         if ckpt is not None:
             self._resume(ckpt)
         self.resumed_from: Path | None = ckpt.path if ckpt is not None else None
@@ -170,7 +161,7 @@ class Trainer:
         self.state = ckpt.state
         self.source.load_state_dict(ckpt.parts[SOURCE_PART].state)
         self.rollouts.state = RolloutState(**self.state.rollout)
-        self.rollouts.backend.push_weights(self.state.step)
+        self._push_weights(self.state.step)
         for addon in self.addons:
             addon.resume(ckpt)
             self.notes += addon.notes
@@ -202,22 +193,23 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- pieces
 
-    def _judge_resources(self) -> SimpleNamespace:
-        """What a model-backed advantage transform (a uniqueness judge) may use: the policy, its tokenizer,
-        the rollout engine and the autocast context."""
-        return SimpleNamespace(
-            module=self.policy.module,
-            tokenizer=self.tokenizer,
-            engine=self.engine,
-            autocast=self.policy.autocast,
-        )
+    @property
+    def engine(self) -> RolloutEngine:
+        """The trainer's own engine (held-out evaluation, the model-backed judges), built when first asked for;
+        rollouts run on the backend's."""
+        return self.own_engine()
+
+    def _push_weights(self, version: int) -> None:
+        """The backend holds policy `version`; one that samples from copies gets the trainable tensors."""
+        backend = self.rollouts.backend
+        backend.push_weights(version, trainable_state(self.policy.module) if backend.copies_weights else None)
 
     def _usable_rows(self, view: TaskView, want: int | None = None) -> list[int]:
         """`data.usable_rows` for this model and rollout length; its note is said when the run starts."""
         rows, note = usable_rows(
             view.task,
             lambda i: len(view.prompt_ids(i)),
-            self.engine.decoder.max_positions,
+            max_positions(self.policy.module),
             self.cfg.rollout.max_new_tokens,
             self.cfg.task.on_long_prompt,
             want,
@@ -324,7 +316,7 @@ class Trainer:
         out = self.learner.update(step, batch)
         for addon in self.addons:
             out.update(addon.update(step, batch, self.scheduler.get_last_lr()[0]))
-        self.rollouts.backend.push_weights(step)
+        self._push_weights(step)
         skips = self.state.counters.get("train/nonfinite_skips", 0) + out["train/nonfinite_skipped_updates"]
         self.state.counters["train/nonfinite_skips"] = skips
         return out
@@ -377,7 +369,7 @@ class Trainer:
             total, self.state.step, cfg.logging.progress, self.console, lambda m: step_numbers(cfg, m)
         )
         # engine.compile: each graph's compile is said on the console, not a silent minute
-        self.engine.notify = progress.print
+        self.say.to = progress.print
         hist = self.state.history
         started = time.perf_counter()
         try:
