@@ -223,13 +223,19 @@ CAPABILITIES = {
 
 
 def backend_class(cfg: Any) -> type[RolloutBackend]:
-    """The run's backend: 'ray' with distributed.rollout_workers > 0, else rollout.backend."""
-    if cfg.distributed.rollout_workers and cfg.rollout.backend != LocalBackend.name:
+    """The run's backend: 'ray' with distributed.rollout_workers > 0 (rollout.backend 'local' or 'ray'), else
+    rollout.backend; 'ray' without workers would have none to run on."""
+    workers, name = cfg.distributed.rollout_workers, cfg.rollout.backend
+    if workers and name not in (LocalBackend.name, "ray"):
         raise ConfigError(
-            f"distributed.rollout_workers={cfg.distributed.rollout_workers} runs the 'ray' backend, but "
-            f"rollout.backend={cfg.rollout.backend!r} asks for another: set one of them"
+            f"distributed.rollout_workers={workers} runs the 'ray' backend, but rollout.backend={name!r} asks "
+            "for another: set one of them"
         )
-    return BACKENDS.lookup("ray" if cfg.distributed.rollout_workers else cfg.rollout.backend)
+    if name == "ray" and not workers:
+        raise ConfigError(
+            "rollout.backend='ray' runs the samples on Ray workers: set distributed.rollout_workers >= 1"
+        )
+    return BACKENDS.lookup("ray" if workers else name)
 
 
 def check_backend(cfg: Any) -> None:
