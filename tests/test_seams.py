@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from sparserl.algo import advantages, grpo_advantages
 from sparserl.rollout import FreshPrompts, SourceContext
+from tests.test_conformance_sources import new_streams
 from tests.test_trainer import make_trainer, rows, tiny_cfg, weights
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -21,18 +22,18 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 @given(num_rows=st.integers(1, 5), k=st.integers(1, 12), n=st.integers(1, 6), version=st.integers(0, 9))
 def test_no_two_samples_of_a_step_share_a_stream(num_rows, k, n, version):
     """Fewer rows than groups per step: a row drawn twice gets its own streams each time, also when a step
-    plans a second round (DAPO's refill)."""
+    plans a second round (DAPO's refill). tests/test_conformance_sources.py checks every registered source."""
     source = FreshPrompts(SourceContext(rows=list(range(num_rows)), n=n, seed=3))
     for v in (version, version + 1):
         plans = source.plan(k, v)
-        streams = [(p.seed, key) for p in plans for key in p.keys]
+        streams = new_streams(plans)
         assert len(streams) == len(set(streams)) == k * n
         assert all(
             p.keys == [p.row * n + j for j in range(n)]
             for p in plans
             if plans.index(p) == min(i for i, q in enumerate(plans) if q.row == p.row)
         )  # a row's first group keeps the key row * n + j
-    second_round = [(p.seed, key) for p in source.plan(k, version + 1) for key in p.keys]
+    second_round = new_streams(source.plan(k, version + 1))
     assert not set(second_round) & set(streams)
 
 
