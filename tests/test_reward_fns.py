@@ -27,10 +27,10 @@ import pathlib
 
 CALLS = pathlib.Path(__file__).with_suffix(".calls.jsonl")  # it runs in a worker process: calls go to a file
 
-def exact(completions, answer, **kwargs):
+def exact(completions, answer, trainer_state, log_metric, log_extra, **kwargs):
     """TRL style: the completions and the row's fields, one list each."""
     with CALLS.open("a") as f:
-        f.write(json.dumps(dict(kwargs, completions=completions, answer=answer)) + "\\n")
+        f.write(json.dumps(dict(kwargs, completions=completions, answer=answer, step=trainer_state.global_step)) + "\\n")
     return [1.0 if f"\\\\boxed{{{a}}}" in c else 0.0 for c, a in zip(completions, answer, strict=True)]
 
 def short(completions, **kwargs):
@@ -69,6 +69,7 @@ def test_module_function_gets_trl_keyword_arguments(tmp_path: Path, user_module:
     assert call["hint"] == [None, None, "double"]  # a field some rows lack
     assert call["question"] == ["What is 2 + 7?", "What is 2 + 7?", "What is 3 + 3?"]
     assert call["prompts"] == [ex.messages for ex in examples]
+    assert call["step"] == 0 and "completion_ids" not in call  # no trainer: no tokens, no update done
     assert task.score("\\boxed{9}", task[0]) == 1.0  # one completion is a batch of one
     assert (task.stats.calls, task.stats.errors, task.stats.timeouts) == (4, 0, 0)
 

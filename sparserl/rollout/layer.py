@@ -152,6 +152,7 @@ class RolloutLayer:
         """One step: the source's plans for `k` groups, then after each round its refills (at most
         `max_extra_rounds` more rounds, none with partial rollouts), its choice of the groups to train on;
         the groups go back to it (`observe`). `Collected.sampling` says what the rounds cost and gave."""
+        self.task.step = version  # the updates done: what reward functions see as trainer_state.global_step
         self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
         t_rounds = time.perf_counter()
         first = self.collect(version, seed, source.plan(k, version))
@@ -260,15 +261,25 @@ class RolloutLayer:
         for s, text in zip(todo, texts, strict=True):
             s.text = text
         example = self.task.example(g.prompt_id)
-        self.rewards.submit(g.group_id, self.task.scores, texts, [example] * len(todo))
+        # a view that passes the tokens on to the reward functions says so (TaskView does)
+        tokens = [list(s.tokens) for s in todo] if getattr(self.task, "takes_completion_ids", False) else None
+        self.rewards.submit(g.group_id, self.task.scores, texts, [example] * len(todo), tokens)
 
     def _assign_rewards(self, groups: list[GroupRecord]) -> None:
+        """Each scored sample's reward and the columns its reward functions logged (`log_extra`); the
+        metrics they logged go to the task view (`log_metric`)."""
         rewards = self.rewards.wait()
+        log = getattr(self.task, "log", None)
+        for got in rewards.values():
+            if log is not None:
+                log(got.logs.metrics)
         for g in groups:
             if g.group_id in rewards:
                 todo = [s for s in g.samples if s.reward is None]
-                for s, r in zip(todo, rewards[g.group_id], strict=True):
+                got = rewards[g.group_id]
+                for i, (s, r) in enumerate(zip(todo, got, strict=True)):
                     s.reward = r
+                    s.extras = {name: column[i] for name, column in got.logs.extras.items()} or None
 
 
 def _staleness(groups: list[GroupRecord], version: int) -> dict[str, float]:

@@ -47,6 +47,9 @@ from sparserl.rollout.backend import (
     register_backend,
 )
 from sparserl.rollout.records import Recording
+from sparserl.rollout.rewards import Rewards
+
+Group = tuple[Any, list[str], list[Any], "list[list[int]] | None"]  # key, texts, examples, completion ids
 
 
 class RolloutWorker:
@@ -109,9 +112,17 @@ class RolloutWorker:
         task.drain_counters()
         return True
 
-    def rewards(self, texts: list[str], examples: list[Any]) -> tuple[list[float], dict[str, float]]:
-        """One group's rewards and the reward counters (calls, errors, timeouts) they added."""
-        return self.task.scores(texts, examples), self.task.drain_counters()
+    def rewards(
+        self,
+        texts: list[str],
+        examples: list[Any],
+        completion_ids: list[list[int]] | None = None,
+        step: int = 0,
+    ) -> tuple[list[float], dict[str, float]]:
+        """One group's rewards (with what the reward functions logged: Rewards) and the reward counters
+        (calls, errors, timeouts) they added; `step` is the driver's updates done (trainer_state)."""
+        self.task.step = step
+        return self.task.scores(texts, examples, completion_ids), self.task.drain_counters()
 
 
 class WorkerRewards:
@@ -123,23 +134,32 @@ class WorkerRewards:
 
     def __init__(self, backend: RayBackend, task: Any, asynchronous: bool = True):
         self.backend, self.task, self.asynchronous = backend, task, asynchronous
-        self.pending: list[tuple[Any, list[tuple[Any, list[str], list[Any]]]]] = []  # (ref, its groups)
-        self.queued: list[tuple[Any, list[str], list[Any]]] = []  # (key, texts, examples) until `wait`
+        self.pending: list[tuple[Any, list[Group]]] = []  # (ref, its groups)
+        self.queued: list[Group] = []  # until `wait`
         self.turn = 0
 
-    def submit(self, key: Any, score: Callable, texts: list[str], examples: list[Any]) -> None:
+    def submit(
+        self,
+        key: Any,
+        score: Callable,
+        texts: list[str],
+        examples: list[Any],
+        completion_ids: list[list[int]] | None = None,
+    ) -> None:
+        group = (key, texts, examples, completion_ids)
         if not self.asynchronous:
-            self.queued.append((key, texts, examples))
+            self.queued.append(group)
             return
         self.turn = (self.turn + 1) % len(self.backend.workers)
-        self.pending.append((self._send(self.turn, [(key, texts, examples)]), [(key, texts, examples)]))
+        self.pending.append((self._send(self.turn, [group]), [group]))
 
-    def _send(self, i: int, groups: list[tuple[Any, list[str], list[Any]]]) -> Any:
-        texts = [text for _, group_texts, _ in groups for text in group_texts]
-        examples = [example for _, _, group_examples in groups for example in group_examples]
-        return self.backend.workers[i].rewards.remote(texts, examples)
+    def _send(self, i: int, groups: list[Group]) -> Any:
+        texts = [text for _, group_texts, _, _ in groups for text in group_texts]
+        examples = [example for _, _, group_examples, _ in groups for example in group_examples]
+        ids = None if any(g[3] is None for g in groups) else [t for g in groups for t in g[3]]
+        return self.backend.workers[i].rewards.remote(texts, examples, ids, self.task.step)
 
-    def wait(self) -> dict[Any, list[float]]:
+    def wait(self) -> dict[Any, Rewards]:
         size = max(1, -(-len(self.queued) // len(self.backend.workers)))
         for i, at in enumerate(range(0, len(self.queued), size)):  # one share of whole groups per worker
             self.pending.append((self._send(i, self.queued[at : at + size]), self.queued[at : at + size]))
@@ -150,9 +170,8 @@ class WorkerRewards:
             except ray.exceptions.RayActorError:  # lost before it answered: a new worker scores them again
                 self.backend.replace_dead()
                 scores, counters = ray.get(self._send(0, groups))
-            at = 0
-            for key, texts, _ in groups:
-                out[key], at = scores[at : at + len(texts)], at + len(texts)
+            parts = Rewards.of(scores).split([len(g[1]) for g in groups])
+            out.update({g[0]: part for g, part in zip(groups, parts, strict=True)})
             for name, value in counters.items():
                 self.task.counters[name] = self.task.counters.get(name, 0.0) + value
         self.pending, self.queued = [], []

@@ -33,7 +33,8 @@ class SampleRecord:
     `versions` (the policy version that drew it) and `loss_mask` (1 = trained). Per sample: its prompt
     (`prompt_id`, the task row), `group_id`, `sample_index` within the group, the (`seed`, `key`) of its random
     stream, `finish_reason` (None while unfinished), and once scored its decoded `text` and `reward`; the
-    number of leading tokens reused from a verified draft (SPEC-RL's `reused_prefix`).
+    number of leading tokens reused from a verified draft (SPEC-RL's `reused_prefix`); `extras`, the values the
+    reward functions logged for it with `log_extra` (the completions table's columns).
     """
 
     prompt_id: int
@@ -54,6 +55,7 @@ class SampleRecord:
     scored_logps: list[float] | None = None  # the backend's teacher-forced log-probs, when a source asks
     text: str | None = None
     reward: float | None = None
+    extras: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

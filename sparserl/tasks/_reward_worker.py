@@ -2,10 +2,12 @@
 whatever they do (raise, `sys.exit`, `os._exit`, a signal, a hang, a memory blow-up) can only end this process.
 
 Requests and replies are length-prefixed pickles on stdin / the original stdout (stray prints go to stderr):
-- `("load", key, source, cwd, sys_path)`: `source` is a 'module:function' / 'file.py:function' spec or the
-  pickle of a function (found by reference); replies `("ok",)` or `("error", message)`;
-- `("call", key, kwargs)`: replies `("values", [float | None | str])` (a str says why that item is not a
-  reward), `("count", what)` when the result is not a sequence, or `("raised", what)`.
+- `("load", key, source, cwd, sys_path, style)`: `source` is a 'module:function' / 'file.py:function' spec or
+  the pickle of a function (found by reference), `style` task.reward_style; replies `("ok",)` or
+  `("error", message)`;
+- `("call", key, call)` (a reward_styles.RewardCall): replies `("values", [float | None | str], logs)` (a str
+  says why that item is not a reward; `logs` what the function logged, RewardLogs), `("count", what, logs)`
+  when the result is not a sequence, or `("raised", what)`. An `async def` function is awaited here.
 SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole process group must not cut a
 step short; the parent closes this worker (stdin EOF, or PR_SET_PDEATHSIG when the parent dies).
 """
@@ -66,24 +68,31 @@ def _as_reward(value: Any) -> float | None | str:
         return f"{type(e).__name__}: {e}"
 
 
-def _load(source: str | bytes) -> Any:
-    """The function named by a spec, or unpickled (by reference) from the parent."""
+def _load(source: str | bytes, style: str) -> tuple[Any, str]:
+    """The function named by a spec, or unpickled (by reference) from the parent, and the style it is called
+    in ('trl' or 'verl')."""
+    from sparserl.tasks.reward_styles import resolve_style
+
     if isinstance(source, bytes):
-        return pickle.loads(source)
-    from sparserl.tasks.reward_loading import load_reward_function
+        fn = pickle.loads(source)
+    else:
+        from sparserl.tasks.reward_loading import load_reward_function
 
-    return load_reward_function(source)
+        fn = load_reward_function(source)
+    return fn, resolve_style(fn, style, getattr(fn, "__qualname__", repr(fn)))
 
 
-def _call(fn: Any, kwargs: dict[str, Any]) -> tuple:
-    values = fn(**kwargs)
+def _call(loaded: tuple[Any, str], call: Any) -> tuple:
+    from sparserl.tasks.reward_styles import invoke
+
+    values, logs = invoke(*loaded, call)
     if isinstance(values, (str, bytes, dict)):
-        return ("count", f"a {type(values).__name__}")
+        return ("count", f"a {type(values).__name__}", logs)
     try:
         items = list(values)
     except TypeError:
-        return ("count", f"a {type(values).__name__}")
-    return ("values", [_as_reward(v) for v in items])
+        return ("count", f"a {type(values).__name__}", logs)
+    return ("values", [_as_reward(v) for v in items], logs)
 
 
 def main() -> None:
@@ -104,14 +113,14 @@ def main() -> None:
         op = request[0]
         try:
             if op == "load":
-                _, key, source, cwd, path = request
+                _, key, source, cwd, path, style = request
                 sys.path[:] = path
                 os.chdir(cwd)
-                functions[key] = _load(source)
+                functions[key] = _load(source, style)
                 reply: tuple = ("ok",)
             else:
-                _, key, kwargs = request
-                reply = _call(functions[key], kwargs)
+                _, key, call = request
+                reply = _call(functions[key], call)
         except BaseException as e:  # noqa: BLE001 - whatever user code does is reported, not fatal here
             from sparserl.errors import UserError
 

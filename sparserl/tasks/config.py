@@ -10,6 +10,7 @@ from sparserl.errors import UserError
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 BUILTIN_TASKS = ("arithmetic", "long_arithmetic", "gsm8k", "math")
+REWARD_STYLES = ("auto", "trl", "verl")  # task.reward_style
 BUILTIN_REWARD = "builtin"  # in task.reward: the task's own verifiable reward
 GENERATED_TASKS = ("arithmetic", "long_arithmetic")  # procedural: they read no data
 LONG_LAYOUTS = ("facts", "question_first")  # long_arithmetic: where the recalled values are stated
@@ -124,9 +125,20 @@ class TaskConfig:
         default_factory=list,
         metadata={
             "help": "Your own reward functions, TRL style: 'module:function' or 'path/to/file.py:function', "
-            "each called as fn(completions=[str], prompts=[chat messages], **row_fields) -> [float] (a "
-            "row's fields as keyword lists aligned with the completions; None for 'does not apply' scores 0). "
-            f"'{BUILTIN_REWARD}' is the task's own verifiable reward. Empty: the built-in reward only."
+            "each called as fn(completions=[str], prompts=[chat messages], completion_ids, trainer_state, "
+            "log_metric, log_extra, **row_fields) -> [float] (a row's fields as keyword lists aligned with the "
+            "completions; a function gets the keywords it names; None for 'does not apply' scores 0; async "
+            f"def is awaited), or verl's compute_score (task.reward_style). '{BUILTIN_REWARD}' is the task's "
+            "own verifiable reward. Empty: the built-in reward only."
+        },
+    )
+    reward_style: str = field(
+        default="auto",
+        metadata={
+            "help": "How task.reward functions are called: 'trl' (a batch of completions, TRL's reward_funcs), "
+            "'verl' (one completion at a time: data_source, solution_str, ground_truth, extra_info -> a "
+            "number or a dict with 'score', its other keys logged), or 'auto': verl's for a function naming "
+            "solution_str and ground_truth (but not completions), else TRL's."
         },
     )
     reward_weights: list[float] = field(
@@ -213,7 +225,12 @@ class TaskConfig:
         self._check_prompt_template()
 
     def _check_rewards(self) -> None:
-        """Reward specs look like 'module:function' or 'builtin'; weights are finite, one per function."""
+        """Reward specs look like 'module:function' or 'builtin'; weights are finite, one per function; the
+        style is known."""
+        if self.reward_style not in REWARD_STYLES:
+            raise UserError(
+                f"task.reward_style={self.reward_style!r}: choose one of {', '.join(REWARD_STYLES)}"
+            )
         for spec in self.reward:
             if spec != BUILTIN_REWARD and (":" not in spec or not all(spec.rsplit(":", 1))):
                 raise UserError(

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 QUESTION_KEYS = ("problem", "question", "prompt", "query", "input", "instruction")
 ANSWER_KEYS = ("final_answer", "answer", "label", "ground_truth", "gt", "target", "solution")
+ANSWER_KEYS += ("reward_model.ground_truth",)  # verl's data layout
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 DEFAULT_SOURCES = {
     "gsm8k": ("openai/gsm8k", "main"),
@@ -122,10 +123,13 @@ def get_field(row: dict, key: str) -> Any:
 
 
 def detect_key(row: dict, candidates: tuple[str, ...], what: str, where: str, override_name: str) -> str:
-    """The first candidate present (and not None) in `row`."""
+    """The first candidate present (and not None) in `row` (a dotted one in nested fields)."""
     for key in candidates:
-        if row.get(key) is not None:
-            return key
+        try:
+            if get_field(row, key) is not None:
+                return key
+        except KeyError:
+            continue
     raise DataError(
         f"{where}: no {what} field found among {', '.join(candidates)} (row has {', '.join(row) or 'no fields'}); "
         f"set task.{override_name}"

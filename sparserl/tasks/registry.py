@@ -54,5 +54,5 @@ def make_task(cfg: TaskConfig, split: str = "train") -> Task:
             "Face dataset name"
         )
     if cfg.reward:
-        task = with_reward_fns(task, cfg.reward, cfg.reward_weights, cfg.reward_timeout)
+        task = with_reward_fns(task, cfg.reward, cfg.reward_weights, cfg.reward_timeout, cfg.reward_style)
     return task

@@ -1,14 +1,18 @@
-"""Users' own reward functions, called the way TRL's GRPOTrainer calls its `reward_funcs`.
+"""Users' own reward functions, called the way TRL's GRPOTrainer calls its `reward_funcs` (or verl's
+`compute_score`: reward_styles).
 
 A reward function scores a batch of completions at once:
 
     def my_reward(completions: list[str], prompts: list[list[dict]], **kwargs) -> list[float | None]
 
-`completions` are the decoded completion texts, `prompts` the chat messages they answer, and every field of
-the examples' data rows comes as a keyword argument holding one value per completion (a row without the
-field gives None; TRL's reserved 'prompt' and 'completion' columns are left out). Generated tasks
-(arithmetic, long_arithmetic) pass `answer` and their problem parameters. Unused fields land in `**kwargs`.
-A None reward means "does not apply" and scores 0, as TRL's NaN-sum does.
+`completions` are the decoded completion texts (message lists for a conversational dataset), `prompts` the
+chat messages they answer, `completion_ids` their tokens, `trainer_state.global_step` the updates done, and
+every field of the examples' data rows comes as a keyword argument holding one value per completion (a row
+without the field gives None; TRL's reserved 'prompt' and 'completion' columns are left out). Generated tasks
+(arithmetic, long_arithmetic) pass `answer` and their problem parameters. A function gets the keywords it
+names, or all with `**kwargs`; `log_metric(name, value)` and `log_extra(name, values)` log from inside it (the
+logs come back with the rewards). An `async def` function is awaited. A None reward means "does not apply"
+and scores 0, as TRL's NaN-sum does.
 
 Functions are named in `task.reward` as 'module:function' or 'path/to/file.py:function', or given as
 callables from Python; 'builtin' stands for the task's own verifiable reward, so a format or length bonus can
@@ -42,6 +46,7 @@ from sparserl.errors import UserError
 from sparserl.tasks.base import Example, Task
 from sparserl.tasks.config import BUILTIN_REWARD
 from sparserl.tasks.reward_loading import RewardFn, check_spec
+from sparserl.tasks.reward_styles import RewardCall, RewardLogs, RewardState, invoke, resolve_style
 from sparserl.tasks.rewards import (
     RewardStats,
     RewardTimeout,
@@ -51,28 +56,10 @@ from sparserl.tasks.rewards import (
 )
 
 logger = logging.getLogger(__name__)
-RESERVED_COLUMNS = ("prompt", "completion")  # as in TRL: the prompt comes as `prompts`
 _NOTED_IN_PROCESS: set[str] = set()  # in-process reward functions already said (once per process)
 
 
 # ------------------------------------------------------------------------------------------------- calling
-
-
-def _row_fields(example: Example) -> dict[str, Any]:
-    """The fields a reward function sees for `example`: its data row, or for a generated problem the answer
-    and the generator's parameters."""
-    return example.row or {"answer": example.answer, **example.meta}
-
-
-def reward_kwargs(completions: Sequence[str], examples: Sequence[Example]) -> dict[str, list]:
-    """TRL's keyword arguments for one call: `completions`, `prompts` and each row field as a list aligned
-    with the completions."""
-    rows = [_row_fields(e) for e in examples]
-    keys = dict.fromkeys(k for row in rows for k in row if k not in RESERVED_COLUMNS)
-    kwargs: dict[str, list] = {k: [row.get(k) for row in rows] for k in keys}
-    kwargs["prompts"] = [e.messages for e in examples]
-    kwargs["completions"] = list(completions)
-    return kwargs
 
 
 def _reward_count(values: Any) -> int | None:
@@ -110,6 +97,14 @@ class _Isolated:
     """A reward function loaded in the task's worker process under `key`."""
 
     key: str
+
+
+@dataclass(frozen=True)
+class _InProcess:
+    """A reward function called in the trainer's process, in `style` ('trl' or 'verl')."""
+
+    fn: RewardFn
+    style: str
 
 
 class _NotAReward(str):
@@ -164,6 +159,7 @@ class RewardFnTask(Task):
         rewards: Sequence[RewardFn | str],
         weights: Sequence[float] = (),
         timeout: float | None = None,
+        style: str = "auto",
     ) -> None:
         if not rewards:
             raise UserError("no reward functions given")
@@ -174,6 +170,8 @@ class RewardFnTask(Task):
         self.reward_timeout = timeout if timeout is not None else task.reward_timeout
         self.names = [r if isinstance(r, str) else _function_name(r) for r in rewards]
         self.weights = [float(w) for w in weights] if weights else [1.0] * len(rewards)
+        self.style = style  # task.reward_style: 'auto', 'trl' or 'verl'
+        self.max_steps = 0  # trainer.steps, for `trainer_state.max_steps` (set by the trainer)
         self._process: Any = None  # reward_process.RewardProcess, started for the first isolated function
         self._said: set[tuple[str, str]] = set()
         try:
@@ -183,7 +181,7 @@ class RewardFnTask(Task):
             raise
 
     def _prepare(self, reward: RewardFn | str, index: int) -> Any:
-        """`reward` as called: BUILTIN_REWARD, an `_Isolated` handle in the worker, or the callable itself."""
+        """`reward` as called: BUILTIN_REWARD, an `_Isolated` handle in the worker, or `_InProcess`."""
         if isinstance(reward, str) and reward == BUILTIN_REWARD:
             return reward
         if not isinstance(reward, str) and not callable(reward):
@@ -199,7 +197,7 @@ class RewardFnTask(Task):
             self._process = RewardProcess()
         key = f"{index}:{self.names[index]}"
         location = reward.rpartition(":")[0] if isinstance(reward, str) else self.names[index]
-        failure = self._process.load(key, source, what=f"importing {location}")
+        failure = self._process.load(key, source, self.style, what=f"importing {location}")
         if failure is None:
             return _Isolated(key)
         if isinstance(reward, str):
@@ -208,9 +206,10 @@ class RewardFnTask(Task):
             )
         return self._in_process(reward, f"the worker could not load it ({failure})")
 
-    def _in_process(self, fn: RewardFn, why: str) -> RewardFn:
+    def _in_process(self, fn: RewardFn, why: str) -> _InProcess:
         """`fn`, called in the trainer's process; says so once per function name."""
         name = _function_name(fn)
+        style = resolve_style(fn, self.style, name)
         if name not in _NOTED_IN_PROCESS:
             _NOTED_IN_PROCESS.add(name)
             logger.warning(
@@ -220,7 +219,7 @@ class RewardFnTask(Task):
                 name,
                 why,
             )
-        return fn
+        return _InProcess(fn, style)
 
     def close(self) -> None:
         """Stop the reward worker, if any (a later call starts it again)."""
@@ -258,58 +257,88 @@ class RewardFnTask(Task):
 
     def score_batch(self, completions: list[str], examples: list[Example]) -> list[float]:
         """Weighted sum of each function's rewards; one call per function for the whole batch."""
+        return self.score_logged(completions, examples)[0]
+
+    def score_logged(
+        self,
+        completions: list[str],
+        examples: list[Example],
+        completion_ids: list[list[int]] | None = None,
+        step: int = 0,
+    ) -> tuple[list[float], RewardLogs]:
+        """`score_batch` with the completions' token ids and the optimizer updates done so far (TRL's
+        `completion_ids` and `trainer_state.global_step`); also returns what the functions logged."""
         if len(completions) != len(examples):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
-        total = [0.0] * len(completions)
+        call = RewardCall.build(completions, examples, completion_ids, RewardState(step, self.max_steps))
+        total, logs = [0.0] * len(completions), RewardLogs()
         for fn, name, weight in zip(self.rewards, self.names, self.weights, strict=True):
             if isinstance(fn, str):  # BUILTIN_REWARD
                 scores = self.task.score_batch(completions, examples)
             else:
-                scores = self._guarded_scores(fn, name, completions, examples)
+                scores, logged = self._guarded_scores(fn, name, call)
+                logs.update(self._checked(logged, len(call), name))
             total = [t + weight * s for t, s in zip(total, scores, strict=True)]
-        return total
+        return total, logs
 
-    def _call(self, fn: Any, kwargs: dict[str, Any]) -> Any:
-        """`fn(**kwargs)` under the timeout: in the worker for an `_Isolated` one (its items come back as
-        floats, None or `_NotAReward`), else in this process."""
-        if not isinstance(fn, _Isolated):
-            return call_with_deadline(functools.partial(fn, **kwargs), (), self.reward_timeout)
-        kind, values = self._process.call(fn.key, kwargs, self.reward_timeout)
+    def _call(self, fn: _Isolated | _InProcess, call: RewardCall) -> tuple[Any, RewardLogs]:
+        """The function's result on `call` and what it logged, under the timeout: in the worker for an
+        `_Isolated` one (its items come back as floats, None or `_NotAReward`), else in this process."""
+        if isinstance(fn, _InProcess):
+            return call_with_deadline(
+                functools.partial(invoke, fn.fn, fn.style, call), (), self.reward_timeout
+            )
+        kind, values, logs = self._process.call(fn.key, call, self.reward_timeout)
         if kind == "count":
-            return _NotAReward(values)
-        return [_NotAReward(v) if isinstance(v, str) else v for v in values]
+            return _NotAReward(values), logs
+        return [_NotAReward(v) if isinstance(v, str) else v for v in values], logs
 
     def _guarded_scores(
-        self, fn: Any, name: str, completions: list[str], examples: list[Example]
-    ) -> list[float]:
-        """`fn`'s reward of each completion, 0 for those it fails on (counted). A batch call that raises (or
-        calls sys.exit) is retried one completion at a time, so only the completions it raises on score 0;
-        an overrun or an ended worker is not retried (it would cost as much again per completion), nor a
-        wrong number of rewards (a bug)."""
+        self, fn: _Isolated | _InProcess, name: str, call: RewardCall
+    ) -> tuple[list[float], RewardLogs]:
+        """`fn`'s reward of each completion, 0 for those it fails on (counted), and what it logged. A batch
+        call that raises (or calls sys.exit) is retried one completion at a time, so only the completions it
+        raises on score 0; an overrun or an ended worker is not retried (it would cost as much again per
+        completion), nor a wrong number of rewards (a bug)."""
         from sparserl.tasks.reward_process import RewardCrash
 
-        n = len(completions)
+        n = len(call)
         try:
-            values = self._call(fn, reward_kwargs(completions, examples))
+            values, logs = self._call(fn, call)
         except (RewardTimeout, RewardCrash) as e:
-            return self._failed(e, n, name)
+            return self._failed(e, n, name), RewardLogs()
         except (Exception, SystemExit) as e:
             if n > 1:
-                return [
-                    s
-                    for c, ex in zip(completions, examples, strict=True)
-                    for s in self._guarded_scores(fn, name, [c], [ex])
-                ]
-            return self._failed(e, n, name)
+                parts = [self._guarded_scores(fn, name, call.subset(i)) for i in range(n)]
+                logs = RewardLogs.concat([(1, logged) for _, logged in parts])
+                return [s for scores, _ in parts for s in scores], logs
+            return self._failed(e, n, name), RewardLogs()
         count = None if isinstance(values, _NotAReward) else _reward_count(values)
         if count != n:
             if isinstance(values, _NotAReward):
                 got = str(values)
             else:
                 got = f"a {type(values).__name__}" if count is None else f"{count} rewards"
-            return self._failed(_BadReturn(f"returned {got} for {n} completions"), n, name)
+            return self._failed(_BadReturn(f"returned {got} for {n} completions"), n, name), logs
         self.stats.calls += n
-        return [self._one_value(v, name) for v in values]
+        return [self._one_value(v, name) for v in values], logs
+
+    def _checked(self, logs: RewardLogs, n: int, name: str) -> RewardLogs:
+        """`logs` without the log_extra columns that do not hold one value per completion (said once)."""
+        for column, values in list(logs.extras.items()):
+            if len(values) != n:
+                del logs.extras[column]
+                self._say(
+                    name,
+                    f"log_extra {column}",
+                    "reward function %s logged %d values of column %r for %d completions: the column is "
+                    "dropped (said once)",
+                    name,
+                    len(values),
+                    column,
+                    n,
+                )
+        return logs
 
     def _failed(self, error: BaseException, n: int, name: str) -> list[float]:
         """Zeros for `n` completions a call of function `name` failed on, counted in the stats."""
@@ -324,16 +353,21 @@ class RewardFnTask(Task):
         record_failure(self.stats, error, n, source=f"reward function {name}", log=False)
         if isinstance(error, RewardCrash):
             self.stats.crashes += n
-        kind = _failure_kind(error)
+        counter = "timeouts" if isinstance(error, RewardTimeout) else "errors"
+        self._say(
+            name,
+            _failure_kind(error),
+            "reward function %s %s: its completions score 0 (counted in reward/%s; said once)",
+            name,
+            _what_it_did(error, self.reward_timeout),
+            counter,
+        )
+
+    def _say(self, name: str, kind: str, message: str, *args: Any) -> None:
+        """Warn `message % args` once per function `name` and `kind` of event."""
         if (name, kind) not in self._said:
             self._said.add((name, kind))
-            counter = "timeouts" if isinstance(error, RewardTimeout) else "errors"
-            logger.warning(
-                "reward function %s %s: its completions score 0 (counted in reward/%s; said once)",
-                name,
-                _what_it_did(error, self.reward_timeout),
-                counter,
-            )
+            logger.warning(message, *args)
 
     def _one_value(self, value: Any, name: str) -> float:
         """A returned reward as a float: None (does not apply) is 0; NaN, inf, beyond +-MAX_ABS_REWARD or a
@@ -355,10 +389,12 @@ def with_reward_fns(
     rewards: RewardFn | str | Sequence[RewardFn | str],
     weights: Sequence[float] = (),
     timeout: float | None = None,
+    style: str = "auto",
 ) -> RewardFnTask:
     """`task` rewarded by `rewards` (one or several callables, 'module:function' specs or 'builtin'),
     weighted by `weights` (default 1.0 each), each call bounded by `timeout` seconds (default: the task's
-    reward_timeout). Specs are imported now, so a bad one fails before training starts."""
+    reward_timeout), called in `style` (task.reward_style; reward_styles). Specs are imported now, so a bad one
+    fails before training starts."""
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]
-    return RewardFnTask(task, list(rewards), weights, timeout)
+    return RewardFnTask(task, list(rewards), weights, timeout, style)

@@ -150,7 +150,7 @@ class RewardProcess:
 
     def __init__(self) -> None:
         self._handle = _Handle()
-        self._loads: dict[str, tuple[str | bytes, str, list[str]]] = {}
+        self._loads: dict[str, tuple[str | bytes, str, list[str], str]] = {}
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, self._handle.kill)
 
@@ -190,8 +190,8 @@ class RewardProcess:
         reply = self._exchange(None, LOAD_TIMEOUT)
         if reply != ("ready",):
             raise RewardCrash(f"the reward worker failed to start: {reply!r}")
-        for key, (source, cwd, path) in self._loads.items():
-            reply = self._exchange(("load", key, source, cwd, path), LOAD_TIMEOUT)
+        for key, entry in self._loads.items():
+            reply = self._exchange(("load", key, *entry), LOAD_TIMEOUT)
             if reply[0] != "ok":
                 raise RewardCrash(f"could not be loaded again in a new reward worker: {reply[1]}")
 
@@ -237,11 +237,14 @@ class RewardProcess:
 
     # --------------------------------------------------------------------------------------------- API
 
-    def load(self, key: str, source: str | bytes, what: str = "importing it") -> str | None:
-        """Load `source` (a spec, or a function pickled by reference) as `key`; None when it loaded, else
-        what went wrong (an import that raised, exited or ended the process, a missing function), the
-        process's end or overrun described as `what` ... ('importing file.py ended its process ...')."""
-        entry = (source, os.getcwd(), list(sys.path))
+    def load(
+        self, key: str, source: str | bytes, style: str = "auto", what: str = "importing it"
+    ) -> str | None:
+        """Load `source` (a spec, or a function pickled by reference) as `key`, called in `style`
+        (task.reward_style); None when it loaded, else what went wrong (an import that raised, exited or ended
+        the process, a missing function, a signature that does not fit the style), the process's end or
+        overrun described as `what` ... ('importing file.py ended its process ...')."""
+        entry = (source, os.getcwd(), list(sys.path), style)
         with self._lock:
             self._start_locked()
             try:
@@ -255,13 +258,14 @@ class RewardProcess:
             self._loads[key] = entry
         return None
 
-    def call(self, key: str, kwargs: dict[str, Any], timeout: float | None) -> tuple:
-        """Call function `key` with `kwargs` in the worker: `("values", [float | None | str])` or
-        `("count", what)`. Raises RewardTimeout past `timeout` seconds, RewardCrash when the worker ends
-        (both restart it on the next call) and RewardRaised when the function raised or called sys.exit."""
+    def call(self, key: str, call: Any, timeout: float | None) -> tuple:
+        """Call function `key` on `call` (reward_styles.RewardCall) in the worker: `("values",
+        [float | None | str], logs)` or `("count", what, logs)`, with what it logged (RewardLogs). Raises
+        RewardTimeout past `timeout` seconds, RewardCrash when the worker ends (both restart it on the next
+        call) and RewardRaised when the function raised or called sys.exit."""
         with self._lock:
             self._start_locked()
-            reply = self._exchange(("call", key, kwargs), wait_limit(timeout))
+            reply = self._exchange(("call", key, call), wait_limit(timeout))
         if reply[0] == "raised":
             raise RewardRaised(reply[1])
         return reply

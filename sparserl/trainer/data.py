@@ -42,13 +42,18 @@ def usable_rows(
 
 def training_tasks(cfg: Any, task: Any, eval_task: Any, reward_fn: Any) -> tuple[Any, Any]:
     """The train task and the held-out one (None without held-out prompts): the config's unless given, with
-    `reward_fn` (Python reward functions) in place of their rewards when given."""
-    from sparserl.tasks import make_task, with_reward_fns
+    `reward_fn` (Python reward functions, called in task.reward_style) in place of their rewards when given.
+    Reward functions see trainer.steps as `trainer_state.max_steps`."""
+    from sparserl.tasks import RewardFnTask, make_task, with_reward_fns
 
     task = task if task is not None else make_task(cfg.task, "train")
     if eval_task is None and cfg.trainer.eval_prompts > 0:
         eval_task = make_task(cfg.eval_task_config(), "test")
     if reward_fn is not None:
-        task = with_reward_fns(task, reward_fn)
-        eval_task = with_reward_fns(eval_task, reward_fn) if eval_task is not None else None
+        style = cfg.task.reward_style
+        task = with_reward_fns(task, reward_fn, style=style)
+        eval_task = with_reward_fns(eval_task, reward_fn, style=style) if eval_task is not None else None
+    for t in (task, eval_task):
+        if isinstance(t, RewardFnTask):
+            t.max_steps = cfg.trainer.steps
     return task, eval_task

@@ -14,8 +14,8 @@ from sparserl.seeds import EVAL, derive_seed
 
 
 class HeldOutEval:
-    """`__call__()` -> eval/<dense|sparse>/reward and /length, time/eval_<mode>; the dense pass's samples are
-    kept for `print_samples`."""
+    """`__call__()` -> eval/<dense|sparse>/reward and /length, time/eval_<mode>, eval/reward_fn/<name> (what
+    reward functions logged); the dense pass's samples are kept for `print_samples`."""
 
     def __init__(
         self, cfg: Any, view: TaskView, rows: list[int], engines: dict[str, Any], module: Any
@@ -42,6 +42,7 @@ class HeldOutEval:
             out[f"eval/{mode}/reward"] = got.rewards.mean().item()
             out[f"eval/{mode}/length"] = sum(got.lengths) / max(1, len(got.lengths))
             out[f"time/eval_{mode}"] = time.perf_counter() - t0
+        out.update({f"eval/{k}": v for k, v in self.view.drain_logged().items()})  # eval/reward_fn/*
         return out
 
     def print_samples(self, progress: Any, when: str) -> None:
