@@ -331,7 +331,8 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    """Where metrics go: always the console; JSONL and TensorBoard by default; W&B / MLflow on request."""
+    """Where metrics go: always the console; JSONL and TensorBoard by default; W&B / MLflow / Trackio on
+    request; the completions table."""
 
     jsonl: bool = field(
         default=True, metadata={"help": "Append one JSON line of metrics per step to metrics.jsonl."}
@@ -345,6 +346,18 @@ class LoggingConfig:
     wandb_project: str = field(default="sparserl", metadata={"help": "W&B project name."})
     mlflow: bool = field(default=False, metadata={"help": "Also log to MLflow (needs `pip install mlflow`)."})
     mlflow_experiment: str = field(default="sparserl", metadata={"help": "MLflow experiment name."})
+    trackio: bool = field(
+        default=False, metadata={"help": "Also log to Trackio (needs `pip install trackio`)."}
+    )
+    trackio_project: str = field(default="sparserl", metadata={"help": "Trackio project name."})
+    completions: int = field(
+        default=32,
+        metadata={
+            "help": "Rows per step of the completions table (RUN_DIR/completions.jsonl, and a table in W&B, "
+            "MLflow, Trackio and TensorBoard's text tab): prompt, completion, reward, advantage, the sampler's "
+            "log-prob gap to pi_old, rejected or not, and what reward functions logged (log_extra); 0: none."
+        },
+    )
     progress: bool = field(
         default=True, metadata={"help": "Show the live progress bar (reward, length, rejection rate)."}
     )

@@ -1,5 +1,6 @@
 """Where metrics go: a rich progress bar with live reward / length / rejection rate, metrics.jsonl,
-TensorBoard, and W&B or MLflow when installed and asked for."""
+TensorBoard, and W&B, MLflow or Trackio when installed and asked for; the completions table
+(trainer/completions.py) goes to completions.jsonl and each tracker's table type."""
 
 from __future__ import annotations
 
@@ -26,14 +27,15 @@ from torch import Tensor
 from sparserl.algo.masked import masked_mean, token_mask
 from sparserl.config import ConfigError, LoggingConfig, flatten
 from sparserl.engine.cache import dense_kv_bytes
+from sparserl.trainer.completions import COMPLETIONS_FILE, columns, markdown
 
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 
 
 def check_backends(cfg: LoggingConfig) -> None:
-    """Fail fast (before loading a model) when W&B or MLflow is requested but not installed."""
-    for name, wanted in (("wandb", cfg.wandb), ("mlflow", cfg.mlflow)):
+    """Fail fast (before loading a model) when W&B, MLflow or Trackio is requested but not installed."""
+    for name, wanted in (("wandb", cfg.wandb), ("mlflow", cfg.mlflow), ("trackio", cfg.trackio)):
         if wanted and importlib.util.find_spec(name) is None:
             raise ConfigError(
                 f"logging.{name}=true but {name} is not installed: `pip install {name}` or set it false"
@@ -51,7 +53,8 @@ def _finite(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricSinks:
-    """metrics.jsonl + TensorBoard + optional W&B / MLflow, one `log(step, metrics)` for all."""
+    """metrics.jsonl + TensorBoard + optional W&B / MLflow / Trackio, one `log(step, metrics)` for all, and
+    `log_completions(step, rows)` for the completions table."""
 
     def __init__(
         self, run_dir: Path, cfg: LoggingConfig, config: dict[str, Any], resume_step: int = 0
@@ -59,8 +62,10 @@ class MetricSinks:
         self.run_dir = Path(run_dir)
         self.cfg = cfg
         self.jsonl_path = self.run_dir / METRICS_FILE if cfg.jsonl else None
-        if self.jsonl_path is not None:
-            _truncate_after(self.jsonl_path, resume_step)
+        self.completions_path = self.run_dir / COMPLETIONS_FILE if cfg.completions > 0 else None
+        for path in (self.jsonl_path, self.completions_path):
+            if path is not None:
+                _truncate_after(path, resume_step)
         self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -88,6 +93,12 @@ class MetricSinks:
             mlflow.start_run(run_name=self.run_dir.name)
             mlflow.log_params(flatten(config))
             self.mlflow = mlflow
+        self.trackio = None
+        if cfg.trackio:
+            import trackio
+
+            trackio.init(project=cfg.trackio_project, name=self.run_dir.name, config=config, resume="allow")
+            self.trackio = trackio
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Send one step's metrics to every enabled sink (non-finite values are kept in JSONL as null)."""
@@ -106,6 +117,34 @@ class MetricSinks:
             self.wandb.log(clean, step=step)
         if self.mlflow is not None:
             self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in clean.items()}, step=step)
+        if self.trackio is not None:
+            self.trackio.log(clean, step=step)
+
+    def log_completions(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """One step's completions table (trainer/completions.py): appended to completions.jsonl, and logged
+        as a wandb.Table, an MLflow table artifact (completions/step_N.json), a trackio.Table and a Markdown
+        table in TensorBoard's text tab."""
+        if not rows:
+            return
+        if self.completions_path is not None:
+            with open(self.completions_path, "a") as f:
+                f.writelines(json.dumps(row, default=str) + "\n" for row in rows)
+        names = columns(rows)
+        data = [[row.get(n) for n in names] for row in rows]
+        if self.tb is not None:
+            self.tb.add_text("completions", markdown(rows), step)
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=names, data=data, allow_mixed_types=True)
+            self.wandb.log({"completions": table}, step=step)
+        if self.mlflow is not None:
+            table = {n: [row.get(n) for row in rows] for n in names}
+            self.mlflow.log_table(table, artifact_file=f"completions/step_{step:06d}.json")
+        if self.trackio is not None:
+            table = self.trackio.Table(columns=names, data=data, allow_mixed_types=True)
+            self.trackio.log({"completions": table}, step=step)
 
     def close(self) -> None:
         """Flush and close every sink."""
@@ -115,6 +154,8 @@ class MetricSinks:
             self.wandb.finish()
         if self.mlflow is not None:
             self.mlflow.end_run()
+        if self.trackio is not None:
+            self.trackio.finish()
 
 
 def _truncate_after(path: Path, step: int) -> None:

@@ -41,6 +41,7 @@ from sparserl.trainer.checkpoint import (
     TrainerState,
     save_checkpoint,
 )
+from sparserl.trainer.completions import completion_rows, with_stats
 from sparserl.trainer.console import step_numbers
 from sparserl.trainer.data import training_tasks, usable_rows
 from sparserl.trainer.evaluation import held_out_eval
@@ -261,6 +262,10 @@ class Trainer:
         metrics.update(
             kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
         )
+        metrics.update(self.train_view.drain_logged())  # what the reward functions logged (log_metric)
+        batch.table = completion_rows(
+            step, samples, batch.advantages, self.train_view, cfg.logging.completions
+        )
         return batch, metrics
 
     def _rewards(self, samples: list[SampleRecord]) -> tuple[Tensor, Tensor]:
@@ -394,6 +399,7 @@ class Trainer:
                 t1 = time.perf_counter()
                 progress.phase(f"step {step}: updating")
                 metrics.update(self.learn(step, batch))
+                sinks.log_completions(step, with_stats(batch.table, self.learner))
                 metrics["time/train"] = time.perf_counter() - t1
                 self.state.step = step
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and not self.finished():

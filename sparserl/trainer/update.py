@@ -29,6 +29,7 @@ from sparserl.engine.module_mode import module_mode
 from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import UserError
 from sparserl.seeds import SHUFFLE, derive_seed
+from sparserl.trainer.completions import SampleStats, sample_stats
 
 # Loss metrics that add up over micro-batches (then divide by the mini-batch's denominator); the others are
 # per-micro-batch statistics, averaged weighted by size.
@@ -52,6 +53,7 @@ class Batch:
     logp_ref: Tensor | None  # [B, T] reference policy (None when kl_coef == 0)
     advantages: Tensor  # [B] per sequence, or [B, T] per token
     held: list | None = None  # per sample, what an evicting sampler held (engine.held), for its replay
+    table: list[dict] | None = None  # the completions table's rows (trainer/completions.py), not trained on
     truncated: Tensor | None = None  # [B] bool: cut at their length cap (algo.mask_truncated_completions)
 
     def advantages_of(self, rows: Tensor, length: int) -> Tensor:
@@ -196,6 +198,7 @@ class Learner:
             raise ValueError(f"model {cfg.model.spec!r} has no trainable parameters")
         self.cfg, self.module, self.params, self.autocast = cfg, module, params, autocast
         self.collective, self.scorer = collective, scorer
+        self.sample_stats: SampleStats | None = None  # the last update's per-sample gap and rejection
         if (
             cfg.optim.gradient_checkpointing
         ):  # transformers' own; non-reentrant: works with frozen bases (LoRA)
@@ -371,15 +374,17 @@ class Learner:
         self, sums: dict[str, float], taken: int, skipped: int, reference: Tensor, batch: Batch
     ) -> dict[str, Any]:
         """Averages over the updates taken, skip count, lr, and the whole batch's correction metrics (rows
-        whose log-probs are NaN/inf are left out of the latter)."""
+        whose log-probs are NaN/inf are left out of the latter); each sample's log-prob gap and rejection are
+        kept in `sample_stats` (the completions table)."""
         out = {k: v / max(taken, 1) for k, v in sums.items()}
         out["train/nonfinite_skipped_updates"] = float(skipped)
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         bad = torch.isnan(reference) | (reference == float("inf")) | ~torch.isfinite(batch.logp_sampler)
         usable = batch.mask & ~(batch.mask & bad).any(dim=1, keepdim=True)
-        _, _, corr = correction_weights(
+        _, keep, corr = correction_weights(
             reference, batch.logp_sampler, usable, self.cfg.algo, batch.advantages
         )
+        self.sample_stats = sample_stats(reference, batch.logp_sampler, usable, keep)
         out.update(corr)
         out["rejection_rate"] = corr.get("rollout_corr/seq_rejection_rate", 0.0)
         return out
