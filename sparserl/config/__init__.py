@@ -17,16 +17,15 @@ from sparserl.config.loading import (
     resolve_config_path,
     save_config,
 )
+from sparserl.config.model import DTYPES, ModelConfig
 from sparserl.config.sections import (
     CONFIG_DIR,
     DEFAULT_PRESET,
-    DTYPES,
     SCHEDULES,
     AlgoSection,
     ConfigError,
     EngineConfig,
     LoggingConfig,
-    ModelConfig,
     OptimConfig,
     RolloutConfig,
     TrainConfig,

@@ -16,6 +16,7 @@ from sparserl.config.distill import DistillConfig
 from sparserl.config.distributed import DistributedConfig
 from sparserl.config.engine import EngineConfig
 from sparserl.config.errors import ConfigError
+from sparserl.config.model import ModelConfig
 from sparserl.config.rollout import RolloutConfig
 from sparserl.config.sampling import SamplingConfig
 from sparserl.config.shaping import ShapingConfig
@@ -24,76 +25,11 @@ from sparserl.tasks import TaskConfig
 from sparserl.tasks.config import GENERATED_TASKS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("constant", "linear", "cosine")
 DEFAULT_PRESET = "sparse-rl"
 
 
 # ------------------------------------------------------------------------------------------------ sections
-
-
-@dataclass
-class ModelConfig:
-    """Which model is trained, in which precision, and whether through LoRA adapters."""
-
-    spec: str = field(
-        default="smollm2-135m",
-        metadata={
-            "help": "Model to train: a Hugging Face id or local directory, a .gguf file, or 'smollm2-135m' "
-            "(SmolLM2-135M-Instruct, the embedded default)."
-        },
-    )
-    dtype: str = field(
-        default="float32",
-        metadata={
-            "help": f"Compute dtype, one of {', '.join(DTYPES)}; float32 is the reference. In half precision "
-            "rollouts (and their KV cache) run in it, and scoring and the update run under its autocast; "
-            "full fine-tuning keeps float32 master weights and optimizer state, LoRA keeps its frozen base "
-            "in it and its adapters in float32. float16 is meant for GPUs."
-        },
-    )
-    device: str = field(
-        default="auto",
-        metadata={
-            "help": "Torch device of the policy (rollouts, scoring and update): 'auto' (cuda when available, "
-            "else cpu), or any torch device such as cpu, cuda, cuda:1. Log-probs differ across devices by "
-            "float rounding; float32 on the CPU is the reference."
-        },
-    )
-    lora: bool = field(
-        default=True,
-        metadata={
-            "help": "Train LoRA adapters (PEFT) instead of all weights; the reference policy is then the "
-            "same model with adapters disabled (no second copy)."
-        },
-    )
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank r."})
-    lora_alpha: float = field(
-        default=32.0, metadata={"help": "LoRA scaling alpha (update scaled by alpha/r)."}
-    )
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA branch input."})
-    lora_targets: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        metadata={
-            "help": "Module names that get adapters (comma-separated on the command line), or 'all-linear'."
-        },
-    )
-
-    @property
-    def weights_dtype(self) -> str:
-        """The dtype the weights are kept in: float32 master weights when they are trained (full fine-tuning),
-        the compute dtype for LoRA's frozen base."""
-        return self.dtype if self.lora else "float32"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"model.dtype={self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-        if self.lora and self.lora_r < 1:
-            raise ConfigError(f"model.lora_r={self.lora_r} must be >= 1")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ConfigError(f"model.lora_dropout={self.lora_dropout} must be in [0, 1)")
-        if self.lora and not self.lora_targets:
-            raise ConfigError("model.lora_targets is empty: name the modules that get adapters")
 
 
 def _kv_default() -> KVConfig:

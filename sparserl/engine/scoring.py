@@ -20,6 +20,7 @@ from sparserl.engine.sampling import (
     distributions_of,
     processed_logprobs,
 )
+from sparserl.engine.weights import head_logits
 
 
 def _completion_logits(
@@ -49,7 +50,7 @@ def _completion_logits(
         ]
         order = torch.tensor([i for rows, _ in parts for i in rows], device=device)
         hidden = torch.cat([h for _, h in parts])[order.argsort()]  # back to the callers' row order
-    return lm.lm_head(hidden).float(), targets.to(device), mask.to(device)
+    return head_logits(lm.lm_head, hidden).float(), targets.to(device), mask.to(device)
 
 
 def shares_prompts(model: nn.Module) -> bool:

@@ -13,6 +13,9 @@ gets its copy cached instead (`packed_projections`): rebuilt only when the versi
 adapters are active, enabled, merged, their scaling), a weight tensor's identity or its autograd version counter
 moved, and shared by every engine over the model. The stale copy is dropped at the bump, not kept until the next
 call.
+
+An LM head marked by `keep_head_float32` (model.fp32_lm_head) multiplies in float32 whatever the compute dtype: the
+packed copy keeps it in float32 and `head_logits` runs it so outside autocast, for the sampler and the scorer alike.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -43,7 +47,7 @@ class ModuleProjections:
         return self.layers[layer].mlp(x)
 
     def logits(self, x: Tensor) -> Tensor:
-        return self.lm_head(x)
+        return head_logits(self.lm_head, x)
 
 
 @dataclass
@@ -121,7 +125,7 @@ class PackedProjections:
                 if matrix is None:
                     return None
                 parts[name].append(matrix)
-        head = _pack([lm_head], dtype)
+        head = _pack([lm_head], head_dtype(lm_head, dtype))
         return None if head is None else cls(**parts, lm_head=head, layers=layers)
 
     def qkv(self, layer: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -137,6 +141,41 @@ class PackedProjections:
 
     def logits(self, x: Tensor) -> Tensor:
         return self._lm_head(x)
+
+
+# the attribute on an LM head that `keep_head_float32` sets: its matmul runs in float32 (model.fp32_lm_head)
+FLOAT32_HEAD_ATTR = "sparserl_float32_head"
+
+
+def keep_head_float32(lm_head: nn.Module) -> None:
+    """Mark `lm_head` so that the engine's packed copy and `head_logits` multiply by it in float32 (its weight is
+    left as it is: a tied embedding stays tied). ValueError for a head that is not a plain or LoRA Linear."""
+    if linear_weight(lm_head) is None:
+        raise ValueError(
+            f"model.fp32_lm_head needs a plain or LoRA Linear LM head, not {type(lm_head).__name__} (or one "
+            "with forward hooks)"
+        )
+    setattr(lm_head, FLOAT32_HEAD_ATTR, True)
+
+
+def head_dtype(lm_head: nn.Module, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the head multiplies in when the rest computes in `dtype`."""
+    return torch.float32 if getattr(lm_head, FLOAT32_HEAD_ATTR, False) else dtype
+
+
+def head_logits(lm_head: nn.Module, hidden: Tensor) -> Tensor:
+    """`lm_head(hidden)`, or for a head marked by `keep_head_float32` the same Linear in float32 outside autocast
+    (the input and the weight upcast; gradients flow back to both)."""
+    if not getattr(lm_head, FLOAT32_HEAD_ATTR, False):
+        return lm_head(hidden)
+    found = linear_weight(lm_head)
+    if found is None:  # marked, then given a hook or replaced: say so rather than multiply in half precision
+        raise RuntimeError(
+            f"the float32 LM head ({type(lm_head).__name__}) is no longer a plain or LoRA Linear"
+        )
+    weight, bias = found
+    with torch.autocast(hidden.device.type, enabled=False):
+        return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
 
 
 # the attribute on the causal LM that holds its weights version; absent: nobody tracks it, repack every call

@@ -16,7 +16,7 @@ from torch import nn
 from sparserl.config import ConfigError, ModelConfig
 from sparserl.config.distill import DistillConfig
 from sparserl.engine.rollout import register_sparse_path
-from sparserl.engine.weights import bump_weights_version, track_weights_version
+from sparserl.engine.weights import bump_weights_version, keep_head_float32, track_weights_version
 from sparserl.models import ModelLoadError
 from sparserl.trainer.checkpoint import atomic_dir
 
@@ -95,6 +95,11 @@ class Policy:
         # a custom loader's model too: master weights are float32; LoRA layers follow their base onto the device
         model.to(dtype=getattr(torch, cfg.weights_dtype), device=device)
         prepare_for_training(model)  # a GGUF-loaded model carries a quantization marker that blocks training
+        if cfg.fp32_lm_head:  # before the reference is copied: it scores with the same head
+            try:
+                keep_head_float32(model.get_output_embeddings())
+            except ValueError as e:
+                raise ConfigError(f"{e} ({cfg.spec!r})") from None
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.peft = None

@@ -88,7 +88,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
         i: {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in entry.items()}
         for i, entry in state["state"].items()
     }
-    return {"state": whole, "param_groups": state["param_groups"]}
+    return {**state, "state": whole}  # other entries (float16's loss scale) as they are
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -103,4 +103,4 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
         }
         for i, entry in state["state"].items()
     }
-    optimizer.load_state_dict({"state": sharded, "param_groups": state["param_groups"]})
+    optimizer.load_state_dict({**state, "state": sharded})

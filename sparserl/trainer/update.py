@@ -1,7 +1,9 @@
 """The learner's half of a step: corrections, then K passes of AdamW over shuffled mini-batches with gradient
 accumulation, clipping and the lr schedule. A mini-batch with a NaN/inf anywhere is skipped and counted;
-weights that turn non-finite stop the run before anything is saved. `minibatch_updates` is the one
-mini-batch loop that the policy's learner and the add-on learners (DistillSparse) share."""
+weights that turn non-finite stop the run before anything is saved. Under float16 the loss is scaled
+dynamically (trainer/loss_scale.py): a gradient that overflows skips its mini-batch and lowers the scale.
+`minibatch_updates` is the one mini-batch loop that the policy's learner and the add-on learners
+(DistillSparse) share."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import UserError
 from sparserl.seeds import SHUFFLE, derive_seed
 from sparserl.trainer.completions import SampleStats, sample_stats
+from sparserl.trainer.loss_scale import DynamicLossScale, attach
 
 # Loss metrics that add up over micro-batches (then divide by the mini-batch's denominator); the others are
 # per-micro-batch statistics, averaged weighted by size.
@@ -220,6 +223,11 @@ class Learner:
         self.scheduler = get_scheduler(
             name, self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=1
         )
+        # float16: dynamic loss scaling, its scale kept in the optimizer's state dict (trainer/loss_scale.py)
+        self.loss_scale = DynamicLossScale() if cfg.model.dtype == "float16" else None
+        self.overflows = 0  # the current update's mini-batches skipped for an overflow of the loss scale
+        if self.loss_scale is not None:
+            attach(self.optimizer, self.loss_scale)
 
     def optimizer_steps(self, batch_size: int) -> int:
         """Optimizer steps taken on a batch of `batch_size` samples: K epochs x its mini-batches (the last may
@@ -308,10 +316,13 @@ class Learner:
                 logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
                 entropy=entropy, response_mask=mask, denominator=1.0, logp_sampler=sampler,
             )  # fmt: skip
-            return (loss, m, denominator) if torch.isfinite(loss) else stand_in(logp)
+            if not torch.isfinite(loss):
+                return stand_in(logp)
+            return (loss if self.loss_scale is None else loss * self.loss_scale.scale), m, denominator
 
         per_step = self.optimizer_steps(B)
         self._schedule_at(step, per_step)
+        self.overflows = 0
         with module_mode(self.module, training=True):
             sums, taken, skipped = minibatch_updates(
                 marking_seen(self._minibatches(step, B)), cfg.optim.grad_accum, self.optimizer, micro_step,
@@ -353,10 +364,18 @@ class Learner:
         return out[0].cpu(), (out[2].cpu() if len(out) > 2 else None)
 
     def _step(self, denominator: float, sums: dict[str, float]) -> bool:
-        """`clipped_step`, then: raises WeightsDiverged if the step made any weight non-finite."""
-        norm = clipped_step(self.params, self.optimizer, denominator, self.cfg.optim.grad_clip)
+        """`clipped_step` (under float16 also dividing by the loss scale, which a non-finite gradient lowers),
+        then: raises WeightsDiverged if the step made any weight non-finite."""
+        scale = self.loss_scale
+        divisor = denominator if scale is None else denominator * scale.scale
+        norm = clipped_step(self.params, self.optimizer, divisor, self.cfg.optim.grad_clip)
         if norm is None:
+            if scale is not None:
+                scale.overflowed()
+                self.overflows += 1
             return False
+        if scale is not None:
+            scale.stepped()
         bump_weights_version(self.module)  # fused AdamW moved the weights unseen: engines repack next call
         sums["actor/grad_norm"] = sums.get("actor/grad_norm", 0.0) + norm
         # one fused pass: a NaN/inf weight makes the norm of all weights NaN/inf (and finite weights cannot
@@ -377,7 +396,10 @@ class Learner:
         whose log-probs are NaN/inf are left out of the latter); each sample's log-prob gap and rejection are
         kept in `sample_stats` (the completions table)."""
         out = {k: v / max(taken, 1) for k, v in sums.items()}
-        out["train/nonfinite_skipped_updates"] = float(skipped)
+        out["train/nonfinite_skipped_updates"] = float(skipped - self.overflows)
+        if self.loss_scale is not None:
+            out["train/fp16_overflow_skips"] = float(self.overflows)
+            out["train/fp16_loss_scale"] = self.loss_scale.scale
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         bad = torch.isnan(reference) | (reference == float("inf")) | ~torch.isfinite(batch.logp_sampler)
         usable = batch.mask & ~(batch.mask & bad).any(dim=1, keepdim=True)
