@@ -66,8 +66,9 @@ class Batch:
 
 
 def _unusable(mask: Tensor, sampler: Tensor, *logps: Tensor) -> bool:
-    """True if any of `logps` is NaN or +inf on `mask` (-inf in pi_old is legal: the veto catches it), or the
-    sampler's log-prob of a sampled token is not finite."""
+    """True if any of `logps` is NaN or +inf on `mask` (-inf in pi_old or the reference model is legal: a token
+    they give no mass, which the veto, the ratio clamp and the KL clamp handle), or the sampler's log-prob of a
+    sampled token is not finite."""
     return bool((mask & ~torch.isfinite(sampler)).any()) or any(
         bool((mask & (torch.isnan(x) | (x == float("inf")))).any()) for x in logps
     )
@@ -306,14 +307,15 @@ class Learner:
             owned[micro[first]] = True
             reference[micro[first], :T] = ref[first]
             sampler = batch.logp_sampler[micro, :T]
-            if not finite or _unusable(mask, sampler, logp.detach(), old, ref):
+            kl_ref = batch.logp_ref[micro, :T] if batch.logp_ref is not None else None
+            checked = (old, ref) if kl_ref is None else (old, ref, kl_ref)
+            if not finite or _unusable(mask, sampler, logp.detach(), *checked):
                 return stand_in(logp)  # pi_old of later micro-batches is still needed
             adv = batch.advantages_of(micro, T)
             weights, keep, _ = correction_weights(ref, sampler, mask, algo, adv)
             denominator = loss_denominator(mask & keep, algo, mask)
             loss, m = policy_loss(
-                logp, old, adv, mask & keep, weights, algo,
-                logp_ref=batch.logp_ref[micro, :T] if batch.logp_ref is not None else None,
+                logp, old, adv, mask & keep, weights, algo, logp_ref=kl_ref,
                 entropy=entropy, response_mask=mask, denominator=1.0, logp_sampler=sampler,
             )  # fmt: skip
             if not torch.isfinite(loss):
