@@ -17,35 +17,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sparserl.algo import advantages_from_config, make_adv_transforms
+from sparserl.algo import advantages_from_config
 from sparserl.algo.reward_shaping import overlong_penalty
-from sparserl.config import TrainConfig, save_config
+from sparserl.config import TrainConfig
 from sparserl.distributed.weights import trainable_state
-from sparserl.engine.decoder import max_positions
 from sparserl.engine.padding import right_pad
 from sparserl.engine.rollout import RolloutEngine
-from sparserl.engine.run_settings import engine_settings
 from sparserl.engine.weights import drop_packed
-from sparserl.rollout import RolloutState, SourceContext, TaskView, make_group_source, step_seed
-from sparserl.rollout.build import build_rollout, check_rollout
-from sparserl.rollout.records import Recording, SampleRecord
+from sparserl.rollout import step_seed
+from sparserl.rollout.build import check_rollout
+from sparserl.rollout.records import SampleRecord
 from sparserl.trainer import distill as _distill  # noqa: F401 - registers the DistillSparse add-on
 from sparserl.trainer import judges as _judges  # noqa: F401 - registers the model-backed uniqueness judges
-from sparserl.trainer.acceptance import acceptance_request, acceptance_step_metrics, check_acceptance
-from sparserl.trainer.addons import dense_logprobs_needed, make_addons, records_held
-from sparserl.trainer.builder import JudgeResources, OwnEngine, Relay
-from sparserl.trainer.checkpoint import (
-    SOURCE_PART,
-    Checkpoint,
-    Part,
-    TrainerState,
-    save_checkpoint,
-)
-from sparserl.trainer.completions import completion_rows, with_stats
+from sparserl.trainer.acceptance import acceptance_step_metrics
+from sparserl.trainer.addons import dense_logprobs_needed
+from sparserl.trainer.builder import Relay, build_run
+from sparserl.trainer.checkpoint import SOURCE_PART, Part, save_checkpoint
 from sparserl.trainer.console import step_numbers
-from sparserl.trainer.data import training_tasks, usable_rows
-from sparserl.trainer.evaluation import held_out_eval
-from sparserl.trainer.learner_group import make_learner
 from sparserl.trainer.logging import (
     MetricSinks,
     ProgressDisplay,
@@ -54,8 +42,8 @@ from sparserl.trainer.logging import (
     kv_saving_metrics,
     sample_metrics,
 )
-from sparserl.trainer.policy import ModelLoader, Policy
-from sparserl.trainer.run_dir import CONFIG_FILE, RunLock, checkpoint_to_resume, new_run_dir
+from sparserl.trainer.policy import ModelLoader
+from sparserl.trainer.run_dir import RunLock, new_run_dir
 from sparserl.trainer.summary import accumulate, run_summary
 from sparserl.trainer.update import Batch
 
@@ -65,7 +53,8 @@ EXPORT_DIR = "final"
 
 
 class Trainer:
-    """Owns a run: its directory, policy, engine, optimizer, schedule, data position and metric sinks.
+    """Owns a run: its directory, policy, optimizer, schedule, data position, rollout layer and metric sinks,
+    built by `builder.build_run`; runs its steps.
 
     `task`, `eval_task` and `model_loader` replace the config's task and model (tests, notebooks); a resume
     must pass the same ones.
@@ -101,72 +90,12 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             self._lock = RunLock(self.run_dir)
-            self._setup(resume, task, eval_task, model_loader, reward_fn)
+            build_run(self, resume, task, eval_task, model_loader, reward_fn)
         except BaseException:
             self.close()
             if created:  # a failed start leaves no empty run directory behind
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
-
-    def _setup(self, resume: bool, task: Any, eval_task: Any, model_loader: Any, reward_fn: Any) -> None:
-        """Everything after the run directory is locked: checks, task, policy, engines, learner, resume."""
-        cfg = self.cfg
-        ckpt = checkpoint_to_resume(self.run_dir, cfg, resume, self.notes)
-        if cfg.trainer.threads:
-            torch.set_num_threads(cfg.trainer.threads)
-
-        seed = cfg.trainer.seed
-        torch.manual_seed(seed)
-        self.task, self.eval_task = training_tasks(cfg, task, eval_task, reward_fn)
-        self.policy = Policy(
-            cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed, distill=cfg.distill
-        )
-        self.tokenizer = self.policy.tokenizer
-        check_acceptance(cfg, self.policy.module.get_input_embeddings().weight.shape[0])
-
-        settings, compile_note = engine_settings(cfg, self.policy.module)
-        self.notes += [compile_note] if compile_note else []
-        self.own_engine = OwnEngine(self.policy.module, self.tokenizer, settings, self.say)
-        self.learner = make_learner(
-            cfg, self.policy.module, self.policy.trainable_parameters(), self.policy.autocast
-        )
-        self.addons = make_addons(cfg, self.policy)
-        self.state = TrainerState()
-        self.train_view = TaskView(self.task, self.tokenizer)
-        self.eval_view = TaskView(self.eval_task, self.tokenizer) if self.eval_task is not None else None
-        self.train_rows = self._usable_rows(self.train_view)
-        self.held_out = held_out_eval(cfg, self.eval_view, self._usable_rows, self.own_engine, self.policy)
-        self.source = make_group_source(
-            SourceContext(self.train_rows, cfg.rollout.n, seed, cfg, self.tokenizer)
-        )
-        self.adv_transforms = make_adv_transforms(
-            cfg.algo, cfg.shaping, JudgeResources(self.policy, self.own_engine)
-        )
-        recording = Recording(**acceptance_request(cfg), held=records_held(self.addons, cfg))
-        self.rollouts = build_rollout(
-            cfg, self.policy.module, self.tokenizer, self.train_view, recording, self.say
-        )
-        # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
-        longest = max(len(self.train_view.prompt_ids(r)) for r in self.train_rows[:64])
-        self.rollouts.backend.check_fits(longest, cfg.rollout.max_new_tokens)
-        if ckpt is not None:
-            self._resume(ckpt)
-        self.resumed_from: Path | None = ckpt.path if ckpt is not None else None
-        save_config(cfg, self.run_dir / CONFIG_FILE)  # a resume writes the settings it was allowed to change
-
-    def _resume(self, ckpt: Checkpoint) -> None:
-        """Weights, optimizer, schedule, loop state, the source's and the add-ons' parts, then the RNGs."""
-        self.policy.load_weights(ckpt.weights)
-        self.learner.optimizer.load_state_dict(ckpt.optimizer)
-        self.learner.scheduler.load_state_dict(ckpt.scheduler)
-        self.state = ckpt.state
-        self.source.load_state_dict(ckpt.parts[SOURCE_PART].state)
-        self.rollouts.state = RolloutState(**self.state.rollout)
-        self._push_weights(self.state.step)
-        for addon in self.addons:
-            addon.resume(ckpt)
-            self.notes += addon.notes
-        ckpt.restore_rng()
 
     def close(self) -> None:
         """Release the run directory (the lock); the Trainer should not be used afterwards."""
@@ -200,24 +129,10 @@ class Trainer:
         rollouts run on the backend's."""
         return self.own_engine()
 
-    def _push_weights(self, version: int) -> None:
+    def push_weights(self, version: int) -> None:
         """The backend holds policy `version`; one that samples from copies gets the trainable tensors."""
         backend = self.rollouts.backend
         backend.push_weights(version, trainable_state(self.policy.module) if backend.copies_weights else None)
-
-    def _usable_rows(self, view: TaskView, want: int | None = None) -> list[int]:
-        """`data.usable_rows` for this model and rollout length; its note is said when the run starts."""
-        rows, note = usable_rows(
-            view.task,
-            lambda i: len(view.prompt_ids(i)),
-            max_positions(self.policy.module),
-            self.cfg.rollout.max_new_tokens,
-            self.cfg.task.on_long_prompt,
-            want,
-        )
-        if note:
-            self.notes.append(note)
-        return rows
 
     def _score(
         self, model: Any, prompts: list[list[int]], completions: list[list[int]], length: int
@@ -261,10 +176,6 @@ class Trainer:
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
         metrics.update(
             kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
-        )
-        metrics.update(self.train_view.drain_logged())  # what the reward functions logged (log_metric)
-        batch.table = completion_rows(
-            step, samples, batch.advantages, self.train_view, cfg.logging.completions
         )
         return batch, metrics
 
@@ -321,7 +232,7 @@ class Trainer:
         out = self.learner.update(step, batch)
         for addon in self.addons:
             out.update(addon.update(step, batch, self.scheduler.get_last_lr()[0]))
-        self._push_weights(step)
+        self.push_weights(step)
         skips = self.state.counters.get("train/nonfinite_skips", 0) + out["train/nonfinite_skipped_updates"]
         self.state.counters["train/nonfinite_skips"] = skips
         return out
@@ -399,7 +310,6 @@ class Trainer:
                 t1 = time.perf_counter()
                 progress.phase(f"step {step}: updating")
                 metrics.update(self.learn(step, batch))
-                sinks.log_completions(step, with_stats(batch.table, self.learner))
                 metrics["time/train"] = time.perf_counter() - t1
                 self.state.step = step
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and not self.finished():
