@@ -58,7 +58,9 @@ def member(rank: int, port: int, dtypes: list[torch.dtype], out) -> None:
     group = open_group(store, rank, 2, "gloo", 30.0)
     got = tensors(rank)
     broadcast(group, got, "gloo", rank, dtypes)
-    out.put((rank, [t.clone() for t in got]))
+    # numpy copies travel by value: a tensor would be sent as a handle to this process's shared memory, which
+    # is gone if the process exits before the test has read it
+    out.put((rank, [t.numpy().copy() for t in got]))
 
 
 @pytest.mark.parametrize("travel", ["float32", "mixed"])
@@ -74,7 +76,9 @@ def test_the_broadcast_fills_every_tensor_in_place(travel):
     procs = [ctx.Process(target=member, args=(r, port, dtypes, out)) for r in (0, 1)]
     for proc in procs:
         proc.start()
-    got = dict(out.get(timeout=120) for _ in procs)
+    got = {
+        rank: [torch.from_numpy(a) for a in arrays] for rank, arrays in (out.get(timeout=120) for _ in procs)
+    }
     for proc in procs:
         proc.join(timeout=30)
         proc.kill()  # a member left waiting (a failed run) does not outlive the test
