@@ -72,6 +72,44 @@ class PartialConfig:
             raise ConfigError(f"rollout.partial.max_staleness={self.max_staleness} must be >= 0")
 
 
+@dataclass
+class OverlapConfig:
+    """Overlapped steps (one-step off-policy RL): the next step's rollout runs while this step updates."""
+
+    enable: bool = field(
+        default=False,
+        metadata={
+            "help": "Sample step t+1 while step t updates, with the weights the sampler last received (at most "
+            "max_staleness versions behind the learner). The recorded sampler log-probs are the older policy's, "
+            "pi_old is recomputed at the learner's version, so the corrections weigh staleness and sparsity "
+            "together; rollout/staleness_* and rollout/off_policy_token_frac say how stale each batch was. The "
+            "field's names for it: verl's one-step-off-policy recipe and its fully async trainer's "
+            "`async_training.staleness_threshold`, AReaL's `max_head_offpolicyness`, slime's `train_async.py`. "
+            "The local backend samples on a replica of the policy (LoRA: the adapter only, the frozen base is "
+            "shared) on a thread of its own; a Ray backend's workers sample while the learner updates."
+        },
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={
+            "help": "Policy versions the sampler may lag the learner: 1 overlaps one step; 0 samples every step "
+            "with the learner's weights (the same run as enable=false). A batch older than this is never trained."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_staleness not in (0, 1):
+            raise ConfigError(
+                f"rollout.overlap.max_staleness={self.max_staleness}: 0 or 1 (one step ahead) are implemented; "
+                "a deeper pipeline is not"
+            )
+
+    @property
+    def active(self) -> bool:
+        """True when a rollout runs ahead of the update (enable with max_staleness 1)."""
+        return self.enable and self.max_staleness > 0
+
+
 SPEC_PREFIX_LOGPS = ("verifier", "cached")
 
 
@@ -219,6 +257,10 @@ class RolloutConfig:
         metadata={"help": "SPEC-RL: previous responses reused as verified drafts."},
     )
     tree: TreeConfig = field(default_factory=TreeConfig, metadata={"help": "Tree rollouts (TreeRL)."})
+    overlap: OverlapConfig = field(
+        default_factory=OverlapConfig,
+        metadata={"help": "Overlapped steps: the next rollout runs while this step updates (one-step off-policy)."},
+    )
     backend: str = field(
         default="local",
         metadata={

@@ -50,6 +50,8 @@ class Collected:
     recorded: list[Segment] = field(default_factory=list)
     sampling: dict[str, float] = field(default_factory=dict)  # collect_step: what its rounds cost and gave
     by_sample: dict[int, Segment] = field(default_factory=dict)  # recordings by id(SampleRecord)
+    task_counters: dict[str, float] = field(default_factory=dict)  # the task's reward calls, errors, timeouts
+    logged: dict[str, float] = field(default_factory=dict)  # what the reward functions logged (log_metric)
 
 
 class RolloutLayer:
@@ -148,25 +150,32 @@ class RolloutLayer:
         cap = s.max_new_tokens or self.cfg.max_new_tokens
         return Request(self.task.prompt_ids(s.prompt_id), s.key, s.seed, cap, list(s.tokens))
 
-    def collect_step(self, source: GroupSource, k: int, version: int, seed: int) -> Collected:
+    def collect_step(
+        self, source: GroupSource, k: int, version: int, seed: int, drawn_by: int | None = None
+    ) -> Collected:
         """One step: the source's plans for `k` groups, then after each round its refills (at most
         `max_extra_rounds` more rounds, none with partial rollouts), its choice of the groups to train on;
-        the groups go back to it (`observe`). `Collected.sampling` says what the rounds cost and gave."""
+        the groups go back to it (`observe`). `Collected.sampling` says what the rounds cost and gave.
+
+        `version` is the policy that will train on the step (the source plans for it; staleness is measured
+        against it); `drawn_by` the weights the backend holds and samples with, older when the rollout runs
+        ahead of the update (rollout.overlap), else the same."""
+        drawn_by = version if drawn_by is None else drawn_by
         self.task.step = version  # the updates done: what reward functions see as trainer_state.global_step
         self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
         t_rounds = time.perf_counter()
-        first = self.collect(version, seed, source.plan(k, version))
+        first = self.collect(drawn_by, seed, source.plan(k, version))
         scored, rounds = list(first.groups), [first]
         first_flat = _zero_variance_frac(first.groups)  # before a later round extends these groups
         while len(rounds) <= self.max_extra_rounds and (plans := source.refill(scored, k, version)):
-            more = self.collect(version, seed, plans, target=len(plans))
+            more = self.collect(drawn_by, seed, plans, target=len(plans))
             rounds.append(more)
             scored += [g for g in more.groups if all(g is not h for h in scored)]
         trained = source.select(scored, k)
         t0 = time.perf_counter()
         rounds_s = t0 - t_rounds
         if source.needs_scores:
-            self._score_samples(trained, version)
+            self._score_samples(trained, drawn_by)
         score_s = time.perf_counter() - t0
         source.observe(trained, first.leftover)
         segments = {i: seg for r in rounds for i, seg in r.by_sample.items()}
@@ -181,7 +190,7 @@ class RolloutLayer:
             **merge_run_metrics([r.metrics for r in rounds], side_by_side=False),
             **_staleness(trained, version),
         }
-        sampling = round_metrics(scored, trained, first_flat, len(rounds), version, first.leftover)
+        sampling = round_metrics(scored, trained, first_flat, len(rounds), drawn_by, first.leftover)
         if self.spec_counts["spec_drafts"]:
             sampling |= spec_metrics(self.spec_counts, sampling["generated_tokens"], rounds_s, score_s)
         if source.needs_scores:

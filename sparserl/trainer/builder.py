@@ -19,7 +19,7 @@ from sparserl.config import save_config
 from sparserl.engine.decoder import max_positions
 from sparserl.engine.rollout import RolloutEngine
 from sparserl.engine.run_settings import engine_settings
-from sparserl.rollout import RolloutState, SourceContext, TaskView, make_group_source
+from sparserl.rollout import RolloutState, SourceContext, TaskView, make_group_source, step_seed
 from sparserl.rollout.build import build_rollout
 from sparserl.rollout.records import Recording
 from sparserl.trainer.acceptance import acceptance_request, check_acceptance
@@ -28,6 +28,7 @@ from sparserl.trainer.checkpoint import SOURCE_PART, Checkpoint, TrainerState
 from sparserl.trainer.data import training_tasks, usable_rows
 from sparserl.trainer.evaluation import held_out_eval
 from sparserl.trainer.learner_group import make_learner
+from sparserl.trainer.overlap import SAMPLER_PART, StepRollouts
 from sparserl.trainer.policy import Policy
 from sparserl.trainer.run_dir import CONFIG_FILE, checkpoint_to_resume
 
@@ -86,8 +87,11 @@ def build_run(
     advantage transforms and the rollout layer; then the checkpoint's state loaded into them."""
     t, cfg = trainer, trainer.cfg
     ckpt = checkpoint_to_resume(t.run_dir, cfg, resume, t.notes)
-    if cfg.trainer.threads:
-        torch.set_num_threads(cfg.trainer.threads)
+    if (
+        cfg.trainer.threads or cfg.rollout.overlap.active
+    ):  # overlapped: half the threads each to sampler, learner
+        threads = cfg.trainer.threads or torch.get_num_threads()
+        torch.set_num_threads(max(1, threads // 2) if cfg.rollout.overlap.active else threads)
 
     seed = cfg.trainer.seed
     torch.manual_seed(seed)
@@ -110,7 +114,11 @@ def build_run(
     t.source = make_group_source(SourceContext(t.train_rows, cfg.rollout.n, seed, cfg, t.tokenizer))
     t.adv_transforms = make_adv_transforms(cfg.algo, cfg.shaping, JudgeResources(t.policy, t.own_engine))
     recording = Recording(**acceptance_request(cfg), held=records_held(t.addons, cfg))
-    t.rollouts = build_rollout(cfg, t.policy.module, t.tokenizer, t.train_view, recording, t.say)
+    # rollout.overlap: the sampler draws from a replica of the policy while the learner updates the policy
+    replica = t.policy.sampler_replica() if cfg.rollout.overlap.active else None
+    t.rollouts = build_rollout(cfg, replica or t.policy.module, t.tokenizer, t.train_view, recording, t.say)
+    draw = partial(draw_step, t.rollouts, t.source, cfg)
+    t.steps = StepRollouts(draw, t.rollouts.backend, t.policy.module, replica, cfg.trainer.steps)
     # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
     longest = max(len(t.train_view.prompt_ids(r)) for r in t.train_rows[:64])
     t.rollouts.backend.check_fits(longest, cfg.rollout.max_new_tokens)
@@ -129,11 +137,23 @@ def resume_run(trainer: Trainer, ckpt: Checkpoint) -> None:
     t.state = ckpt.state
     t.source.load_state_dict(ckpt.parts[SOURCE_PART].state)
     t.rollouts.state = RolloutState(**t.state.rollout)
-    t.push_weights(t.state.step)
+    t.steps.resume(ckpt.parts.get(SAMPLER_PART), t.state.step)
     for addon in t.addons:
         addon.resume(ckpt)
         t.notes += addon.notes
     ckpt.restore_rng()
+
+
+def draw_step(rollouts: Any, source: Any, cfg: Any, step: int, drawn_by: int) -> Any:
+    """Step `step`'s groups from the rollout layer, drawn by policy `drawn_by` (the learner's version, step - 1,
+    unless the rollout runs ahead of the update), on the step's own random streams, with the reward counters
+    and logged metrics of its own reward calls."""
+    version = step - 1
+    seed = step_seed(cfg.trainer.seed, version)
+    got = rollouts.collect_step(source, cfg.rollout.prompts_per_step, version, seed, drawn_by)
+    # the task's counters and logged metrics go with the step they belong to, not the step that drains them
+    got.task_counters, got.logged = rollouts.task.drain_counters(), rollouts.task.drain_logged()
+    return got
 
 
 def usable_rows_of(trainer: Trainer, view: TaskView, want: int | None = None) -> list[int]:

@@ -20,7 +20,6 @@ from torch import Tensor
 from sparserl.algo import advantages_from_config
 from sparserl.algo.reward_shaping import overlong_penalty
 from sparserl.config import TrainConfig
-from sparserl.distributed.weights import trainable_state
 from sparserl.engine.padding import right_pad
 from sparserl.engine.rollout import RolloutEngine
 from sparserl.engine.weights import drop_packed
@@ -33,6 +32,7 @@ from sparserl.trainer.acceptance import acceptance_step_metrics
 from sparserl.trainer.addons import dense_logprobs_needed
 from sparserl.trainer.builder import Relay, build_run
 from sparserl.trainer.checkpoint import SOURCE_PART, Part, save_checkpoint
+from sparserl.trainer.completions import completion_rows, with_stats
 from sparserl.trainer.console import step_numbers
 from sparserl.trainer.logging import (
     MetricSinks,
@@ -42,6 +42,7 @@ from sparserl.trainer.logging import (
     kv_saving_metrics,
     sample_metrics,
 )
+from sparserl.trainer.overlap import SAMPLER_PART
 from sparserl.trainer.policy import ModelLoader
 from sparserl.trainer.run_dir import RunLock, new_run_dir
 from sparserl.trainer.summary import accumulate, run_summary
@@ -99,6 +100,8 @@ class Trainer:
 
     def close(self) -> None:
         """Release the run directory (the lock); the Trainer should not be used afterwards."""
+        if getattr(self, "steps", None) is not None:
+            self.steps.close()
         if getattr(self, "rollouts", None) is not None:
             self.rollouts.close()
         if getattr(self, "learner", None) is not None:
@@ -131,8 +134,12 @@ class Trainer:
 
     def push_weights(self, version: int) -> None:
         """The backend holds policy `version`; one that samples from copies gets the trainable tensors."""
-        backend = self.rollouts.backend
-        backend.push_weights(version, trainable_state(self.policy.module) if backend.copies_weights else None)
+        self.steps.push(version)
+
+    def _rollout_states(self) -> dict[str, Any]:
+        """What a step's rollout starts from: the group source's and the layer's states (a checkpoint taken
+        while the next one is drawn ahead keeps these, so that a resume draws it again)."""
+        return {"source": self.source.state_dict(), "layer": dataclasses.asdict(self.rollouts.state)}
 
     def _score(
         self, model: Any, prompts: list[list[int]], completions: list[list[int]], length: int
@@ -149,11 +156,10 @@ class Trainer:
         """Steps 1-6: the source's plans, complete scored groups from the rollout layer (and back to the
         source), advantages over group ids, dense old/reference log-probs."""
         cfg, t0 = self.cfg, time.perf_counter()
-        version = step - 1  # the weights have had step - 1 updates: the version of every token sampled now
-        self.state.engine_seed = step_seed(cfg.trainer.seed, version)
-        got = self.rollouts.collect_step(
-            self.source, cfg.rollout.prompts_per_step, version, self.state.engine_seed
-        )
+        self.state.engine_seed = step_seed(
+            cfg.trainer.seed, step - 1
+        )  # the policy that trains on it: step - 1
+        got, _ = self.steps.take(step, self._rollout_states)  # drawn now, or ahead while step - 1 updated
         drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
         spent = self.state.counters.get(TOKENS_SPENT, 0.0) + got.sampling["generated_tokens"]
         self.state.counters[TOKENS_SPENT] = spent
@@ -162,6 +168,8 @@ class Trainer:
         rewards, penalty = self._rewards(samples)
         batch = self._batch(samples, rewards)
         batch.held = [seg.held for seg in got.recorded] if self.rollouts.backend.recording.held else None
+        batch.truncated = torch.tensor([s.finish_reason == "length" for s in samples])
+        batch.versions = right_pad([s.versions for s in samples], torch.long)[0]
         t2 = time.perf_counter()
         with self.policy.autocast():
             metrics = acceptance_step_metrics(cfg, self.policy.module, batch.prompts, got.recorded)
@@ -176,6 +184,12 @@ class Trainer:
         metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
         metrics.update(
             kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
+        )
+        metrics.update(got.logged)  # what the reward functions logged (log_metric)
+        for k, v in got.task_counters.items():
+            self.state.counters[k] = self.state.counters.get(k, 0.0) + float(v)
+        batch.table = completion_rows(
+            step, samples, batch.advantages, self.train_view, cfg.logging.completions
         )
         return batch, metrics
 
@@ -232,7 +246,7 @@ class Trainer:
         out = self.learner.update(step, batch)
         for addon in self.addons:
             out.update(addon.update(step, batch, self.scheduler.get_last_lr()[0]))
-        self.push_weights(step)
+        self.steps.updated(step)
         skips = self.state.counters.get("train/nonfinite_skips", 0) + out["train/nonfinite_skipped_updates"]
         self.state.counters["train/nonfinite_skips"] = skips
         return out
@@ -245,17 +259,20 @@ class Trainer:
 
     def _task_counters(self) -> dict[str, float]:
         """Cumulative counters of the run (reward calls/errors/timeouts, skipped updates), kept in the
-        checkpoint so they survive a resume. The task views' counters are drained into them each step."""
+        checkpoint so they survive a resume. The held-out task's are drained into them here, the training
+        task's with each step's rollout (`rollout`)."""
         c = self.state.counters
-        for view in (self.train_view, self.eval_view):
-            for k, v in (view.drain_counters() if view is not None else {}).items():
-                c[k] = c.get(k, 0.0) + float(v)
+        for k, v in (self.eval_view.drain_counters() if self.eval_view is not None else {}).items():
+            c[k] = c.get(k, 0.0) + float(v)
         return dict(c)
 
     def save(self) -> Path:
         """Write a checkpoint of the current step."""
-        self.state.rollout = dataclasses.asdict(self.rollouts.state)
-        parts = {SOURCE_PART: Part(state=self.source.state_dict())}
+        started, sampler = self.steps.checkpoint(self._rollout_states())
+        self.state.rollout = started["layer"]
+        parts = {SOURCE_PART: Part(state=started["source"])}
+        if sampler is not None:  # overlapped: the weights the rollout in flight is drawn with
+            parts[SAMPLER_PART] = Part(weights=sampler["weights"], state={"version": sampler["version"]})
         parts.update({addon.name: addon.part() for addon in self.addons})
         return save_checkpoint(
             self.run_dir,
@@ -310,6 +327,7 @@ class Trainer:
                 t1 = time.perf_counter()
                 progress.phase(f"step {step}: updating")
                 metrics.update(self.learn(step, batch))
+                sinks.log_completions(step, with_stats(batch.table, self.learner))
                 metrics["time/train"] = time.perf_counter() - t1
                 self.state.step = step
                 if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and not self.finished():

@@ -146,11 +146,13 @@ class Policy:
         self._activate(self.own_adapters)
         register_sparse_path(self.module, self.sparse_path)  # every sparse engine over it samples with it
 
-    def _activate(self, names: list[str]) -> None:
-        """Make exactly `names` the active adapters, leaving every parameter's requires_grad as it was (PEFT's
-        switches also (un)freeze adapters, which is the optimizers' business here, not the switch's)."""
-        base = self.peft.base_model
-        with grad_flags_kept(self.module):
+    def _activate(self, names: list[str], peft: Any = None) -> None:
+        """Make exactly `names` the active adapters (of `peft`, by default the policy's own), leaving every
+        parameter's requires_grad as it was (PEFT's switches also (un)freeze adapters, which is the optimizers'
+        business here, not the switch's)."""
+        peft = peft or self.peft
+        base = peft.base_model
+        with grad_flags_kept(peft.get_base_model()):
             if names:
                 base.enable_adapter_layers()
                 base.set_adapter(names)
@@ -158,17 +160,30 @@ class Policy:
                 base.disable_adapter_layers()
 
     @contextlib.contextmanager
-    def sparse_path(self) -> Iterator[None]:
+    def sparse_path(self, peft: Any = None) -> Iterator[None]:
         """The distill adapter on, beside the policy's own, for sparse sampling and its replay (a no-op
-        without DistillSparse)."""
+        without DistillSparse); `peft`: a replica's adapters instead of the policy's."""
         if self.distill_adapter is None:
             yield
             return
-        self._activate([*self.own_adapters, self.distill_adapter])
+        self._activate([*self.own_adapters, self.distill_adapter], peft)
         try:
             yield
         finally:
-            self._activate(self.own_adapters)
+            self._activate(self.own_adapters, peft)
+
+    def sampler_replica(self) -> nn.Module:
+        """A second module for a sampler that runs while the learner updates (rollout.overlap): the trainable
+        tensors copied, every frozen one shared with the policy (with LoRA only the adapters are copied), with
+        adapter switches of its own for DistillSparse's sparse path. Refreshed by `load_named` once per version."""
+        frozen = {id(p): p for p in self.module.parameters() if not p.requires_grad}
+        if self.peft is None:
+            return copy.deepcopy(self.module, memo=frozen)
+        peft = copy.deepcopy(self.peft, memo=frozen)
+        replica = peft.get_base_model()
+        if self.distill_adapter is not None:
+            register_sparse_path(replica, lambda: self.sparse_path(peft))
+        return replica
 
     def distill_parameters(self) -> list[nn.Parameter]:
         """The distill adapter's parameters (the DistillSparse optimizer's)."""

@@ -58,6 +58,7 @@ class Batch:
     held: list | None = None  # per sample, what an evicting sampler held (engine.held), for its replay
     table: list[dict] | None = None  # the completions table's rows (trainer/completions.py), not trained on
     truncated: Tensor | None = None  # [B] bool: cut at their length cap (algo.mask_truncated_completions)
+    versions: Tensor | None = None  # [B, T] the policy version that drew each token (rollout.overlap, APRIL)
 
     def advantages_of(self, rows: Tensor, length: int) -> Tensor:
         """The advantages of `rows`, cut to `length` tokens when they are per token."""

@@ -1,0 +1,128 @@
+"""Which weights draw each step's rollout, and when (`rollout.overlap`).
+
+In step (the default): step t's rollout is drawn by policy t-1, the weights the learner has just made, and the
+backend gets each new version as soon as the update ends. Overlapped (one-step off-policy): while step t
+updates, step t+1's rollout is drawn on a thread of its own by policy t-1, held in a replica the learner never
+writes; the replica (and a remote backend) receives the learner's weights once per version, between the two
+threads' work, so no copy of the model is made per step. The learner recomputes pi_old at its own version, so
+the corrections see the sampler's staleness and its sparse cache as one mismatch.
+
+A checkpoint taken while a rollout is in flight keeps what that rollout started from (the group source's and
+the layer's states, the replica's weights and version): a resume draws it again, the same tokens, instead of
+saving it half done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparserl.distributed.weights import load_named, trainable_state
+from sparserl.engine.weights import bump_weights_version
+
+SAMPLER_PART = "sampler"  # checkpoint part: the replica's weights and version, while overlapping
+
+
+@dataclass
+class Ahead:
+    """A rollout in flight: the step it is for, the policy version drawing it, and what it started from."""
+
+    step: int
+    drawn_by: int
+    future: Future
+    started_from: dict[str, Any]
+
+
+class StepRollouts:
+    """`take(step, states)` -> (the step's rollout, the policy version that drew it). `draw(step, version)` runs
+    the rollout layer with the weights the backend holds; `backend.push_weights` hands it a version (with the
+    sampler's trainable tensors when it samples from copies); `learner` is the module the learner updates and
+    `replica` the sampler's own (None: the backend samples from the learner's, in step)."""
+
+    def __init__(
+        self,
+        draw: Callable[[int, int], Any],
+        backend: Any,
+        learner: torch.nn.Module,
+        replica: torch.nn.Module | None,
+        last_step: int,
+        max_staleness: int = 1,
+    ) -> None:
+        self.draw, self.backend, self.learner, self.replica = draw, backend, learner, replica
+        self.last_step, self.max_staleness = last_step, max_staleness
+        self.held = 0  # the policy version the sampler holds
+        self.ahead: Ahead | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if replica is not None else None
+
+    @property
+    def overlapped(self) -> bool:
+        return self.pool is not None
+
+    def updated(self, version: int) -> None:
+        """The learner made policy `version`. In step, the backend gets it now; overlapped, at the next `take`,
+        once the sampler is idle."""
+        if not self.overlapped:
+            self.push(version)
+
+    def take(self, step: int, states: Callable[[], dict[str, Any]]) -> tuple[Any, int]:
+        """Step `step`'s rollout: the one drawn ahead (its exception raised here), else drawn now; overlapped,
+        the next step's is started before returning (`states()`: what it starts from, for a checkpoint)."""
+        version = step - 1  # the learner's version: the policy that trains on this rollout
+        got, drawn_by = None, self.held
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            got, drawn_by = ahead.future.result(), ahead.drawn_by
+            if ahead.step != step or version - drawn_by > self.max_staleness:  # never trained: drawn again
+                got = None
+        if got is None:
+            if version - self.held > self.max_staleness:  # the sampler lags too far: catch it up first
+                self._refresh(version)
+            got, drawn_by = self.draw(step, self.held), self.held
+        if self.overlapped and step < self.last_step:
+            self._refresh(version)
+            self.ahead = Ahead(step + 1, version, self.pool.submit(self.draw, step + 1, version), states())
+        return got, drawn_by
+
+    def _refresh(self, version: int) -> None:
+        """The replica (and the backend) take the learner's weights of `version`."""
+        if version == self.held:
+            return
+        load_named(self.replica, trainable_state(self.learner))
+        bump_weights_version(self.replica)
+        self.push(version)
+
+    def push(self, version: int) -> None:
+        """The backend holds policy `version` (the sampler's tensors travel when it samples from copies)."""
+        sampler = self.replica if self.overlapped else self.learner
+        self.backend.push_weights(version, trainable_state(sampler) if self.backend.copies_weights else None)
+        self.held = version
+
+    def checkpoint(self, states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """What a checkpoint keeps: the states a rollout in flight started from (else `states`, today's), and,
+        overlapped, the replica's weights and version (the part SAMPLER_PART)."""
+        if not self.overlapped:
+            return states, None
+        started = self.ahead.started_from if self.ahead is not None else states
+        return started, {"weights": trainable_state(self.replica), "version": self.held}
+
+    def resume(self, part: Any, version: int) -> None:
+        """After a checkpoint's weights are loaded: overlapped, the replica takes the weights the sampler held
+        (the SAMPLER_PART `part`; without one, the learner's) and its version; then the backend is told."""
+        if self.overlapped:
+            saved = part is not None and part.weights
+            load_named(self.replica, part.weights if saved else trainable_state(self.learner))
+            bump_weights_version(self.replica)
+            version = int(part.state["version"]) if saved else version
+        self.push(version)
+
+    def close(self) -> None:
+        """Wait for a rollout in flight (its result is dropped) and stop the thread."""
+        if self.ahead is not None:
+            self.ahead.future.exception()
+            self.ahead = None
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)

@@ -1,0 +1,151 @@
+"""Overlapped steps (rollout.overlap): step t+1's rollout is drawn by policy t-1 on a thread while step t
+updates. Off (or max_staleness=0) it is the run without it; on, every batch says which version drew it, the
+corrections see the stale sampler, and a resume (after a stop, or kill -9 anywhere) equals the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparserl.engine import score
+from sparserl.trainer.checkpoint import latest_checkpoint
+from sparserl.trainer.overlap import Ahead, StepRollouts
+from tests.test_sigterm import TINY, final_weights, train_cmd
+from tests.test_trainer import make_trainer, rows, tiny_cfg, weights
+
+OVERLAP = ["rollout.overlap.enable=true", "trainer.steps=4", "trainer.eval_prompts=0"]
+TIMINGS = ("time", "tokens_per_s", "_s", "rss", "seconds")  # wall clocks and process memory vary
+
+
+def _same_rows(a: Path, b: Path) -> None:
+    """Every metric of every step equal, timings apart."""
+    ra, rb = rows(a), rows(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb, strict=True):
+        keys = {k for k in x if not any(t in k for t in TIMINGS)}
+        assert keys == {k for k in y if not any(t in k for t in TIMINGS)}
+        for k in keys:
+            assert x[k] == y[k] or (x[k] != x[k] and y[k] != y[k]), (x["step"], k, x[k], y[k])
+
+
+def _same_weights(a, b) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_overlap_with_max_staleness_zero_is_the_run_without(tmp_path: Path) -> None:
+    off = make_trainer(tiny_cfg(tmp_path, "trainer.steps=3", "trainer.eval_prompts=0", name="off"))
+    off.train()
+    on = make_trainer(tiny_cfg(tmp_path, *OVERLAP[:1], "rollout.overlap.max_staleness=0", "trainer.steps=3",
+                               "trainer.eval_prompts=0", name="zero"))  # fmt: skip
+    on.train()
+    _same_weights(off, on)
+    _same_rows(tmp_path / "off", tmp_path / "zero")
+    off.close(), on.close()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_every_batch_after_the_first_is_drawn_one_version_behind(tmp_path: Path, lora: bool) -> None:
+    extra = ["model.lora=true", "model.lora_r=4", "optim.lr=1e-2"] if lora else []
+    # a dense sampler, so that its recorded log-probs can be checked against policy 0's teacher-forced ones
+    trainer = make_trainer(tiny_cfg(tmp_path, *OVERLAP, *extra, "algo.sparse_rollout=false"))
+    seen = []
+    learn = trainer.learn
+
+    def spy(step, batch):
+        drawn = set(batch.versions[batch.mask].tolist())
+        seen.append((step, drawn, batch.logp_sampler.clone(), batch.prompts, batch.completions))
+        return learn(step, batch)
+
+    trainer.learn = spy
+    before = {k: v.clone() for k, v in trainer.policy.weights().items()}
+    trainer.train()
+    assert [(s, d) for s, d, *_ in seen] == [(1, {0}), (2, {0}), (3, {1}), (4, {2})]
+    by_step = {r["step"]: r for r in rows(trainer.run_dir) if "reward/mean" in r}
+    assert by_step[1]["rollout/staleness_max"] == 0 and by_step[1]["rollout/off_policy_token_frac"] == 0
+    for step in (2, 3, 4):
+        assert by_step[step]["rollout/staleness_mean"] == 1 == by_step[step]["rollout/staleness_max"]
+        assert by_step[step]["rollout/off_policy_token_frac"] == 1
+    # step 2's sampler log-probs are policy 0's (the initial weights), not the learner's at step 2
+    _, _, logp, prompts, completions = seen[1]
+    trainer.policy.load_weights(before)
+    with torch.no_grad():
+        again = score(trainer.policy.module, prompts, completions, temperature=1.0)
+    for i, row in enumerate(again):
+        torch.testing.assert_close(logp[i, : len(row)], row.float(), atol=1e-4, rtol=0)
+    assert by_step[2]["rollout_corr/kl"] != 0  # the corrections see the mismatch policy 1 vs policy 0
+    trainer.close()
+
+
+def test_a_batch_too_stale_is_drawn_again_never_trained() -> None:
+    drawn = []
+
+    def draw(step, version):
+        drawn.append((step, version))
+        return f"batch {step} by {version}"
+
+    module = torch.nn.Linear(2, 2)
+    steps = StepRollouts(draw, lambda v, s: None, module, torch.nn.Linear(2, 2), last_step=1)
+    done: Future = Future()
+    done.set_result("stale batch")
+    steps.held = 3
+    steps.ahead = Ahead(step=5, drawn_by=2, future=done, started_from={})  # learner at 4: two behind
+    got, by = steps.take(5, dict)
+    assert got == "batch 5 by 3" and by == 3 and drawn == [(5, 3)]
+    steps.close()
+
+
+def test_stopped_then_resumed_equals_uninterrupted(tmp_path: Path) -> None:
+    straight = make_trainer(tiny_cfg(tmp_path, *OVERLAP, name="straight"))
+    straight.train()
+    first = make_trainer(tiny_cfg(tmp_path, *OVERLAP, name="cut"))
+    first.train(until_step=2)  # step 3's rollout is in flight when the run stops
+    first.close()
+    resumed = make_trainer(tiny_cfg(tmp_path, *OVERLAP, name="cut"), run_dir=tmp_path / "cut", resume=True)
+    resumed.train()
+    _same_weights(straight, resumed)
+    _same_rows(tmp_path / "straight", tmp_path / "cut")
+    straight.close(), resumed.close()
+
+
+@pytest.mark.parametrize("at", ["rollout", "update"])
+def test_kill_9_anywhere_then_resume_equals_uninterrupted(tmp_path: Path, at: str) -> None:
+    """SIGKILL once step 2's checkpoint exists: during step 3's update (the rollout of step 4 drawn beside it)
+    or later in the step's rollout; the resumed run exports the very weights of the uninterrupted one."""
+    common = [*TINY, "rollout.overlap.enable=true", "trainer.steps=4", f"trainer.output_dir={tmp_path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    whole = subprocess.run(train_cmd(*common, "trainer.run_name=whole"), capture_output=True, text=True, env=env,
+                           timeout=300)  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run = tmp_path / "cut"
+    proc = subprocess.Popen(train_cmd(*common, "trainer.run_name=cut"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+    try:
+        deadline = time.time() + 240
+        while (ckpt := latest_checkpoint(run) if run.is_dir() else None) is None or ckpt.name < "step-000002":
+            assert proc.poll() is None and time.time() < deadline, "the run ended before step 2's checkpoint"
+            time.sleep(0.01)
+        time.sleep(0.0 if at == "update" else 0.3)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    resumed = subprocess.run(
+        train_cmd("--resume", str(run)), capture_output=True, text=True, env=env, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    want, got = final_weights(tmp_path / "whole"), final_weights(run)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
