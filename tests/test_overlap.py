@@ -149,3 +149,28 @@ def test_kill_9_anywhere_then_resume_equals_uninterrupted(tmp_path: Path, at: st
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(want[k], got[k]), k
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        ["rollout.partial.enable=true"],
+        ["rollout.kv_memory_cap=64KiB"],
+        ["distill.enable=true"],
+        ["sampling.method=dars"],
+        ["sampling.dynamic=true", "algo.preset=dapo"],
+        ["kv.method=block_topk", "kv.budget=16", "kv.page_size=4"],
+    ],
+    ids=["april", "kv-cap", "distill", "dars", "dynamic", "block-topk"],
+)
+def test_overlap_runs_with_the_rollout_systems(tmp_path: Path, keys: list[str]) -> None:
+    """Each system beside overlap: three steps, the later batches drawn one version behind, finite updates."""
+    trainer = make_trainer(
+        tiny_cfg(tmp_path, *OVERLAP[:1], "trainer.steps=3", "trainer.eval_prompts=0", *keys)
+    )
+    trainer.train()
+    by_step = {r["step"]: r for r in rows(trainer.run_dir) if "reward/mean" in r}
+    assert sorted(by_step) == [1, 2, 3]
+    assert by_step[3]["rollout/staleness_max"] >= 1
+    assert all(torch.isfinite(w).all() for w in trainer.policy.weights().values())
+    trainer.close()
