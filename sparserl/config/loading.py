@@ -24,6 +24,8 @@ from sparserl.config.sections import (
     TrainConfig,
 )
 from sparserl.config.values import coerce, field_types, is_optional, type_name
+from sparserl.errors import UserError
+from sparserl.plugins import import_plugins
 from sparserl.tasks import TaskConfig
 
 # ------------------------------------------------------------------------------------------------ building
@@ -156,8 +158,15 @@ def _construct(make: Any, prefix: str, where: _Where) -> Any:
 
 
 def config_from_dict(data: dict[str, Any], where: _Where | None = None) -> TrainConfig:
-    """Build a TrainConfig from a nested dict (missing keys keep their defaults; algo.preset applies first)."""
-    return _build(TrainConfig, data, "", where or _Where())
+    """Build a TrainConfig from a nested dict (missing keys keep their defaults; algo.preset applies first).
+    The `plugins` modules are imported first: the names they register are then valid in every section."""
+    where = where or _Where()
+    if data.get("plugins") is not None:
+        try:
+            import_plugins(coerce(data["plugins"], list[str], "plugins"))
+        except UserError as e:
+            raise ConfigError(f"{where('plugins')}{e}") from None
+    return _build(TrainConfig, data, "", where)
 
 
 def _yaml_lines(text: str, source: str, where: _Where) -> None:

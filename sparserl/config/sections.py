@@ -351,6 +351,15 @@ class TrainConfig:
         default_factory=DistributedConfig,
         metadata={"help": "Rollout workers on Ray (docs/distributed.md)."},
     )
+    plugins: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Python modules imported (like `python -m`: sys.path, then the working directory) before "
+            "the rest of the config is checked, so that the systems they register can be selected: e.g. "
+            "plugins=[my_loss] algo.policy_loss=NAME. In the trainer's process only (not in Ray workers). "
+            "CONTRIBUTING.md has one example per registry."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.algo.loss_agg_mode == "seq-mean-token-sum-norm" and self.algo.loss_token_norm is None:

@@ -6,7 +6,6 @@ A spec that cannot be imported, found or called is a UserError naming it; callin
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import os
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sparserl.errors import UserError
+from sparserl.plugins import import_user_module
 from sparserl.tasks.config import BUILTIN_REWARD
 
 RewardFn = Callable[..., Sequence[Any]]
@@ -53,30 +53,17 @@ def _import_file(path: Path, spec: str) -> Any:
     return module
 
 
-def _import_module(module_name: str, spec: str) -> Any:
-    """The module `module_name`, looked up on sys.path and, like `python -m`, in the working directory."""
-    cwd = os.getcwd()
-    if "" not in sys.path and cwd not in sys.path:
-        sys.path.append(cwd)
-    try:
-        return importlib.import_module(module_name)
-    except SystemExit as e:
-        raise UserError(
-            f"task.reward={spec!r}: importing module {module_name!r} called sys.exit({e.code!r})"
-        ) from None
-    except Exception as e:
-        raise UserError(
-            f"task.reward={spec!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}"
-        ) from e
-
-
 def load_reward_function(spec: str) -> RewardFn:
     """The callable named by 'module:function' (dotted attributes allowed, 'module:Class.method') or
     'path/to/file.py:function'. Raises UserError naming the spec when it cannot be found or called."""
     check_spec(spec)
     location, _, attr = spec.rpartition(":")
     is_file = location.endswith(".py") or "/" in location or os.sep in location
-    module = _import_file(Path(location), spec) if is_file else _import_module(location, spec)
+    module = (
+        _import_file(Path(location), spec)
+        if is_file
+        else import_user_module(location, f"task.reward={spec!r}")
+    )
     value: Any = module
     for part in attr.split("."):
         if not hasattr(value, part):
