@@ -60,6 +60,7 @@ def run(overrides: list[str], folder: Path) -> dict[str, Any]:
     return {"wall_s": round(time.time() - t0, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
             "peak_rss_bytes": usage.ru_maxrss * 1024, "step_s": [r["time/step"] for r in steps],
             "step_cpu_s": [r["time/step_cpu"] for r in steps],
+            "phases_s": [{k: r.get(f"time/{k}") for k in ("rollout", "score", "train")} for r in steps],
             "final": next((r for r in reversed(rows) if "eval/dense/reward" in r), {}).get("eval/dense/reward")}  # fmt: skip
 
 
