@@ -216,10 +216,9 @@ def _names_taken_from(init: Path, modules: tuple[str, ...]) -> set[str]:
     }
 
 
-def test_the_trainer_imports_no_rollout_backend():
-    """The trainer builds its backend through the rollout layer's entry point (sparserl.rollout.build) and
-    never names one: no module of sparserl.trainer imports a backend module, deferred imports included, nor a
-    name the rollout package re-exports from one."""
+def trainer_backend_imports() -> list[str]:
+    """'module -> backend (where)' for each module of sparserl.trainer that imports a rollout backend module,
+    deferred imports included, or a name the rollout package re-exports from one."""
     graph = import_graph()
     files = {_module_name(p, ROOT): p for p in ROOT.rglob("*.py")}
     trainer = {m: p for m, p in files.items() if m == "sparserl.trainer" or m.startswith("sparserl.trainer.")}
@@ -231,4 +230,11 @@ def test_the_trainer_imports_no_rollout_backend():
             if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "sparserl.rollout":
                 names = sorted({a.name for a in node.names} & reexported)
                 found += [f"{module} -> sparserl.rollout.{name} (line {node.lineno})" for name in names]
+    return found
+
+
+def test_the_trainer_imports_no_rollout_backend():
+    """The trainer builds its backend through the rollout layer's entry point (sparserl.rollout.build) and
+    never names one."""
+    found = trainer_backend_imports()
     assert not found, "the trainer imports a rollout backend:\n  " + "\n  ".join(found)
