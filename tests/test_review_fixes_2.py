@@ -195,9 +195,9 @@ def test_spec_rl_with_april_caches_only_samples_the_current_weights_drew(
     cached: list[tuple[set[int], int]] = []  # each cached sample's versions and the step's
     collect, observe = RolloutLayer.collect_step, SpecReuse.observe
 
-    def collect_step(self, source, k, version, seed):
+    def collect_step(self, source, k, version, seed, drawn_by=None):
         versions.append(version)
-        return collect(self, source, k, version, seed)
+        return collect(self, source, k, version, seed, drawn_by)
 
     def watched(self, groups, leftover):
         cached.extend((set(s.versions), versions[-1]) for g in groups for s in g.samples if s.scored_logps)
