@@ -259,7 +259,9 @@ class RolloutConfig:
     tree: TreeConfig = field(default_factory=TreeConfig, metadata={"help": "Tree rollouts (TreeRL)."})
     overlap: OverlapConfig = field(
         default_factory=OverlapConfig,
-        metadata={"help": "Overlapped steps: the next rollout runs while this step updates (one-step off-policy)."},
+        metadata={
+            "help": "Overlapped steps: the next rollout runs while this step updates (one-step off-policy)."
+        },
     )
     backend: str = field(
         default="local",
