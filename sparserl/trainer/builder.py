@@ -118,7 +118,14 @@ def build_run(
     replica = t.policy.sampler_replica() if cfg.rollout.overlap.active else None
     t.rollouts = build_rollout(cfg, replica or t.policy.module, t.tokenizer, t.train_view, recording, t.say)
     draw = partial(draw_step, t.rollouts, t.source, cfg)
-    t.steps = StepRollouts(draw, t.rollouts.backend, t.policy.module, replica, cfg.trainer.steps)
+    t.steps = StepRollouts(
+        draw,
+        t.rollouts.backend,
+        t.policy.module,
+        replica,
+        cfg.trainer.steps,
+        cfg.rollout.overlap.max_staleness,
+    )
     # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
     longest = max(len(t.train_view.prompt_ids(r)) for r in t.train_rows[:64])
     t.rollouts.backend.check_fits(longest, cfg.rollout.max_new_tokens)

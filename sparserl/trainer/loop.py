@@ -42,7 +42,6 @@ from sparserl.trainer.logging import (
     kv_saving_metrics,
     sample_metrics,
 )
-from sparserl.trainer.overlap import SAMPLER_PART
 from sparserl.trainer.policy import ModelLoader
 from sparserl.trainer.run_dir import RunLock, new_run_dir
 from sparserl.trainer.summary import accumulate, run_summary
@@ -158,8 +157,8 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         self.state.engine_seed = step_seed(
             cfg.trainer.seed, step - 1
-        )  # the policy that trains on it: step - 1
-        got, _ = self.steps.take(step, self._rollout_states)  # drawn now, or ahead while step - 1 updated
+        )  # step - 1: the policy that trains on it
+        got = self.steps.take(step, self._rollout_states)  # drawn now, or ahead while step - 1 updated
         drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
         spent = self.state.counters.get(TOKENS_SPENT, 0.0) + got.sampling["generated_tokens"]
         self.state.counters[TOKENS_SPENT] = spent
@@ -186,8 +185,7 @@ class Trainer:
             kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
         )
         metrics.update(got.logged)  # what the reward functions logged (log_metric)
-        for k, v in got.task_counters.items():
-            self.state.counters[k] = self.state.counters.get(k, 0.0) + float(v)
+        self._count(got.task_counters)
         batch.table = completion_rows(
             step, samples, batch.advantages, self.train_view, cfg.logging.completions
         )
@@ -261,18 +259,22 @@ class Trainer:
         """Cumulative counters of the run (reward calls/errors/timeouts, skipped updates), kept in the
         checkpoint so they survive a resume. The held-out task's are drained into them here, the training
         task's with each step's rollout (`rollout`)."""
+        self._count(self.eval_view.drain_counters() if self.eval_view is not None else {})
+        return dict(self.state.counters)
+
+    def _count(self, counts: dict[str, float]) -> None:
+        """Add `counts` to the run's cumulative counters."""
         c = self.state.counters
-        for k, v in (self.eval_view.drain_counters() if self.eval_view is not None else {}).items():
+        for k, v in counts.items():
             c[k] = c.get(k, 0.0) + float(v)
-        return dict(c)
 
     def save(self) -> Path:
         """Write a checkpoint of the current step."""
-        started, sampler = self.steps.checkpoint(self._rollout_states())
+        started, sampler_parts = self.steps.checkpoint(
+            self._rollout_states()
+        )  # overlapped: the sampler's part
         self.state.rollout = started["layer"]
-        parts = {SOURCE_PART: Part(state=started["source"])}
-        if sampler is not None:  # overlapped: the weights the rollout in flight is drawn with
-            parts[SAMPLER_PART] = Part(weights=sampler["weights"], state={"version": sampler["version"]})
+        parts = {SOURCE_PART: Part(state=started["source"]), **sampler_parts}
         parts.update({addon.name: addon.part() for addon in self.addons})
         return save_checkpoint(
             self.run_dir,

@@ -23,6 +23,7 @@ import torch
 
 from sparserl.distributed.weights import load_named, trainable_state
 from sparserl.engine.weights import bump_weights_version
+from sparserl.trainer.checkpoint import Part
 
 SAMPLER_PART = "sampler"  # checkpoint part: the replica's weights and version, while overlapping
 
@@ -38,7 +39,7 @@ class Ahead:
 
 
 class StepRollouts:
-    """`take(step, states)` -> (the step's rollout, the policy version that drew it). `draw(step, version)` runs
+    """`take(step, states)` -> the step's rollout (each token records its version). `draw(step, version)` runs
     the rollout layer with the weights the backend holds; `backend.push_weights` hands it a version (with the
     sampler's trainable tensors when it samples from copies); `learner` is the module the learner updates and
     `replica` the sampler's own (None: the backend samples from the learner's, in step)."""
@@ -68,32 +69,37 @@ class StepRollouts:
         if not self.overlapped:
             self.push(version)
 
-    def take(self, step: int, states: Callable[[], dict[str, Any]]) -> tuple[Any, int]:
+    def take(self, step: int, states: Callable[[], dict[str, Any]]) -> Any:
         """Step `step`'s rollout: the one drawn ahead (its exception raised here), else drawn now; overlapped,
         the next step's is started before returning (`states()`: what it starts from, for a checkpoint)."""
         version = step - 1  # the learner's version: the policy that trains on this rollout
-        got, drawn_by = None, self.held
+        got = None
         if self.ahead is not None:
             ahead, self.ahead = self.ahead, None
-            got, drawn_by = ahead.future.result(), ahead.drawn_by
-            if ahead.step != step or version - drawn_by > self.max_staleness:  # never trained: drawn again
+            got = ahead.future.result()
+            if (
+                ahead.step != step or version - ahead.drawn_by > self.max_staleness
+            ):  # never trained: drawn again
                 got = None
         if got is None:
             if version - self.held > self.max_staleness:  # the sampler lags too far: catch it up first
                 self._refresh(version)
-            got, drawn_by = self.draw(step, self.held), self.held
+            got = self.draw(step, self.held)
         if self.overlapped and step < self.last_step:
             self._refresh(version)
             self.ahead = Ahead(step + 1, version, self.pool.submit(self.draw, step + 1, version), states())
-        return got, drawn_by
+        return got
 
     def _refresh(self, version: int) -> None:
         """The replica (and the backend) take the learner's weights of `version`."""
         if version == self.held:
             return
-        load_named(self.replica, trainable_state(self.learner))
-        bump_weights_version(self.replica)
+        self._load_replica(trainable_state(self.learner))
         self.push(version)
+
+    def _load_replica(self, state: dict[str, torch.Tensor]) -> None:
+        load_named(self.replica, state)
+        bump_weights_version(self.replica)  # the engine over it repacks
 
     def push(self, version: int) -> None:
         """The backend holds policy `version` (the sampler's tensors travel when it samples from copies)."""
@@ -101,21 +107,22 @@ class StepRollouts:
         self.backend.push_weights(version, trainable_state(sampler) if self.backend.copies_weights else None)
         self.held = version
 
-    def checkpoint(self, states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def checkpoint(self, states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Part]]:
         """What a checkpoint keeps: the states a rollout in flight started from (else `states`, today's), and,
-        overlapped, the replica's weights and version (the part SAMPLER_PART)."""
+        overlapped, the part SAMPLER_PART with the replica's weights and version."""
         if not self.overlapped:
-            return states, None
+            return states, {}
         started = self.ahead.started_from if self.ahead is not None else states
-        return started, {"weights": trainable_state(self.replica), "version": self.held}
+        return started, {
+            SAMPLER_PART: Part(weights=trainable_state(self.replica), state={"version": self.held})
+        }
 
     def resume(self, part: Any, version: int) -> None:
         """After a checkpoint's weights are loaded: overlapped, the replica takes the weights the sampler held
         (the SAMPLER_PART `part`; without one, the learner's) and its version; then the backend is told."""
         if self.overlapped:
             saved = part is not None and part.weights
-            load_named(self.replica, part.weights if saved else trainable_state(self.learner))
-            bump_weights_version(self.replica)
+            self._load_replica(part.weights if saved else trainable_state(self.learner))
             version = int(part.state["version"]) if saved else version
         self.push(version)
 
