@@ -357,7 +357,7 @@ def report_goals(report: dict[str, Any]) -> dict[str, Any]:
     """The report's goal in the project's results format (value, target, met, command). A calibration: every
     length bin with enough tokens has a candidate budget whose tail (`judged_by`) >= tau (value: the share that
     has). A check: every such bin keeps its tail >= tau under the schedule on held-out prompts (value: the
-    lowest; issue 39's calibration goal when judged by the interval's lower bound)."""
+    lowest; the calibration goal when judged by the interval's lower bound)."""
     tau, command = report["settings"]["tau"], report.get("command")
     tail = report.get("judged_by", "p5")
     what = "P5" if tail == "p5" else "P5 at the lower bound of its 90% interval"
