@@ -61,6 +61,12 @@ def _cost_epilog() -> str:
     arg("--interval", type=int, default=128, help="eviction: decode steps between cuts (default 128)"),
     arg("--page-size", type=int, default=16, help="block_topk: tokens per page (default 16)"),
     arg("--dense-layers", default="0,1", help="block_topk: layers that stay dense (default 0,1)"),
+    arg(
+        "--kv-quant",
+        default="none",
+        help="kv.quant of every listed method (none, int8 or fp8; default none): their KV counted in quantized "
+        "bytes, a quantized dense row added; the dense baseline stays full precision",
+    ),
     arg("--intensity", default="cpu-1t", help="FLOPs per byte: a number or a preset (default cpu-1t)"),
     arg("--mem-cap", default="4GiB", help="KV memory for the 'seqs at cap' column (default 4GiB)"),
     arg("--json", action="store_true", help="print the report as JSON"),

@@ -22,6 +22,8 @@ from sparserl.engine.kv_config import KVConfig
 from sparserl.registry import Registry
 
 CENTROID_BYTES = 4  # block_topk keeps its page centroids in float32 whatever the model's dtype
+SCALE_BYTES = 4  # a quantized cache's float32 scale per position, layer, KV head, key or value
+DEQUANT_FLOPS = 2  # a quantized cache's code read: converted, then multiplied by its scale
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class KVMethod(ABC):
 
     def __init__(self, shape: ModelShape, rollout: Rollout, kv: KVConfig):
         self.shape, self.rollout, self.kv = shape, rollout, kv
+        self.position_bytes = kv_position_bytes(shape, kv)
 
     def budgets(self) -> list[int]:
         """The budget of each decode step, looked up from the sample's length once the step's token is
@@ -147,7 +150,7 @@ class Eviction(KVMethod):
     so every eviction method costs the same here."""
 
     def cut_bytes(self, kept: int) -> int:
-        return 2 * kept * self.shape.kv_bytes_per_position
+        return 2 * kept * self.position_bytes
 
     def prefill_kept(self) -> int:
         prompt = self.rollout.prompt_len
@@ -204,7 +207,7 @@ class BlockSparse(KVMethod):
 
     def decode(self) -> Iterator[Step]:
         page, shape = self.kv.page_size, self.shape
-        gather = 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # K + V of a position in one layer
+        gather = self.position_bytes // shape.layers  # K + V of a position in one layer
         filled_flops, filled_bytes = self.centroid_cost(1)
         for context, budget in zip(self.rollout.contexts, self.budgets(), strict=True):
             pages, budget_pages = -(-context // page), budget // page
@@ -253,16 +256,24 @@ class Estimate:
         return mem_cap // self.bytes_per_sequence
 
 
-def prefill_cost(shape: ModelShape, rollout: Rollout, kept: int) -> Cost:
-    """The dense prefill of one prompt (causal attention, one logits row), then copying the `kept` positions to
-    each of the n samples."""
-    prompt, b, position = rollout.prompt_len, shape.dtype_bytes, shape.kv_bytes_per_position
+def kv_position_bytes(shape: ModelShape, kv: KVConfig) -> int:
+    """Bytes one held position costs across all layers, as the engine's cache: the compute dtype's, or under
+    kv.quant one byte per element and a float32 scale per layer, KV head and key or value."""
+    if not kv.quantized:
+        return shape.kv_bytes_per_position
+    return 2 * shape.layers * shape.kv_heads * (shape.head_dim + SCALE_BYTES)
+
+
+def prefill_cost(shape: ModelShape, rollout: Rollout, kept: int, position: int) -> Cost:
+    """The dense prefill of one prompt (causal attention, one logits row), then copying the `kept` positions
+    (`position` bytes each in the cache) to each of the n samples."""
+    prompt, b = rollout.prompt_len, shape.dtype_bytes
     return Cost(
         weight_flops=2 * shape.layers * shape.layer_params * prompt + 2 * shape.vocab * shape.hidden,
         attention_flops=4 * shape.heads * shape.head_dim * shape.layers * prompt * (prompt + 1) // 2,
         weight_bytes=shape.token_params * b + prompt * shape.hidden * b,
-        kv_read_bytes=(prompt + kept) * position,
-        kv_write_bytes=(prompt + rollout.n * kept) * position,
+        kv_read_bytes=(prompt + kept) * shape.kv_bytes_per_position,
+        kv_write_bytes=prompt * shape.kv_bytes_per_position + rollout.n * kept * position,
     )
 
 
@@ -273,27 +284,29 @@ def estimate(shape: ModelShape, rollout: Rollout, kv: KVConfig) -> Estimate:
     read = extra_flops = extra_bytes = 0
     for _, layer_positions, flops, moved in method.decode():
         read, extra_flops, extra_bytes = read + layer_positions, extra_flops + flops, extra_bytes + moved
+    if kv.quantized:  # every code read is converted and scaled: 2 FLOPs per key or value element
+        extra_flops += DEQUANT_FLOPS * 2 * shape.kv_heads * shape.head_dim * read
     decode = Cost(
         weight_flops=2 * shape.token_params * n * steps,
         attention_flops=4 * shape.heads * shape.head_dim * read * n,
         overhead_flops=extra_flops * n,
         weight_bytes=(shape.token_params + n * shape.hidden) * b * steps,
-        kv_read_bytes=2 * shape.kv_heads * shape.head_dim * b * read * n,
-        kv_write_bytes=shape.kv_bytes_per_position * n * steps,
+        kv_read_bytes=method.position_bytes // shape.layers * read * n,
+        kv_write_bytes=method.position_bytes * n * steps,
         overhead_bytes=extra_bytes * n,
     )
     prefill_flops, prefill_bytes = method.prefill_overhead()
-    prefill = prefill_cost(shape, rollout, method.prefill_kept()) + Cost(
+    prefill = prefill_cost(shape, rollout, method.prefill_kept(), method.position_bytes) + Cost(
         overhead_flops=prefill_flops, overhead_bytes=prefill_bytes
     )
     held = method.held_positions()
     return Estimate(
-        method=kv.method,
+        method=kv.method if not kv.quantized else f"{kv.method}+{kv.quant}",
         budget=method.budget_label(),
         prefill=prefill,
         decode=decode,
         decode_steps=steps,
         mean_positions_read=read / (steps * shape.layers) if steps else 0.0,
         positions_held=held,
-        bytes_per_sequence=held * shape.kv_bytes_per_position + method.extra_bytes_per_sequence(),
+        bytes_per_sequence=held * method.position_bytes + method.extra_bytes_per_sequence(),
     )

@@ -43,21 +43,25 @@ def parse_int_list(text: str, flag: str) -> list[int]:
 
 
 def kv_configs(args: argparse.Namespace) -> list[KVConfig]:
-    """One KV policy per `--methods` entry, dense first (the baseline of every ratio)."""
+    """One KV policy per `--methods` entry, dense first (the baseline of every ratio); under `--kv-quant`, a
+    quantized dense row and every other entry quantized after the full-precision dense baseline."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    methods = ["dense", *(m for m in methods if m != "dense")]
+    quant = getattr(args, "kv_quant", "none")
+    rest = ["dense"] * (quant != "none") + [m for m in methods if m != "dense"]
+    methods = [("dense", "none"), *((m, quant) for m in rest)]
     dense_layers = parse_int_list(args.dense_layers, "--dense-layers")
     try:
         return [
             KVConfig(
                 method=method,
+                quant=quant,
                 budget=args.budget,
                 schedule=args.schedule,
                 interval=args.interval,
                 page_size=args.page_size,
                 dense_layers=dense_layers,
             )
-            for method in methods
+            for method, quant in methods
         ]
     except UserError as e:  # a flag's value (--budget, --schedule, ...) that no KV policy takes
         raise CostInputError(str(e)) from None
@@ -176,6 +180,8 @@ def check_decode(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
     from sparserl.models import load_model
 
     lengths = parse_int_list(args.probe_decode, "--probe-decode")
+    if getattr(args, "kv_quant", "none") != "none":
+        raise CostInputError("--probe-decode times full-precision caches only: drop --kv-quant")
     intensity, kvs = resolve_intensity(args.intensity), kv_configs(args)
     check_timing_request(lengths, args.decode_steps, args.repeats)
     model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype))

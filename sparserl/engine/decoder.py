@@ -149,8 +149,13 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, scale: floa
     n, hq, _, d = q.shape
     hkv = k.shape[1]
     qg = q.view(n, hkv, hq // hkv, d) * scale  # scale the few queries rather than the many scores
-    scores = torch.matmul(qg, k.transpose(-1, -2))
-    mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
-    probs = scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)
+    probs = masked_probs(torch.matmul(qg, k.transpose(-1, -2)), valid)
     out = torch.matmul(probs.to(v.dtype), v)
     return out.view(n, hq, 1, d), probs
+
+
+def masked_probs(scores: Tensor, valid: Tensor) -> Tensor:
+    """float32 softmax over the slots of scores [N, Hkv, G, S] (overwritten) where `valid` [N, S] or [N, Hkv, S]
+    holds."""
+    mask = valid[:, None, None, :] if valid.dim() == 2 else valid[:, :, None, :]
+    return scores.masked_fill_(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32)

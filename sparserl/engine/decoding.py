@@ -24,6 +24,7 @@ from sparserl.engine.allocation import (
 )
 from sparserl.engine.cache import KVCache
 from sparserl.engine.evicting_prefix import EvictingPrefixCache
+from sparserl.engine.kv_quant import QuantizedKVCache
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
 from sparserl.engine.shared_prefix import SharedPrefixCache, held_once, shared_inputs
@@ -109,6 +110,8 @@ class DecodeRun:
         if self.shared and engine.evictor is not None:  # rows evict on their own paths, the prompt cut first
             width = min(engine.kv.max_budget, max(map(len, self.first_input)))
             self.cache = EvictingPrefixCache(*shape, extras=extras, width=width)
+        elif engine.kv.quantized:  # copies every prompt (`RolloutEngine.share_prompts`)
+            self.cache = QuantizedKVCache(*shape, extras=extras, quant=engine.kv.quant)
         else:
             share = {"align": self.align} if self.shared else {}
             self.cache = (SharedPrefixCache if self.shared else KVCache)(*shape, extras=extras, **share)
@@ -117,9 +120,9 @@ class DecodeRun:
         self.compiled = engine.compiled_step is not None
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
         self.peak_bytes = 0  # the decoding cache's keys and values (what a dense cache is compared with)
-        # what the dense engine allocates for these requests: the yardstick of the KV memory saved
+        # what the dense engine allocates for these requests (unquantized): the yardstick of the KV memory saved
         self.dense_bytes = dense_kv_allocation(
-            requests, self.bytes_per_position, self.compiled, kv_memory_cap
+            requests, self.cache.full_precision_bytes_per_position(), self.compiled, kv_memory_cap
         )
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparserl.engine.compression import EVICTION_METHODS
+from sparserl.engine.kv_quant import KV_QUANTS
 from sparserl.engine.schedule import MAX_LENGTH, BudgetSchedule, parse_schedule
 from sparserl.engine.sparse_attention import SELECTORS
 from sparserl.engine.sparse_attention.base import ALWAYS_READ_PAGES
@@ -84,10 +85,21 @@ class KVConfig:
     )
     n_sink: int = field(default=4, metadata={"help": "StreamingLLM: first positions always kept (sinks)."})
     seed: int = field(default=0, metadata={"help": "Seed of the `random` control method."})
+    quant: str = field(
+        default="none",
+        metadata={
+            "help": f"How the sampler's cache stores keys and values: one of {', '.join(KV_QUANTS)}. int8 or fp8 "
+            "(e4m3) codes with one float32 scale per position and KV head (about 0.27x the bytes of float32 at "
+            "head_dim 64), dequantized where a decode step reads them; composes with every kv.method. Prefill "
+            "stays exact; a quantized cache copies each prompt into its rows instead of holding it once."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.method not in kv_methods():
             raise UserError(f"kv.method={self.method!r} is unknown; choose one of {', '.join(kv_methods())}")
+        if self.quant not in KV_QUANTS:
+            raise UserError(f"kv.quant={self.quant!r} is unknown; choose one of {', '.join(KV_QUANTS)}")
         if self.granularity not in ("per_head", "shared"):
             raise UserError(f"kv.granularity={self.granularity!r} must be 'per_head' or 'shared'")
         if self.window < 1 or self.interval < 1:
@@ -156,9 +168,15 @@ class KVConfig:
         return self.method in SELECTORS
 
     @property
+    def quantized(self) -> bool:
+        """True when the cache holds quantized keys and values."""
+        return self.quant != "none"
+
+    @property
     def sparse(self) -> bool:
-        """True when sampling differs from dense attention (evicting, or reading only some pages)."""
-        return self.evicting or self.sparse_attention
+        """True when sampling differs from dense attention (evicting, reading only some pages, or reading a
+        quantized cache)."""
+        return self.evicting or self.sparse_attention or self.quantized
 
     @property
     def budget_schedule(self) -> BudgetSchedule:

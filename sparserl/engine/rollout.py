@@ -181,8 +181,9 @@ class RolloutEngine:
         # a prompt held once is read by a data-dependent number of row groups: eager decode steps only; evicting
         # rows keep their own bounded sets, part of them in the prompt held once, unless the method keeps
         # per-slot state (`EvictingPrefixCache`)
+        # a quantized cache copies prompts: the shared prefix's attention reads full-precision keys and values
         shareable = self.evictor is None or EvictingPrefixCache.supports(self.evictor.method)
-        self.share_prompts = share_prompts and shareable and not compile
+        self.share_prompts = share_prompts and shareable and not compile and not self.kv.quantized
         self.schedule = self.kv.budget_schedule
         self.step_budget: Tensor | None = None
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -393,11 +394,11 @@ class RolloutEngine:
         for layer in range(dec.num_layers):
             qkv = dec.qkv(layer, hidden, rope)
             cache.write(layer, qkv.k, qkv.v, positions)
-            k, v = cache.view(layer, span)
             if self.sparse is not None and layer in self.sparse.sparse_layers:
+                k, v = cache.view(layer, span)
                 out, probs = self.sparse.attend(cache, layer, qkv.q, k, v, valid, dec.scale)
             else:
-                out, probs = cache.attention(layer, qkv.q, k, v, valid, dec.scale)
+                out, probs = cache.attend(layer, qkv.q, valid, span, dec.scale)
             if self.evictor is not None:
                 cache.remember_queries(layer, qkv.q)
                 self.evictor.method.observe(cache, layer, probs, span)

@@ -80,14 +80,6 @@ def summary_key(layer: int) -> str:
     return f"page_summaries.{layer}"
 
 
-def gather_slots(store: Tensor, slots: Tensor) -> Tensor:
-    """store[r, h, slots[r, h, i]] for a whole cache layer [rows, Hkv, capacity, D] and slots [rows, Hkv, R]:
-    one index_select over the flattened layer (a third of the time of advanced indexing on a CPU)."""
-    rows, hkv, capacity, d = store.shape
-    base = torch.arange(rows * hkv, device=slots.device).view(rows, hkv, 1) * capacity
-    return store.view(-1, d).index_select(0, (base + slots).flatten()).view(rows, hkv, -1, d)
-
-
 class PageSparseAttention:
     """Reads, per decode step, layer and KV head, only some pages of a whole cache, with one `PageSelector`.
 
@@ -115,7 +107,7 @@ class PageSparseAttention:
         whole = int(cache.length.max()) // ps
         for layer in self.sparse_layers:
             summaries = self.selector.summarise(
-                cache.k[layer][:, :, : whole * ps].reshape(rows, hkv, whole, ps, d)
+                cache.view(layer, whole * ps)[0].reshape(rows, hkv, whole, ps, d)
             )
             store = summaries.new_zeros(rows, hkv, -(-capacity // ps), *summaries.shape[3:])
             cache.paged_state[summary_key(layer)] = ps
@@ -158,7 +150,7 @@ class PageSparseAttention:
         slots = (pages[..., None] * ps + torch.arange(ps, device=k.device)).flatten(2)
         mask = (pages >= 0).repeat_interleave(ps, dim=-1) & (slots < plan.tokens[:, None, None])
         slots = slots.clamp(0, span - 1)
-        return gather_slots(cache.k[layer], slots), gather_slots(cache.v[layer], slots), mask
+        return *cache.gather(layer, slots), mask
 
     def _attend_shared(
         self,
@@ -195,7 +187,7 @@ class PageSparseAttention:
         own_tokens = (plan.tokens - offset)[:, None, None]
         mask = (own < past).repeat_interleave(ps, dim=-1) & (slots < own_tokens)
         slots = slots.clamp(0, k.shape[2] - 1)
-        read_k, read_v = gather_slots(cache.k[layer], slots), gather_slots(cache.v[layer], slots)
+        read_k, read_v = cache.gather(layer, slots)
         return cache.attention(layer, q, read_k, read_v, mask, scale, prefix_read=prefix_read)
 
     def select_pages(self, summaries: Tensor, q: Tensor, plan: StepPlan) -> Tensor:
@@ -257,6 +249,5 @@ class PageSparseAttention:
         if offset is not None:
             first = first - offset[rows]
         slots = first[:, None] + torch.arange(ps, device=rows.device)  # [f, ps]
-        heads = torch.arange(cache.k[layer].shape[1], device=rows.device)[None, :, None]
-        keys = cache.k[layer][rows[:, None, None], heads, slots[:, None, :]]  # [f, Hkv, ps, D]
+        keys = cache.slot_keys(layer, rows, slots)  # [f, Hkv, ps, D]
         cache.row_state[summary_key(layer)][rows, :, first // ps] = self.selector.summarise(keys)

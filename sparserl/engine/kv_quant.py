@@ -1,0 +1,187 @@
+"""A quantized KV cache: keys and values held as int8 or fp8 (e4m3) with one float32 scale per position and KV
+head, dequantized where a decode step reads them. It composes with every eviction method (they score dequantized
+keys and keep slots with their scales) and with block-sparse reads (only the pages read are dequantized).
+
+What is exact and what is not: prefill attention runs on the unquantized keys and values (as the dense engine),
+and so do an evicting method's cut of the prompt and block-sparse reads' summaries of the prompt's pages; every
+decode step reads the quantized cache. The sampler's recorded log-probs are those of the distribution it drew
+from (the quantized reads), so the corrections see the quantization error like any other sampler mismatch.
+
+Why not a library's quantized cache: transformers' `QuantizedCache` (quanto/HQQ) grows by concatenation and keeps
+a full-precision residual window, and holds no evicted, per-head-ragged rows with their true positions.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sparserl.engine.cache import KVCache, gather_slots
+from sparserl.engine.decoder import masked_probs
+
+KV_QUANTS = ("none", "int8", "fp8")
+CHUNK = 512  # slots dequantized at a time by a decode step: small enough to stay in a core's cache
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """How one position's head vector [D] is stored: `storage` dtype codes and a scale absmax / `top`.
+
+    int8: codes round(x / scale) in [-127, 127], error <= scale / 2 per element. fp8: x / scale cast to e4m3 (3
+    mantissa bits), stored as its bytes (uint8: CPU indexing has no float8 kernels), relative error <= 2^-4 and
+    absolute <= scale * 2^-10 near zero (e4m3's subnormal step is 2^-9)."""
+
+    name: str
+    storage: torch.dtype
+    top: float
+
+    def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Codes [..., D] and scales [...] of x [..., D] (an all-zero vector: scale 0, codes 0)."""
+        scale = x.float().abs().amax(dim=-1) / self.top
+        safe = torch.where(scale > 0, scale, 1.0)[..., None]
+        scaled = x.float() / safe
+        if self.name == "int8":
+            return scaled.round().clamp(-self.top, self.top).to(torch.int8), scale
+        return scaled.to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+    def codes(self, data: Tensor, dtype: torch.dtype) -> Tensor:
+        """The stored codes as numbers of `dtype` (unscaled)."""
+        if self.name == "fp8":
+            data = data.view(torch.float8_e4m3fn)
+        return data.to(dtype)
+
+    def decode(self, data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+        """Dequantized values [..., D] of codes [..., D] and scales [...]."""
+        return (self.codes(data, torch.float32) * scale[..., None]).to(dtype)
+
+
+CODECS = {
+    "int8": KVCodec("int8", torch.int8, 127.0),
+    "fp8": KVCodec("fp8", torch.uint8, torch.finfo(torch.float8_e4m3fn).max),
+}
+
+
+class QuantizedKVCache(KVCache):
+    """A `KVCache` whose `k`/`v` hold codes and `k_scale`/`v_scale` [rows, Hkv, capacity] their scales; `view`,
+    `gather`, `slot_keys` and `eviction_slots` return dequantized keys and values in the compute dtype, and
+    `attend` reads the codes chunk by chunk with the scales folded into the scores and probabilities."""
+
+    def __init__(self, *args, quant: str, **kwargs):
+        self.codec = CODECS[quant]
+        super().__init__(*args, **kwargs)
+
+    def _new_kv(self, layer: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        self.compute_dtype = dtype
+        for part in ("k", "v"):
+            self._store[f"{part}.{layer}"] = torch.zeros(shape, dtype=self.codec.storage, device=device)
+            self._store[f"{part}s.{layer}"] = torch.zeros(shape[:3], dtype=torch.float32, device=device)
+
+    def _views(self) -> None:
+        super()._views()
+        s, n, layers = self._store, self._rows, range(self.num_layers)
+        self.k_scale = [s[f"ks.{i}"][:n] for i in layers]
+        self.v_scale = [s[f"vs.{i}"][:n] for i in layers]
+
+    def _slot_axis(self, name: str) -> int | None:
+        return 2 if name.startswith(("ks.", "vs.")) else super()._slot_axis(name)
+
+    def _slot_tensors(self, layer: int) -> list[Tensor]:
+        return [*super()._slot_tensors(layer), self.k_scale[layer], self.v_scale[layer]]
+
+    def mark_static_addresses(self) -> None:
+        super().mark_static_addresses()
+        for t in [*self.k_scale, *self.v_scale]:
+            torch._dynamo.mark_static_address(t, guard=False)
+
+    def nbytes(self) -> int:
+        scales = sum(t.numel() * t.element_size() for n, t in self._store.items() if n[:3] in ("ks.", "vs."))
+        return super().nbytes() + scales
+
+    def bytes_per_position(self) -> int:
+        _, h, _, d = self.k[0].shape
+        return 2 * self.num_layers * h * (d * self.k[0].element_size() + self.k_scale[0].element_size())
+
+    def full_precision_bytes_per_position(self) -> int:
+        _, h, _, d = self.k[0].shape
+        return 2 * self.num_layers * h * d * torch.empty(0, dtype=self.compute_dtype).element_size()
+
+    def _put(self, layer: int, index: tuple, k: Tensor, v: Tensor) -> None:
+        for part, x in (("k", k), ("v", v)):
+            data, scale = self.codec.encode(x)
+            getattr(self, part)[layer][index] = data
+            getattr(self, f"{part}_scale")[layer][index] = scale
+
+    def fill(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, lengths: Tensor) -> None:
+        t = k.shape[2]
+        self._put(layer, (slice(None), slice(None), slice(0, t)), k, v)
+        self.pos[layer][:, :, :t] = positions.to(torch.int32)[:, None, :]
+        self.length.copy_(lengths)
+
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        rows = torch.arange(self.rows, device=k.device)
+        self._put(layer, (rows, slice(None), self.length), k[:, :, 0], v[:, :, 0])
+        self.pos[layer][rows, :, self.length] = positions.to(torch.int32)[:, None]
+
+    def view(self, layer: int, span: int) -> tuple[Tensor, Tensor]:
+        """Dequantized keys and values of the first `span` slots (a copy)."""
+        dt, c = self.compute_dtype, self.codec
+        return (
+            c.decode(self.k[layer][:, :, :span], self.k_scale[layer][:, :, :span], dt),
+            c.decode(self.v[layer][:, :, :span], self.v_scale[layer][:, :, :span], dt),
+        )
+
+    def gather(self, layer: int, slots: Tensor) -> tuple[Tensor, Tensor]:
+        dt, c, idx = self.compute_dtype, self.codec, slots.long()
+        return tuple(
+            c.decode(gather_slots(data[layer], idx), scale[layer].gather(2, idx), dt)
+            for data, scale in ((self.k, self.k_scale), (self.v, self.v_scale))
+        )
+
+    def slot_keys(self, layer: int, rows: Tensor, slots: Tensor) -> Tensor:
+        heads = torch.arange(self.k[layer].shape[1], device=rows.device)[None, :, None]
+        at = (rows[:, None, None], heads, slots[:, None, :])
+        return self.codec.decode(self.k[layer][at], self.k_scale[layer][at], self.compute_dtype)
+
+    def eviction_slots(self, layer, rows):
+        keys, positions, extras, length = super().eviction_slots(layer, rows)
+        scale = self.k_scale[layer][rows, :, : keys.shape[2]]
+        return self.codec.decode(keys, scale, self.compute_dtype), positions, extras, length
+
+    def attend(self, layer: int, q: Tensor, valid: Tensor, span: int, scale: float) -> tuple[Tensor, Tensor]:
+        """`decode_attention` over the quantized slots: q . (codes x scale) = (q . codes) x scale, and
+        p . (codes x scale) = (p x scale) . codes, so only codes are converted, CHUNK slots at a time (a copy of
+        the whole span in the compute dtype would read and write more memory than the dense cache holds)."""
+        n, hq, _, d = q.shape
+        k, v, hkv = self.k[layer], self.v[layer], self.k[layer].shape[1]
+        qg = q.view(n, hkv, hq // hkv, d) * scale
+        scores = qg.new_empty(n, hkv, hq // hkv, span)
+        for s in range(0, span, CHUNK):
+            e = min(span, s + CHUNK)
+            scores[..., s:e] = torch.matmul(qg, self.codec.codes(k[:, :, s:e], qg.dtype).transpose(-1, -2))
+        scores *= self.k_scale[layer][:, :, None, :span].to(scores.dtype)
+        probs = masked_probs(scores, valid)
+        weights = (probs * self.v_scale[layer][:, :, None, :span]).to(qg.dtype)
+        out = qg.new_zeros(n, hkv, hq // hkv, d)
+        for s in range(0, span, CHUNK):
+            e = min(span, s + CHUNK)
+            out += torch.matmul(weights[..., s:e], self.codec.codes(v[:, :, s:e], qg.dtype))
+        return out.view(n, hq, 1, d), probs
+
+    def append(self, src: KVCache, rows: Tensor) -> None:
+        """As `KVCache.append`; a full-precision source (a prefill) is quantized first."""
+        super().append(src if isinstance(src, QuantizedKVCache) else self._encoded(src), rows)
+
+    def _encoded(self, src: KVCache) -> QuantizedKVCache:
+        """A quantized copy of a full-precision cache (every stored tensor but its keys and values shared)."""
+        twin = copy.copy(self)
+        twin._store = {n: t for n, t in src._store.items() if n[:2] not in ("k.", "v.")}
+        for layer in range(src.num_layers):
+            for part in ("k", "v"):
+                data, scale = self.codec.encode(src._store[f"{part}.{layer}"])
+                twin._store[f"{part}.{layer}"], twin._store[f"{part}s.{layer}"] = data, scale
+        twin._rows, twin.capacity, twin.paged_state = src.rows, src.capacity, dict(src.paged_state)
+        twin._views()
+        return twin
