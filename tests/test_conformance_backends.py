@@ -208,6 +208,14 @@ def test_scores_match_the_sampler(trainer):
     gap = max(abs(a - b) for a, b in pairs)
     assert gap <= SCORE_TOL, f"teacher-forced log-probs {gap:.2e} from the sampler's"
     assert backend.score(prompts[-1:], completions[-1:], trainer.cfg.rollout.temperature) == scored[-1:]
+    # redrawn on their own streams, teacher-forced, the samples are drawn again whole (SPEC-RL's coupled test)
+    streams = [(r.seed, r.key) for r in reqs]
+    redrawn = backend.redraw(prompts, completions, streams, trainer.cfg.rollout.temperature)
+    assert [cut for cut, _ in redrawn] == [len(c) for c in completions]
+    assert (
+        max(abs(a - b) for (_, x), y in zip(redrawn, scored, strict=True) for a, b in zip(x, y, strict=True))
+        <= SCORE_TOL
+    )
 
 
 @parametrise

@@ -175,16 +175,27 @@ def ran(tmp_path_factory) -> Callable[[str, str], tuple[Trainer, list[Step]]]:
 @each_class
 def test_every_sample_draws_a_stream_of_its_own(kind, name, ran):
     """Across every round of a step and across steps: a stream (seed, key) belongs to one sample (a group
-    resumed at a later step continues its samples' streams), and no two plans of a step start the same one."""
+    resumed at a later step continues its samples' streams; a sample started from a draft that carries its
+    stream, SPEC-RL's coupled acceptance, continues that stream at a later step), and no two plans of a step
+    start the same one."""
     _, steps = ran(kind, name)
     owner: dict[tuple[int, int], tuple[int, int]] = {}
     for step in steps:
         started = new_streams(step.plans)
         assert len(started) == len(set(started)), "two plans of one step start the same stream"
+        drafts = [
+            d.stream for p in step.plans for d in p.drafts or [] if d is not None and d.stream is not None
+        ]
+        assert len(drafts) == len(set(drafts)), "two drafts of one step carry the same stream"
+        taken: set[tuple[int, int]] = set()
         for g in step.scored + step.got.leftover:
             for j, s in enumerate(g.samples):
-                assert owner.setdefault((s.seed, s.key), (g.group_id, j)) == (g.group_id, j), (
-                    f"stream {(s.seed, s.key)} drawn by two samples"
+                stream = (s.seed, s.key)
+                if stream in drafts and stream not in taken:  # continues the draft's stream: its owner now
+                    owner[stream] = (g.group_id, j)
+                    taken.add(stream)
+                assert owner.setdefault(stream, (g.group_id, j)) == (g.group_id, j), (
+                    f"stream {stream} drawn by two samples"
                 )
 
 

@@ -155,7 +155,9 @@ def test_the_first_token_is_exact_and_later_ones_close() -> None:
     b = engine(KVConfig(quant="int8")).generate(prompts, n=1, max_new_tokens=6, seed=2)
     for x, y in zip(a, b, strict=True):
         assert x.logprobs[0] == y.logprobs[0]
-        same = next((i for i, (s, t) in enumerate(zip(x.completion_ids, y.completion_ids, strict=True)) if s != t), 6)
+        same = next(
+            (i for i, (s, t) in enumerate(zip(x.completion_ids, y.completion_ids, strict=True)) if s != t), 6
+        )
         assert (x.logprobs[:same] - y.logprobs[:same]).abs().max() < 0.2
 
 
@@ -214,3 +216,11 @@ def test_cost_rows_under_kv_quant(capsys) -> None:
     )
     rows = [r["method"] for r in json.loads(capsys.readouterr().out)["methods"]]
     assert rows == ["dense", "dense+int8", "rkv+int8"]
+
+
+def test_distill_refuses_a_quantized_cache(tmp_path: Path) -> None:
+    from sparserl.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"kv.quant='int8' is not implemented"):
+        tiny_cfg(tmp_path, "kv.method=block_topk", "kv.budget=64", "kv.quant=int8", "algo.preset=tis",
+                 "distill.enable=true", "model.lora=true")  # fmt: skip

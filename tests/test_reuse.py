@@ -52,8 +52,15 @@ def make(tmp_path, *extra, name="run", **kw) -> Trainer:
     return Trainer(cfg, task=TwoPrompts(), eval_task=TwoPrompts(), **kw)
 
 
-def test_unchanged_weights_accept_every_draft_whole_and_decode_nothing(tmp_path):
-    trainer = make(tmp_path, "optim.lr=0", "optim.weight_decay=0", "trainer.steps=2")
+@pytest.mark.parametrize("verify", ["exact", "batched"])
+@pytest.mark.parametrize("acceptance", ["coupled", "ratio"])
+def test_unchanged_weights_accept_every_draft_whole_and_decode_nothing(tmp_path, acceptance, verify):
+    """Ratio: the drafts' log-probs are the verifier's under the same weights, whatever sampler drew them.
+    Coupled: the verifier redraws on each draft's stream, so the sampler must be the dense policy itself (a
+    sparse sampler's drafts are kept up to where it drew otherwise than the dense policy)."""
+    spec = (f"rollout.spec.acceptance={acceptance}", f"rollout.spec.verify={verify}")
+    dense = ("algo.preset=dense", "kv.method=dense") if acceptance == "coupled" else ()
+    trainer = make(tmp_path, "optim.lr=0", "optim.weight_decay=0", "trainer.steps=2", *spec, *dense)
     first, _ = trainer.rollout(1)
     trainer.learn(1, first)
     trainer.state.step = 1
@@ -64,8 +71,9 @@ def test_unchanged_weights_accept_every_draft_whole_and_decode_nothing(tmp_path)
     assert bool(torch.isfinite(second.logp_sampler[second.mask]).all())
 
 
-def test_changed_weights_keep_the_accepted_prefix_and_sample_on(tmp_path):
-    trainer = make(tmp_path, "optim.lr=0.05", "trainer.steps=3")
+@pytest.mark.parametrize("acceptance", ["coupled", "ratio"])
+def test_changed_weights_keep_the_accepted_prefix_and_sample_on(tmp_path, acceptance):
+    trainer = make(tmp_path, "optim.lr=0.05", "trainer.steps=3", f"rollout.spec.acceptance={acceptance}")
     trainer.train(until_step=2)
     cache = {row: [d["tokens"] for d in ds] for row, ds in trainer.source.inner.cache.items()}
     got = trainer.rollouts.collect_step(trainer.source, 2, 2, 99)
@@ -75,7 +83,11 @@ def test_changed_weights_keep_the_accepted_prefix_and_sample_on(tmp_path):
             draft = cache[g.prompt_id][j]
             assert s.reused_prefix <= len(draft) and s.tokens[: s.reused_prefix] == draft[: s.reused_prefix]
     assert got.sampling["spec_reused_tokens"] == sum(reused)
-    assert got.sampling["spec_verify_s"] > 0 and got.sampling["source_score_s"] > 0  # both passes timed
+    assert (
+        got.sampling["spec_verify_s"] > 0 and got.sampling["spec_rollout_s"] >= got.sampling["spec_verify_s"]
+    )
+    # ratio: the trained samples are scored for the cache; coupled drafts carry their stream instead
+    assert (got.sampling.get("source_score_s", 0) > 0) == (acceptance == "ratio")
     assert "spec_saved_s" in got.sampling
     assert got.sampling["generated_tokens"] == sum(
         len(s.tokens) - s.reused_prefix for g in got.groups for s in g.samples

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # the config's type only: sections.py calls these
 def sparse_kv_methods() -> str:
     """The registered kv.method values that sample sparsely, for errors that ask for one."""
     return (
-        f"an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one ({', '.join(SELECTORS)})"
+        f"an evicting method ({', '.join(EVICTION_METHODS)}) or a block-sparse one ({', '.join(SELECTORS)}), "
+        "or set kv.quant=int8|fp8"
     )
 
 
@@ -101,6 +102,11 @@ def check_distill(cfg: TrainConfig) -> None:
         raise ConfigError(
             "distill.adapter_name='default' is the name of the policy's own LoRA adapter (model.lora=true): "
             "choose another name"
+        )
+    if cfg.kv.quantized:
+        raise ConfigError(
+            f"distill.enable=true with kv.quant={cfg.kv.quant!r} is not implemented: the teacher-forced replay "
+            "of the sparse sampler reads full-precision keys and values; use kv.quant=none"
         )
     if cfg.rollout.partial.enable or cfg.rollout.kv_memory_cap is not None:
         raise ConfigError(

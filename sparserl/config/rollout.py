@@ -111,6 +111,8 @@ class OverlapConfig:
 
 
 SPEC_PREFIX_LOGPS = ("verifier", "cached")
+SPEC_ACCEPTANCES = ("coupled", "ratio")
+SPEC_VERIFICATIONS = ("batched", "exact")
 
 
 @dataclass
@@ -127,16 +129,35 @@ class SpecConfig:
             "response accepted whole (its end included) is not generated again."
         },
     )
+    acceptance: str = field(
+        default="coupled",
+        metadata={
+            "help": "'coupled': a draft is kept up to the first token the current policy draws otherwise at the "
+            "draft's own uniform numbers (its stream), and the sample goes on on that stream: every delivered "
+            "sample is the one the current policy draws on it (no log-probs cached, no lenience). 'ratio': "
+            "SPEC-RL's test u <= min(1, e^lenience p_now / p_then), the rejected token drawn afresh from the "
+            "current policy: delivered samples lean toward the policy that drew the drafts (docs/rollout.md)."
+        },
+    )
+    verify: str = field(
+        default="batched",
+        metadata={
+            "help": "'batched': the drafts are verified teacher-forced in micro-batches (a token near a draw's "
+            "boundary may flip with batch mates' rounding: tests/test_reuse.py compares the two); 'exact': one draft at a "
+            "time."
+        },
+    )
     lenience: float = field(
         default=0.0,
         metadata={
-            "help": "lambda >= 0: the acceptance test multiplies p_now / p_then by e^lambda (SPEC-RL's bias)."
+            "help": "acceptance=ratio: lambda >= 0, the test multiplies p_now / p_then by e^lambda (SPEC-RL's "
+            "bias)."
         },
     )
     prefix_logp: str = field(
         default="verifier",
         metadata={
-            "help": "Sampler log-prob recorded for accepted tokens: 'verifier' (the current policy's, so the "
+            "help": "acceptance=ratio: sampler log-prob recorded for accepted tokens: 'verifier' (the current policy's, so the "
             "corrections see ratio 1, as SPEC-RL) or 'cached' (the policy's that drew them: the corrections "
             "treat them as off-policy tokens)."
         },
@@ -153,6 +174,16 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.lenience < math.inf:
             raise ConfigError(f"rollout.spec.lenience={self.lenience} must be a finite number >= 0")
+        for key, allowed in (("acceptance", SPEC_ACCEPTANCES), ("verify", SPEC_VERIFICATIONS)):
+            if getattr(self, key) not in allowed:
+                raise ConfigError(
+                    f"rollout.spec.{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}"
+                )
+        if self.acceptance == "coupled" and self.lenience:
+            raise ConfigError(
+                f"rollout.spec.lenience={self.lenience} applies to acceptance=ratio only (coupled drafts are "
+                "kept exactly where the current policy draws them)"
+            )
         if self.prefix_logp not in SPEC_PREFIX_LOGPS:
             raise ConfigError(
                 f"rollout.spec.prefix_logp={self.prefix_logp!r}: choose one of {', '.join(SPEC_PREFIX_LOGPS)}"

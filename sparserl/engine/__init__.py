@@ -6,7 +6,7 @@ from __future__ import annotations
 from sparserl.engine.kv_config import EVICTION_METHODS, SELECTORS, KVConfig, kv_methods
 from sparserl.engine.rollout import RolloutEngine, Rollouts, Sample
 from sparserl.engine.sampling import TokenDistributions
-from sparserl.engine.scoring import completion_logprobs, score, score_distributions
+from sparserl.engine.scoring import completion_logprobs, redraw, score, score_distributions
 
 __all__ = [
     "EVICTION_METHODS",
@@ -18,6 +18,7 @@ __all__ = [
     "TokenDistributions",
     "completion_logprobs",
     "kv_methods",
+    "redraw",
     "score",
     "score_distributions",
 ]

@@ -1,5 +1,6 @@
 """Teacher-forced log-probs of completions under a model with dense attention (old, reference and learner), and,
-on request, the dense next-token distributions at every completion position (the acceptance rate's dense side)."""
+on request, the dense next-token distributions at every completion position (the acceptance rate's dense side),
+and where a draft's tokens stop being what the model would draw now (`redraw`, SPEC-RL's coupled verification)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from sparserl.engine.sampling import (
     check_distribution_request,
     distributions_of,
     processed_logprobs,
+    sample_next,
 )
 from sparserl.engine.weights import head_logits
 
@@ -321,4 +323,41 @@ def score_distributions(
             for row, i in enumerate(chunk):
                 logp = processed_logprobs(logits[row, : len(completion_ids[i])], temperature, top_p, top_k)
                 out[i] = distributions_of(logp, top_logprobs, full_logprobs)
+    return out  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def redraw(
+    model: nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    uniforms: Sequence[Tensor],
+    temperature: float = 1.0,
+    token_budget: int = 8192,
+) -> list[tuple[int, Tensor]]:
+    """For each completion (a draft) and the uniform numbers it was drawn at [>= its length]: the first position
+    at which the model, teacher-forced on the draft's prefix, draws another token at the same uniform
+    (`sampling.sample_next`: the sampler's inverse-CDF draw; the draft's length when none), and the draft
+    tokens' log-probs [T] under the model at `temperature`. The draft's tokens up to that position are the very
+    tokens the model would draw now on that stream. `token_budget` 0: one completion at a time (a sequence's
+    numbers then do not depend on its batch mates)."""
+    out: list[tuple[int, Tensor] | None] = [None] * len(prompt_ids)
+    chunks = (
+        micro_batches(prompt_ids, completion_ids, token_budget, shares_prompts(model))
+        if token_budget
+        else ([i] for i in range(len(prompt_ids)))
+    )
+    with module_mode(model, training=False):
+        for chunk in chunks:
+            logits, _, _ = _completion_logits(
+                model, [prompt_ids[i] for i in chunk], [completion_ids[i] for i in chunk]
+            )
+            for row, i in enumerate(chunk):
+                n = len(completion_ids[i])
+                target = torch.tensor(completion_ids[i], device=logits.device)
+                drawn, _, _ = sample_next(logits[row, :n], uniforms[i][:n].to(logits.device), temperature)
+                differ = (drawn != target).nonzero()
+                cut = int(differ[0]) if differ.numel() else n
+                logp = target_logprobs(logits[row, :n][None], target[None], temperature)[0]
+                out[i] = (cut, logp.float().cpu())
     return out  # type: ignore[return-value]

@@ -22,8 +22,8 @@ from sparserl.engine.decoding import DecodeRun, Request, Sampling
 from sparserl.engine.held import HeldRecord, HeldRecorder
 from sparserl.engine.rollout import RolloutEngine, run_stats
 from sparserl.engine.run_settings import engine_settings
-from sparserl.engine.sampling import DistributionRecorder
-from sparserl.engine.scoring import score
+from sparserl.engine.sampling import DistributionRecorder, sample_uniforms
+from sparserl.engine.scoring import redraw, score
 from sparserl.registry import Registry
 from sparserl.rollout.records import Recording
 from sparserl.rollout.rewards import RewardWorker
@@ -63,7 +63,7 @@ class RolloutBackend:
     name: ClassVar[str] = ""
     records: ClassVar[bool] = False  # honours `Recording`: distributions and held positions on its segments
     partial_stop: ClassVar[bool] = False  # `stop()` ends a run early, its unfinished samples returned (APRIL)
-    scores: ClassVar[bool] = False  # `score`: teacher-forced log-probs (SPEC-RL's verification)
+    scores: ClassVar[bool] = False  # `score` and `redraw`: teacher-forced passes (SPEC-RL's verification)
     deterministic_streams: ClassVar[bool] = True  # a sample's tokens depend on (seed, key, weights) only
     copies_weights: ClassVar[bool] = False  # samples from copies of the weights: push_weights needs `state`
 
@@ -118,6 +118,21 @@ class RolloutBackend:
         time so that a sequence's numbers do not depend on its batch mates (SPEC-RL's verification)."""
         raise NotImplementedError(
             f"rollout backend {self.name!r} cannot score completions teacher-forced, which rollout.spec needs"
+        )
+
+    def redraw(
+        self,
+        prompts: list[list[int]],
+        drafts: list[list[int]],
+        streams: list[tuple[int, int]],
+        temperature: float,
+        batched: bool = True,
+    ) -> list[tuple[int, list[float]]]:
+        """Per draft drawn on the stream (seed, key): how many of its leading tokens the weights held now draw
+        on that stream too, teacher-forced, and their log-probs (`engine.scoring.redraw`; `batched` False: one
+        sequence at a time). SPEC-RL's coupled verification."""
+        raise NotImplementedError(
+            f"rollout backend {self.name!r} cannot verify drafts teacher-forced, which rollout.spec needs"
         )
 
     def reward_worker(self, task: Any, asynchronous: bool) -> RewardWorker:
@@ -180,6 +195,23 @@ class LocalBackend(RolloutBackend):
                 score(model, [p], [c], temperature)[0].tolist()
                 for p, c in zip(prompts, completions, strict=True)
             ]
+
+    def redraw(
+        self,
+        prompts: list[list[int]],
+        drafts: list[list[int]],
+        streams: list[tuple[int, int]],
+        temperature: float,
+        batched: bool = True,
+    ) -> list[tuple[int, list[float]]]:
+        model, dtype = self.engine.model, self.engine.decoder.dtype
+        device = model.get_input_embeddings().weight.device.type
+        uniforms = [
+            sample_uniforms(seed, [key], len(d))[0] for (seed, key), d in zip(streams, drafts, strict=True)
+        ]
+        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            out = redraw(model, prompts, drafts, uniforms, temperature, token_budget=8192 if batched else 0)
+        return [(cut, logp.tolist()) for cut, logp in out]
 
     def run(
         self,

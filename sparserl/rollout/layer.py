@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -118,33 +119,47 @@ class RolloutLayer:
         todo = [
             (s, d) for s, d in zip(samples, drafts, strict=True) if d is not None and (d.tokens or d.finish)
         ]
-        scored = [(s, d) for s, d in todo if d.tokens and (d.logps is None or d.verify)]
         prompt = self.task.prompt_ids(row)
         t0 = time.perf_counter()
+        coupled = [(s, d) for s, d in todo if d.stream is not None and d.tokens]
+        redrawn = self.backend.redraw(
+            [prompt] * len(coupled), [d.tokens for _, d in coupled], [d.stream for _, d in coupled],
+            self.cfg.sampling_temperature, self.cfg.spec.verify == "batched",
+        ) if coupled else []  # fmt: skip
+        scored = [(s, d) for s, d in todo if d.stream is None and d.tokens and (d.logps is None or d.verify)]
         now = self.backend.score([prompt] * len(scored), [d.tokens for _, d in scored], self.cfg.temperature)
         self.spec_counts["spec_verify_s"] += time.perf_counter() - t0
         verified = {id(s): lp for (s, _), lp in zip(scored, now, strict=True)}
+        verified |= {id(s): r for (s, _), r in zip(coupled, redrawn, strict=True)}
         for s, d in todo:
             cut, logps = self._kept(s, d, verified.get(id(s)))
+            if d.stream is not None:  # the sample goes on on the draft's stream
+                s.seed, s.key = d.stream
             s.extend(d.tokens[:cut], logps[:cut], version)
             s.reused_prefix, s.prefix_origin = cut, d.origin
             whole = cut == len(d.tokens) and d.finish is not None
             if whole or cut == (s.max_new_tokens or self.cfg.max_new_tokens):
                 s.finish_reason = d.finish if whole else "length"
 
-    def _kept(self, s: SampleRecord, d: Draft, logp_now: list[float] | None) -> tuple[int, list[float]]:
-        """How many of the draft's tokens sample `s` keeps, and their sampler log-probs."""
+    def _kept(self, s: SampleRecord, d: Draft, verified: Any) -> tuple[int, list[float]]:
+        """How many of the draft's tokens sample `s` keeps, and their sampler log-probs (`verified`: the
+        verifier's log-probs, or a coupled draft's (cut, log-probs))."""
         cap, spec = s.max_new_tokens or self.cfg.max_new_tokens, self.cfg.spec
-        if d.logps is None or not d.verify:
-            return min(cap, len(d.tokens)), d.logps if d.logps is not None else logp_now or []
-        uniforms = verification_uniforms(s.seed, s.key, len(d.tokens))
-        cut = min(cap, accepted_length(logp_now, d.logps, uniforms, spec.lenience))
+        if d.stream is not None:
+            cut, logp_now = verified if d.tokens else (0, [])
+            cut = min(cap, cut)
+        elif d.logps is None or not d.verify:
+            return min(cap, len(d.tokens)), d.logps if d.logps is not None else verified or []
+        else:
+            logp_now = verified
+            uniforms = verification_uniforms(s.seed, s.key, len(d.tokens))
+            cut = min(cap, accepted_length(logp_now, d.logps, uniforms, spec.lenience))
         c = self.spec_counts
         c["spec_drafts"] += 1
         c["spec_draft_tokens"] += len(d.tokens)
         c["spec_accepted_tokens"] += cut
         c["spec_whole_drafts"] += cut == len(d.tokens) and d.finish is not None
-        return cut, logp_now if spec.prefix_logp == "verifier" else d.logps
+        return cut, logp_now if spec.prefix_logp == "verifier" or d.logps is None else d.logps
 
     def _request(self, s: SampleRecord) -> Request:
         cap = s.max_new_tokens or self.cfg.max_new_tokens
@@ -317,6 +332,8 @@ def spec_metrics(c: dict[str, float], generated: float, rounds_s: float, score_s
         "spec_whole_frac": c["spec_whole_drafts"] / max(1, c["spec_drafts"]),
         "spec_reused_tokens": float(c["spec_accepted_tokens"]),
         "spec_verify_s": c["spec_verify_s"],
+        "spec_rollout_s": rounds_s
+        + score_s,  # measured: the step's rounds, verification included, and scoring
     }
     if generated:
         per_token = (rounds_s - c["spec_verify_s"]) / generated

@@ -104,6 +104,9 @@ class RolloutWorker:
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
         return self.backend.score(prompts, completions, temperature)
 
+    def redraw(self, *args: Any) -> list:
+        return self.backend.redraw(*args)
+
     def set_task(self, task: Any) -> bool:
         """Hold the run's TaskView (unpickling it imports the task's reward functions here); the counts its
         copy brought along are the driver's, so they are dropped."""
@@ -348,12 +351,25 @@ class RayBackend(RolloutBackend):
             ) from None
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], temperature: float) -> list:
-        """On the first worker (replaced, and asked again, if it died)."""
+        return self._on_first_worker("score", prompts, completions, temperature)
+
+    def redraw(
+        self,
+        prompts: list[list[int]],
+        drafts: list[list[int]],
+        streams: list[tuple[int, int]],
+        temperature: float,
+        batched: bool = True,
+    ) -> list[tuple[int, list[float]]]:
+        return self._on_first_worker("redraw", prompts, drafts, streams, temperature, batched)
+
+    def _on_first_worker(self, method: str, *args: Any) -> Any:
+        """A worker method's answer from the first worker (replaced, and asked again, if it died)."""
         try:
-            return self.ray.get(self.workers[0].score.remote(prompts, completions, temperature))
+            return self.ray.get(getattr(self.workers[0], method).remote(*args))
         except self.ray.exceptions.RayActorError:
             self._replace(0)
-            return self.ray.get(self.workers[0].score.remote(prompts, completions, temperature))
+            return self.ray.get(getattr(self.workers[0], method).remote(*args))
 
     def process_peaks(self) -> dict[str, int]:
         return actor_peaks(self.ray, self.workers, "rollout worker")

@@ -36,7 +36,9 @@ class Draft:
       sampler log-probs the verifier's now;
     - `logps` and `verify` (SPEC-RL: a previous response, `logps` the verifier's under the weights that drew
       it): kept up to the first rejected token;
-    - `logps` without `verify` (a shared sample with its sender's log-probs): kept whole with them.
+    - `logps` without `verify` (a shared sample with its sender's log-probs): kept whole with them;
+    - `stream` (SPEC-RL's coupled acceptance: the (seed, key) the draft was drawn on): kept up to the first token
+      the current policy draws otherwise on that stream, which the sample then continues.
     A draft kept whole with a `finish` is not decoded further. `origin` is recorded on the sample."""
 
     tokens: list[int]
@@ -44,6 +46,7 @@ class Draft:
     finish: str | None = None
     verify: bool = True
     origin: str = "reused"
+    stream: tuple[int, int] | None = None
 
     @classmethod
     def prefix(cls, tokens: list[int]) -> Draft:
