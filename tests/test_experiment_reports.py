@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 
 import reuse  # noqa: E402
+import reuse_v2  # noqa: E402
 import sapo  # noqa: E402
 
 
@@ -40,6 +41,26 @@ def test_reuse_goals_follow_their_rules():
     assert speed["value"] == pytest.approx(2.0) and speed["met"]
     assert quality["gap"] == pytest.approx(abs(0.4633333 - 0.45), abs=1e-6) and quality["met"]
     assert reuse.goals({})[reuse.SPEED]["met"] is False
+
+
+def test_reuse_v2_goals_follow_their_rules():
+    """Speed: SPEC-RL's seconds over GRPO's per length; quality: the one-sided lower bound of the paired
+    differences against the margin (df = 2), judged once every seed is in."""
+    runs = {}
+    for s, (g, a) in enumerate([(0.50, 0.52), (0.40, 0.43), (0.45, 0.44)]):
+        for n, spec_s in ((64, 2.4), (256, 1.8)):
+            runs[f"grpo{n}-seed{s}"] = run([9.0] * 4 + [3.0] * 20, g)
+            runs[f"spec{n}-seed{s}"] = run([9.0] * 4 + [spec_s] * 20, a if n == 64 else a - 0.2)
+    got = reuse_v2.with_eval_means(reuse_v2.judged_goals)(runs)
+    speed64, speed256 = got[reuse_v2.speed_goal(64)], got[reuse_v2.speed_goal(256)]
+    assert speed64["value"] == pytest.approx(0.8) and not speed64["met"]  # target 0.7
+    assert speed256["value"] == pytest.approx(0.6) and not speed256["met"]  # target 0.5
+    q64, q256 = got[reuse_v2.quality_goal(64)], got[reuse_v2.quality_goal(256)]
+    diffs = [0.02, 0.03, -0.01]  # mean 0.0133, sd 0.0208, t(0.95, 2) = 2.92: bound -0.0218
+    assert q64["differences"] == pytest.approx(diffs) and q64["value"] == pytest.approx(-0.0218, abs=1e-4)
+    assert q64["met"] and not q256["met"]
+    partial = {k: v for k, v in runs.items() if not k.endswith("seed2")}
+    assert reuse_v2.judged_goals(partial)[reuse_v2.quality_goal(64)]["value"] is None
 
 
 def test_sapo_report_adds_its_section_to_ray_json(tmp_path, monkeypatch):
