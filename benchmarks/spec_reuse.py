@@ -2,7 +2,8 @@
 optimizer step at several learning rates, against the KL between the two policies on those responses.
 
     python benchmarks/spec_reuse.py            # -> docs/results/reuse.json (~0.2 CPU-hours at one thread)
-    python benchmarks/spec_reuse.py --cost     # section spec_cost: step 2's rollout time, SPEC-RL or not (~10 CPU-min)
+    python benchmarks/spec_reuse.py --cost     # section spec_cost_coupled: step 2's rollout time, SPEC-RL or not
+                                               # (~10 CPU-min; --acceptance ratio: section spec_cost)
 
 Each arm trains one step (8 prompts x 4 samples, the default config's task and length, dense rollouts, LoRA)
 at learning rate lr, then runs step 2 on the same 8 prompts with `rollout.spec.enable=true`: every sample has
@@ -89,10 +90,12 @@ def arm(lr: float, seed: int, out: Path) -> dict:
 
 
 COST_KEYS = ("time/rollout", "sampling/spec_verify_s", "sampling/source_score_s", "sampling/generated_tokens",
-             "sampling/spec_accepted_frac")  # fmt: skip
+             "sampling/spec_accepted_frac", "sampling/spec_rollout_s")  # fmt: skip
+# --cost's section per acceptance rule: 'spec_cost' was measured with SPEC-RL's ratio rule, one draft at a time
+COST_SECTIONS = {"ratio": "spec_cost", "coupled": "spec_cost_coupled"}
 
 
-def cost_arm(spec: bool, seed: int, out: Path) -> dict:
+def cost_arm(spec: bool, seed: int, out: Path, acceptance: str) -> dict:
     """Where a step's rollout time goes, with and without SPEC-RL: the experiment's config (experiments/reuse.yaml)
     on its first 8 prompts, one step, one update, then step 2 on the same prompts (with SPEC-RL, every sample
     has its step-1 response as a draft: the best case, one update between visits)."""
@@ -101,7 +104,8 @@ def cost_arm(spec: bool, seed: int, out: Path) -> dict:
     from sparserl.trainer import Trainer
 
     overrides = [
-        f"rollout.spec.enable={str(spec).lower()}", f"trainer.seed={seed}", "trainer.steps=2",
+        f"rollout.spec.enable={str(spec).lower()}", f"rollout.spec.acceptance={acceptance}",
+        f"trainer.seed={seed}", "trainer.steps=2",
         "trainer.save_every=0", f"trainer.output_dir={out}", f"trainer.run_name=cost-spec{int(spec)}-seed{seed}",
     ]  # fmt: skip
     cfg = load_config(ROOT / "experiments" / "reuse.yaml", overrides)
@@ -120,12 +124,12 @@ def cost_arm(spec: bool, seed: int, out: Path) -> dict:
     return {"spec": spec, "seed": seed, "steps": steps}
 
 
-def cost(seeds: int, out: Path) -> dict:
+def cost(seeds: int, out: Path, acceptance: str) -> dict:
     """`cost_arm` with and without SPEC-RL per seed, the arms alternating in order from seed to seed."""
     arms = []
     for seed in range(seeds):
         for spec in (seed % 2 == 0, seed % 2 == 1):
-            arms.append(cost_arm(spec, seed, out))
+            arms.append(cost_arm(spec, seed, out, acceptance))
     step2 = {spec: [a["steps"][1] for a in arms if a["spec"] == spec] for spec in (False, True)}
     medians = {
         ("spec" if spec else "plain"): {
@@ -134,8 +138,8 @@ def cost(seeds: int, out: Path) -> dict:
         for spec, rows in step2.items()
     }
     result = {"arms": arms, "step2_medians": medians, "config": "experiments/reuse.yaml", "prompts": PROMPTS,
-              "command": f"{COMMAND} --cost"}  # fmt: skip
-    update_result(OUT, "spec_cost", result, {})
+              "acceptance": acceptance, "command": f"{COMMAND} --cost --acceptance {acceptance}"}  # fmt: skip
+    update_result(OUT, COST_SECTIONS[acceptance], result, {})
     print(json.dumps(medians, indent=1))
     return result
 
@@ -154,12 +158,18 @@ def main() -> dict:
     parser.add_argument(
         "--cost", action="store_true", help="where step 2's rollout time goes, SPEC-RL or not"
     )
+    parser.add_argument(
+        "--acceptance",
+        choices=sorted(COST_SECTIONS),
+        default="coupled",
+        help="--cost: rollout.spec.acceptance (each rule its own section)",
+    )
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
     if args.cost:
-        return cost(args.seeds, args.out)
+        return cost(args.seeds, args.out, args.acceptance)
     arms = [arm(lr, seed, args.out) for seed in range(args.seeds) for lr in LRS]
     identity = [a["accepted_frac"] for a in arms if a["lr"] == 0.0]
     changed = [a for a in arms if a["lr"] > 0]
