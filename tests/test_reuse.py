@@ -145,6 +145,12 @@ def test_spec_refuses_what_needs_whole_samples():
         check_group_sources(load_config(None, ["rollout.spec.enable=true", "trainer.log_acceptance=true"]))
     with pytest.raises(ConfigError, match="rollout.spec.lenience=-1"):
         load_config(None, ["rollout.spec.lenience=-1"])
+    with pytest.raises(ConfigError, match="rollout.spec.lenience=1.0 applies to acceptance=ratio only"):
+        load_config(None, ["rollout.spec.enable=true", "rollout.spec.lenience=1"])
+    with pytest.raises(ConfigError, match="rollout.spec.acceptance='maximal': choose one of coupled, ratio"):
+        load_config(None, ["rollout.spec.enable=true", "rollout.spec.acceptance=maximal"])
+    assert load_config(None, ["rollout.spec.enable=true", "rollout.spec.acceptance=ratio",
+                              "rollout.spec.lenience=1"]).rollout.spec.lenience == 1.0  # fmt: skip
 
 
 def test_a_plan_with_given_prefixes_samples_on_from_them(tmp_path):

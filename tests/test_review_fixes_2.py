@@ -206,5 +206,6 @@ def test_spec_rl_with_april_caches_only_samples_the_current_weights_drew(
     monkeypatch.setattr(RolloutLayer, "collect_step", collect_step)
     monkeypatch.setattr(SpecReuse, "observe", watched)
     april = ["rollout.partial.enable=true", "rollout.partial.over_provision=2", "rollout.kv_memory_cap=64MiB"]
-    make(tmp_path, *april, "optim.lr=0.05", "trainer.steps=3", "rollout.max_new_tokens=24").train()
+    ratio = "rollout.spec.acceptance=ratio"  # the rule that caches log-probs (coupled caches streams)
+    make(tmp_path, *april, ratio, "optim.lr=0.05", "trainer.steps=3", "rollout.max_new_tokens=24").train()
     assert cached and all(drew == {version} for drew, version in cached)

@@ -179,7 +179,7 @@ class SpecConfig:
                 raise ConfigError(
                     f"rollout.spec.{key}={getattr(self, key)!r}: choose one of {', '.join(allowed)}"
                 )
-        if self.acceptance == "coupled" and self.lenience:
+        if self.enable and self.acceptance == "coupled" and self.lenience:
             raise ConfigError(
                 f"rollout.spec.lenience={self.lenience} applies to acceptance=ratio only (coupled drafts are "
                 "kept exactly where the current policy draws them)"
