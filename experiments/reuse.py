@@ -77,20 +77,28 @@ def goals(runs: dict) -> dict:
     return {SPEED: speed, QUALITY: quality}
 
 
-def comparison(runs: dict) -> dict:
-    """Reported, not judged: per arm against GRPO, paired by seed, the held-out mean@8 difference and the ratio
-    of rollout seconds over epochs 2-6 (GRPO's / the arm's)."""
+def compare_pairs(pairs: list[tuple[dict, dict]], arm: str, base: str, arm_over_base: bool = False) -> dict:
+    """An arm against its base, paired by seed: the held-out mean@8 difference and the ratio of rollout seconds
+    over epochs 2-6 (the base's / the arm's, or with `arm_over_base` the arm's / the base's)."""
     out = {}
-    for arm in ("spec", "tree"):
-        pairs = paired_runs(runs, arm)
-        held = [a["eval_mean"] - g["eval_mean"] for a, g in pairs if "eval_mean" in a and "eval_mean" in g]
-        if held:
-            out[f"{arm} - grpo: held-out mean@8"] = paired(held)
-        if pairs:
-            out[f"grpo / {arm}: rollout seconds over epochs 2-6"] = paired(
-                [later_epochs_time(g) / later_epochs_time(a) for a, g in pairs]
-            )
+    held = [a["eval_mean"] - g["eval_mean"] for a, g in pairs if "eval_mean" in a and "eval_mean" in g]
+    if held:
+        out[f"{arm} - {base}: held-out mean@8"] = paired(held)
+    if pairs:
+        seconds = [(later_epochs_time(a), later_epochs_time(g)) for a, g in pairs]
+        label = f"{arm} / {base}" if arm_over_base else f"{base} / {arm}"
+        ratios = [a / g if arm_over_base else g / a for a, g in seconds]
+        out[f"{label}: rollout seconds over epochs 2-6"] = paired(ratios)
     return out
+
+
+def comparison(runs: dict) -> dict:
+    """Reported, not judged: per arm against GRPO (`compare_pairs`)."""
+    return {
+        k: v
+        for arm in ("spec", "tree")
+        for k, v in compare_pairs(paired_runs(runs, arm), arm, "grpo").items()
+    }
 
 
 def judged_and_compared(runs: dict) -> dict:

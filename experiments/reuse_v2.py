@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from arms import Experiment, main, run, write_comparison
-from reuse import later_epochs_time, with_eval_means
+from reuse import compare_pairs, later_epochs_time, with_eval_means
 
 from sparserl.signals import stoppable
 
@@ -100,21 +100,10 @@ def length_goals(runs: dict, n: int) -> dict:
 def comparison(runs: dict) -> dict:
     """Reported, not judged: per arm and length against GRPO, paired by seed, the held-out difference and the
     ratio of rollout seconds over epochs 2-6 (the arm's / GRPO's)."""
-    from arms import paired
-
     out = {}
     for n in LENGTHS:
         for arm in ("spec", "tree"):
-            pairs = paired_runs(runs, arm, n)
-            held = [
-                a["eval_mean"] - g["eval_mean"] for a, g in pairs if "eval_mean" in a and "eval_mean" in g
-            ]
-            if held:
-                out[f"{arm}{n} - grpo{n}: held-out mean@8"] = paired(held)
-            if pairs:
-                out[f"{arm}{n} / grpo{n}: rollout seconds over epochs 2-6"] = paired(
-                    [later_epochs_time(a) / later_epochs_time(g) for a, g in pairs]
-                )
+            out |= compare_pairs(paired_runs(runs, arm, n), f"{arm}{n}", f"grpo{n}", arm_over_base=True)
     return out
 
 
