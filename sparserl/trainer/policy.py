@@ -19,6 +19,7 @@ from sparserl.engine.rollout import register_sparse_path
 from sparserl.engine.weights import bump_weights_version, keep_head_float32, track_weights_version
 from sparserl.models import ModelLoadError
 from sparserl.trainer.checkpoint import atomic_dir
+from sparserl.trainer.export import save_merged
 
 ModelLoader = Callable[[ModelConfig], tuple[Any, Any]]
 _ADAPTER_KEY = "lora_"  # PEFT's LoRA parameters carry it in their names
@@ -275,7 +276,7 @@ class Policy:
         bump_weights_version(self.module)
 
     def export(self, path: str | Path) -> Path:
-        """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer,
+        """Save a standalone Hugging Face model folder (LoRA merged) plus the tokenizer,
         atomically: it is written beside `path` and renamed into place, so a kill never leaves a half folder
         that `sparserl eval` cannot read (an existing one is replaced only once the new one is complete)."""
         path = Path(path)
@@ -284,21 +285,15 @@ class Policy:
         return path
 
     def _save_pretrained(self, path: Path) -> None:
-        """Save a standalone Hugging Face model folder (LoRA merged into a copy) plus the tokenizer."""
+        """Save a standalone Hugging Face model folder (LoRA merged shard by shard: trainer/export.py) plus the
+        tokenizer."""
         from transformers.utils import logging as hf_logging
 
         was_enabled = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # its bar would tear the live training bar
         try:
             if self.peft is not None:  # the dense policy: its own adapters merged, the distill one left out
-                copy_ = copy.deepcopy(self.peft)
-                own = (
-                    copy_.merge_and_unload(adapter_names=self.own_adapters)
-                    if self.own_adapters
-                    else copy_.unload()
-                )
-                own.save_pretrained(path)
-                del copy_, own
+                save_merged(self.peft, self.own_adapters, path)
             else:
                 self.module.save_pretrained(path)
         finally:
