@@ -241,6 +241,18 @@ def test_block_sparse_samplers_report_alpha_p5(tmp_path):
                                           tmp_path / "r", task=VowelTask())["rollout"]  # fmt: skip
 
 
+def test_a_quantized_sampler_is_measured_like_any_other(tmp_path):
+    """kv.quant=int8 on a dense cache: prefill exact, decode over codes; its samples leave their full-precision
+    twins where a draw flips, and the report names the cache."""
+    from sparserl.eval.bias_command import sampler_text
+
+    cfg = tiny("kv.method=dense", "kv.quant=int8")
+    rep = measure(cfg, BiasSettings(prompts=2, batches=2, gradients=False), tmp_path / "b", task=VowelTask())
+    r = rep["rollout"]
+    assert 0.0 < r["k3_token"]["value"] < 0.05  # quantization moves the sampler, a little
+    assert sampler_text(cfg).startswith("dense cache, int8 keys and values")
+
+
 def test_preset_estimators_smd_and_tis(tmp_path):
     """Algo presets as estimators (SMD's distillation term included) give their own gradients and shares."""
     rep = measure(tiny(), BiasSettings(prompts=2, batches=2, estimators=["smd", "tis"]), tmp_path / "b",

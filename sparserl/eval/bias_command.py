@@ -136,7 +136,9 @@ def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = F
 def sampler_text(cfg: TrainConfig) -> str:
     """The sampler under test in words, against its dense twin."""
     r = cfg.rollout
-    cache = f"{cfg.kv.method} budget {cfg.kv.budget}" if cfg.sparse else "dense cache"
+    kv = cfg.kv
+    cache = "dense cache" if not cfg.sparse or kv.method == "dense" else f"{kv.method} budget {kv.budget}"
+    cache += f", {kv.quant} keys and values" if cfg.sparse and kv.quantized else ""
     temp = f", sampler temperature {r.sampling_temperature}" if r.sampler_temperature is not None else ""
     return f"{cache}{temp}; dense twin at temperature {r.temperature}; corrections of algo.preset={cfg.algo.preset}"
 
