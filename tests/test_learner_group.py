@@ -66,6 +66,13 @@ def test_two_learners_give_one_learners_update_and_skip_together(tmp_path, held)
         for key in ("actor/loss", "actor/grad_norm", "rollout_corr/kl", "rollout_corr/token_keep_fraction"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
         assert a["actor/lr"] == b["actor/lr"] == two.scheduler.get_last_lr()[0]
+        # the completions table's per-sample columns come from rank 0, as one learner's
+        s1, s2 = one.learner.sample_stats, two.learner.sample_stats
+        assert s2 is not None and s2.rejected == s1.rejected
+        assert [g is None for g in s2.logp_gap] == [g is None for g in s1.logp_gap]
+        assert [g for g in s2.logp_gap if g is not None] == pytest.approx(
+            [g for g in s1.logp_gap if g is not None], abs=1e-6
+        )
 
         one.state.step = two.state.step = 1
         batch, _ = one.rollout(2)

@@ -72,7 +72,7 @@ def completion_rows(
 
 def with_stats(rows: list[dict[str, Any]] | None, learner: Any) -> list[dict[str, Any]]:
     """`rows` (None: no table) with each sample's log-prob gap and rejection from the `learner`'s last update
-    (trainer/update.py `sample_stats`; left unset where it has none: learner ranks in other processes)."""
+    (trainer/update.py `sample_stats`; a learner group's come from its rank 0)."""
     rows = rows or []
     stats: SampleStats | None = getattr(learner, "sample_stats", None)
     if stats is not None:

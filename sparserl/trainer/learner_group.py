@@ -33,6 +33,7 @@ from sparserl.engine.weights import bump_weights_version
 from sparserl.errors import ClusterError
 from sparserl.process_memory import actor_peaks, peak_rss_bytes
 from sparserl.trainer import sharding
+from sparserl.trainer.completions import SampleStats
 from sparserl.trainer.policy import autocast_for
 from sparserl.trainer.update import Batch, Learner, SingleProcess
 
@@ -155,6 +156,11 @@ class LearnerRank:
         """This rank's part of the update; its metrics are the whole update's (the same on every rank)."""
         return self.learner.update(step, batch)
 
+    def sample_stats(self) -> SampleStats | None:
+        """The last update's per-sample log-prob gap and rejection (the same on every rank: the reference is
+        merged before them), for the completions table."""
+        return self.learner.sample_stats
+
     def weights_and_schedule(self) -> tuple[dict[str, Tensor], dict] | None:
         """The trained weights and the lr schedule's state (from rank 0; sharded, every rank gathers)."""
         weights = (sharding.full_weights if self.sharded else named_state)(self.module, self.names)
@@ -208,6 +214,7 @@ class LearnerGroup:
         self.ranks: list[Any] = []
         self.placement = None
         self.synced = False  # the ranks hold the trainer's weights and optimizer (sent at the first update)
+        self.sample_stats: SampleStats | None = None  # rank 0's, after each update (the completions table)
         self.optimizer_current = True  # the local optimizer holds rank 0's state
         try:
             self._start(cfg)
@@ -271,6 +278,7 @@ class LearnerGroup:
             self.synced = True
         batch_ref = self.ray.put(batch)
         metrics = self._gather([r.update.remote(step, batch_ref) for r in self.ranks])[0]
+        self.sample_stats = self._gather([self.ranks[0].sample_stats.remote()])[0]
         weights, schedule = self._from_rank0("weights_and_schedule")
         load_named(self.module, weights)
         bump_weights_version(self.module)  # engines over the trainer's policy repack
