@@ -224,3 +224,21 @@ def test_distill_refuses_a_quantized_cache(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"kv.quant='int8' is not implemented"):
         tiny_cfg(tmp_path, "kv.method=block_topk", "kv.budget=64", "kv.quant=int8", "algo.preset=tis",
                  "distill.enable=true", "model.lora=true")  # fmt: skip
+
+
+def test_a_kv_memory_cap_counts_the_quantized_bytes() -> None:
+    """Under one cap, a quantized cache holds more sequences at once than a float32 one (each position costs
+    ~0.31x here), so the same requests take fewer decode steps, and it never holds more bytes than the cap."""
+    from sparserl.engine.decoding import Request, Sampling
+    from sparserl.rollout.scheduler import Scheduler
+
+    prompts = random_prompts([20, 9, 14], 8)
+    requests = [Request(prompts[i % 3], key=i, seed=3, max_new_tokens=30) for i in range(12)]
+    full, quant = engine(KVConfig()), engine(KVConfig(quant="int8"))
+    cap = 3 * 64 * full.decoder.num_layers * 2 * full.decoder.num_kv_heads * full.decoder.head_dim * 4
+    steps = {}
+    for name, e in (("float32", full), ("int8", quant)):
+        run, unfinished, stats = Scheduler(e, cap).run(requests, Sampling())
+        assert not unfinished and run.peak_bytes <= cap
+        steps[name] = stats.decode_steps
+    assert steps["int8"] < 0.8 * steps["float32"], steps
