@@ -117,3 +117,32 @@ def test_tree_rounds_need_rounds_of_the_step():
                 None, ["rollout.tree.enable=true", "rollout.tree.rounds=3", "sampling.max_extra_rounds=2"]
             )
         )
+
+
+@pytest.mark.parametrize("kv", [["kv.method=dense", "algo.preset=dense"], []], ids=["dense", "rkv"])
+def test_children_start_from_their_parents_state_without_a_prefill(tmp_path, kv):
+    """Two forking rounds on the local backend: every child starts from the state its parent kept at the fork
+    point (no prefill after the roots'), and on a dense cache its tokens are those a re-prefilled child draws."""
+    extra = ("rollout.tree.enable=true", "rollout.n=2", "rollout.tree.forks=2", "rollout.tree.children=1",
+             "rollout.tree.rounds=2", "sampling.max_extra_rounds=2", *kv)  # fmt: skip
+    trainer = make_trainer(tiny_cfg(tmp_path, *extra))
+    engine = trainer.rollouts.backend.engine
+    prefilled, prefill = [], engine.prefilled
+    engine.prefilled = lambda inputs, *a: prefilled.append(len(inputs)) or prefill(inputs, *a)
+    got = trainer.rollouts.collect_step(trainer.source, 2, 0, 5)
+    children = [s for g in got.groups for s in g.samples if s.prefix_origin == "forked"]
+    assert len(children) > 2 * 2 * 2 and all(c.fork_of is not None for c in children)  # both rounds forked
+    assert prefilled == [2]  # the two prompts, once, for the roots
+    if kv:  # dense: a child prefilled from its prompt and prefix draws the same tokens
+        from sparserl.engine.decoding import Request, Sampling
+
+        reqs = [Request(trainer.train_view.prompt_ids(c.prompt_id), c.key, c.seed, trainer.cfg.rollout.max_new_tokens,
+                        c.tokens[: c.reused_prefix]) for c in children]  # fmt: skip
+        with engine.decoding():
+            run = engine.start_run(reqs, Sampling())
+            run.admit(list(range(len(reqs))))
+            while run.running:
+                run.step()
+        assert [run.requests[i].prefix + run.completion(i)[0] for i in range(len(reqs))] == [
+            c.tokens for c in children
+        ]

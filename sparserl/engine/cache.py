@@ -96,6 +96,21 @@ class KVCache:
         twin._views()
         return twin
 
+    def row_snapshot(self, row: int) -> KVCache:
+        """Row `row` as a cache of its own, cut to the slots it holds (every stored tensor's row cloned): the
+        state a fork continues from (engine/forks.py)."""
+        held = int(self.length[row])
+        twin = copy.copy(self)
+        twin._store = {}
+        for name, t in self._store.items():
+            part, axis = t[row : row + 1], self._slot_axis(name)
+            if axis is not None:
+                part = part.narrow(axis, 0, min(part.shape[axis], self._slots(name, held)))
+            twin._store[name] = part.clone()
+        twin._rows, twin.capacity, twin.paged_state = 1, held, dict(self.paged_state)
+        twin._views()
+        return twin
+
     @property
     def rows(self) -> int:
         return self._rows

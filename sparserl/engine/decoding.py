@@ -24,6 +24,7 @@ from sparserl.engine.allocation import (
 )
 from sparserl.engine.cache import KVCache
 from sparserl.engine.evicting_prefix import EvictingPrefixCache
+from sparserl.engine.forks import Snapshot, SnapshotKeeper, admit_forked
 from sparserl.engine.kv_quant import QuantizedKVCache
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
@@ -46,6 +47,9 @@ class Request:
     seed: int
     max_new_tokens: int
     prefix: list[int] = field(default_factory=list)
+    snapshots: int = 0  # keep the states before its k least likely tokens (engine/forks.py)
+    fork: Snapshot | None = None  # start from this state (its position = len(prefix)): no prefill
+    fork_of: tuple[int, int, int] | None = None  # the (seed, key, position) of a state a backend may hold
 
 
 @dataclass
@@ -126,6 +130,7 @@ class DecodeRun:
         )
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0
+        self.snapshots = SnapshotKeeper([r.snapshots for r in requests])
 
     # --------------------------------------------------------------------------------------------- memory
 
@@ -157,7 +162,13 @@ class DecodeRun:
         """Whether an admission of sample i reads its first input held once: an input two or more samples start
         from (a group's prompt; the prompt + prefix of children forked at one token; `shared_inputs`), the
         sample having drawn nothing since (a preempted one comes back as a copy)."""
-        return int(self.count[i]) == int(self.start_count[i]) and self.first_input[i] in self.shared
+        r = self.requests[i]
+        own_row = r.snapshots or r.fork is not None  # a snapshot is a whole row; a fork starts from one
+        return (
+            int(self.count[i]) == int(self.start_count[i])
+            and self.first_input[i] in self.shared
+            and not own_row
+        )
 
     def own_length(self, i: int, whole: bool = False) -> int:
         """Positions sample i's own row holds once admitted (`whole`: at its end): its input (prompt +
@@ -231,8 +242,13 @@ class DecodeRun:
         if not ids:
             return
         t0 = time.perf_counter()
-        copied = [i for i in ids if not self.shares(i)]
+        forked = [
+            i for i in ids if self.requests[i].fork is not None and self.count[i] == self.start_count[i]
+        ]
+        copied = [i for i in ids if not self.shares(i) and i not in forked]
         readers = [i for i in ids if self.shares(i)]
+        if forked:
+            admit_forked(self, forked)
         if copied:
             self._admit_copied(copied)
         if readers:
@@ -337,6 +353,8 @@ class DecodeRun:
             s.top_k,
             self.recorder is not None,
         )
+        if self.snapshots.active:  # before the tokens are fed: the state each was drawn in
+            self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp)
         self.tokens[ids, at], self.logps[ids, at] = tok, lp
         if self.recorder is not None:
             self.recorder.record(at - self.start_count[ids], ids, dist)

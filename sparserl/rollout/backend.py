@@ -19,6 +19,7 @@ import torch
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
+from sparserl.engine.forks import Snapshot
 from sparserl.engine.held import HeldRecord, HeldRecorder
 from sparserl.engine.rollout import RolloutEngine, run_stats
 from sparserl.engine.run_settings import engine_settings
@@ -167,6 +168,9 @@ class LocalBackend(RolloutBackend):
         super().__init__(recording)
         self.engine = engine
         self.scheduler = Scheduler(engine, cfg.kv_memory_cap_bytes, cfg.batching)
+        # the states tree children start from, by (seed, key, position), for the weights of `_forks_version`
+        self._forks: dict[tuple[int, int, int], Snapshot] = {}
+        self._forks_version: int | None = None
 
     @classmethod
     def from_config(
@@ -238,10 +242,16 @@ class LocalBackend(RolloutBackend):
                 seg.held = held.records.get(i)
             return seg
 
+        if version != self._forks_version:  # a state is valid for the weights that made it only
+            self._forks, self._forks_version = {}, version
+        for r in requests:
+            r.fork = self._forks.get(r.fork_of) if r.fork_of is not None else None
         with self.engine.step_hook(held):
             run, unfinished, sched = self.scheduler.run(
                 requests, sampling, lambda run, i: on_segment(segment(run, i)), stop, recorder, seed
             )
+        for i, kept in run.snapshots.kept.items():  # the states later forks may start from (tree rollouts)
+            self._forks |= {(requests[i].seed, requests[i].key, snap.position): snap for snap in kept}
         for i in unfinished:  # stopped early (APRIL): what they drew so far, unfinished
             on_segment(segment(run, i))
         return {**run_stats(run), **sched.as_metrics()}

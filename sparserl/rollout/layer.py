@@ -92,7 +92,7 @@ class RolloutLayer:
             g = plan.extends
             start = len(g.samples)
             new = [
-                SampleRecord(plan.row, g.group_id, start + j, plan.seed, key)
+                SampleRecord(plan.row, g.group_id, start + j, plan.seed, key, snapshots=plan.snapshots)
                 for j, key in enumerate(plan.keys)
             ]
             g.samples += new
@@ -103,7 +103,7 @@ class RolloutLayer:
         self.state.next_group_id += 1
         caps = plan.max_new_tokens or [None] * plan.n
         samples = [
-            SampleRecord(plan.row, gid, j, plan.seed, key, max_new_tokens=cap)
+            SampleRecord(plan.row, gid, j, plan.seed, key, max_new_tokens=cap, snapshots=plan.snapshots)
             for j, (key, cap) in enumerate(zip(plan.keys, caps, strict=True))
         ]
         if plan.drafts is not None:
@@ -117,7 +117,9 @@ class RolloutLayer:
         log-probs; SPEC-RL's test in rollout/reuse.py): the kept tokens are drawn by no one now
         (`reused_prefix`); a sample is finished if its whole draft and its end were kept."""
         todo = [
-            (s, d) for s, d in zip(samples, drafts, strict=True) if d is not None and (d.tokens or d.finish)
+            (s, d)
+            for s, d in zip(samples, drafts, strict=True)
+            if d is not None and (d.tokens or d.finish or d.fork_of)
         ]
         prompt = self.task.prompt_ids(row)
         t0 = time.perf_counter()
@@ -136,7 +138,7 @@ class RolloutLayer:
             if d.stream is not None:  # the sample goes on on the draft's stream
                 s.seed, s.key = d.stream
             s.extend(d.tokens[:cut], logps[:cut], version)
-            s.reused_prefix, s.prefix_origin = cut, d.origin
+            s.reused_prefix, s.prefix_origin, s.fork_of = cut, d.origin, d.fork_of
             whole = cut == len(d.tokens) and d.finish is not None
             if whole or cut == (s.max_new_tokens or self.cfg.max_new_tokens):
                 s.finish_reason = d.finish if whole else "length"
@@ -163,7 +165,11 @@ class RolloutLayer:
 
     def _request(self, s: SampleRecord) -> Request:
         cap = s.max_new_tokens or self.cfg.max_new_tokens
-        return Request(self.task.prompt_ids(s.prompt_id), s.key, s.seed, cap, list(s.tokens))
+        fork_of = (
+            s.fork_of if s.fork_of is not None and len(s.tokens) == s.fork_of[2] else None
+        )  # not resumed
+        return Request(self.task.prompt_ids(s.prompt_id), s.key, s.seed, cap, list(s.tokens), s.snapshots,
+                       fork_of=fork_of)  # fmt: skip
 
     def collect_step(
         self, source: GroupSource, k: int, version: int, seed: int, drawn_by: int | None = None

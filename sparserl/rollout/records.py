@@ -53,6 +53,8 @@ class SampleRecord:
     )
     prefix_origin: str | None = None  # where they came from: 'reused' (SPEC-RL), 'given', 'external' (SAPO)
     scored_logps: list[float] | None = None  # the backend's teacher-forced log-probs, when a source asks
+    snapshots: int = 0  # states to keep for forks (GroupPlan.snapshots)
+    fork_of: tuple[int, int, int] | None = None  # the (seed, key, position) of the state it starts from
     text: str | None = None
     reward: float | None = None
     extras: dict[str, Any] | None = None

@@ -47,6 +47,7 @@ class Draft:
     verify: bool = True
     origin: str = "reused"
     stream: tuple[int, int] | None = None
+    fork_of: tuple[int, int, int] | None = None  # (seed, key, position) of the state it continues (a tree's)
 
     @classmethod
     def prefix(cls, tokens: list[int]) -> Draft:
@@ -70,6 +71,7 @@ class GroupPlan:
     resume: GroupRecord | None = None
     extends: GroupRecord | None = None
     drafts: list[Draft | None] | None = None
+    snapshots: int = 0  # each sample keeps its states before this many least likely tokens (tree forks)
 
     @property
     def n(self) -> int:

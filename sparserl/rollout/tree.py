@@ -4,7 +4,10 @@ uncertain tokens (the highest -log p of the sampled token, as TreeRL's code meas
 children. A child keeps the path's tokens before the fork point with the parent's sampler log-probs (the
 distribution that drew them) and draws from the fork point on, on its own stream, so its first token is drawn
 afresh. Children join the parent's group (one group id per tree: every path is a leaf). Shared prefixes are not
-generated again (`reused_prefix`), but each child re-prefills its prefix: the engine has no fork of a cache yet.
+generated again (`reused_prefix`), nor prefilled: every path that forks later keeps its states at its `forks`
+least likely tokens (`GroupPlan.snapshots`, engine/forks.py) and a child starts from its parent's state there
+(`Draft.fork_of`), where the backend holds it (the local one, for the weights that made it; else, as on Ray
+workers, the child prefills its prompt and prefix).
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ class TreeRollouts(WrappedSource):
         self.frontier: dict[int, range] = {}
         self.step = {"tree_leaves": 0.0, "tree_forks": 0.0}
 
+    def plan(self, k: int, version: int) -> list[GroupPlan]:
+        plans = super().plan(k, version)
+        for p in plans:
+            p.snapshots = (
+                self.cfg.forks if self.cfg.rounds else 0
+            )  # the roots fork in the first forking round
+        return plans
+
     def reset_step(self) -> None:
         self.forked, self.frontier = {}, {}  # group id -> forking rounds done, sample indices drawn last
         self.step = dict.fromkeys(self.step, 0.0)
@@ -78,7 +89,8 @@ class TreeRollouts(WrappedSource):
         drafts = []
         for s in (g.samples[i] for i in last):
             for t in fork_points(s, self.cfg.forks):
-                parent = Draft(s.tokens[:t], s.sampler_logps[:t], verify=False, origin="forked")
+                parent = Draft(s.tokens[:t], s.sampler_logps[:t], verify=False, origin="forked",
+                               fork_of=(s.seed, s.key, t))  # fmt: skip
                 drafts += [parent] * self.cfg.children
         if not drafts:
             return None
@@ -86,7 +98,9 @@ class TreeRollouts(WrappedSource):
         self.frontier[g.group_id] = range(start, start + len(drafts))
         self.step["tree_forks"] += len(drafts) / self.cfg.children
         keys = [first.key + (j << EXTENSION_SHIFT) for j in range(start, start + len(drafts))]
-        return GroupPlan(g.prompt_id, first.seed, keys, extends=g, drafts=drafts)
+        more = self.forked[g.group_id] < self.cfg.rounds  # these children fork in a later round
+        return GroupPlan(g.prompt_id, first.seed, keys, extends=g, drafts=drafts,
+                         snapshots=self.cfg.forks if more else 0)  # fmt: skip
 
     def metrics(self) -> dict[str, float]:
         return {**{f"sampling/{k}": v for k, v in self.step.items()}, **self.inner.metrics()}

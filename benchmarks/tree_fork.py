@@ -1,0 +1,102 @@
+"""Tree rollouts that fork their parent's state against independent chains at 4 leaves a prompt, SmolLM2-135M:
+rollout CPU seconds per leaf and peak KV bytes per leaf, with the children forked (engine/forks.py) and, for
+comparison, re-prefilled from their prompt and prefix (the tree before forks).
+
+    python benchmarks/tree_fork.py     # -> docs/results/reuse.json, section "tree_fork" (~0.2 CPU-hours)
+
+The reuse experiment's tree: 2 roots a prompt, 1 fork point, 1 child (4 leaves), against 4 independent samples;
+4 prompts of the default task, dense rollouts (algo.preset=dense), temperature 1, one thread, at 64 and 256 new
+tokens. One step's `collect_step` per arm, the arms alternating, `--repeats` rounds; medians of CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _common import command_line, machine_info, update_result
+
+from sparserl.signals import stoppable
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "results" / "reuse.json"
+TREE = ["rollout.n=2", "rollout.tree.enable=true", "rollout.tree.forks=1", "rollout.tree.children=1"]
+ARMS = {"tree": TREE, "tree-reprefill": TREE, "chains": ["rollout.n=4"]}
+LENGTHS = (64, 256)
+SPEED_TARGET = 0.8  # tree seconds per leaf over chains'
+
+
+def collect(name: str, length: int, seed: int, out: Path) -> dict:
+    """One step of arm `name` at `length` new tokens: leaves, CPU seconds, peak KV bytes."""
+    from sparserl.config import load_config
+    from sparserl.trainer import Trainer
+
+    cfg = load_config(None, [
+        "algo.preset=dense", "rollout.prompts_per_step=4", f"rollout.max_new_tokens={length}",
+        f"trainer.seed={seed}", "trainer.threads=1", "trainer.eval_prompts=0", "logging.progress=false",
+        "logging.tensorboard=false", "engine.compile=false", f"trainer.output_dir={out}",
+        f"trainer.run_name={name}-{length}-{seed}-{time.time_ns()}", *ARMS[name],
+    ])  # fmt: skip
+    with Trainer(cfg) as trainer:
+        backend = trainer.rollouts.backend
+        if name == "tree-reprefill":  # the children prefill their prompt and prefix, as before forks
+            run = backend.run
+
+            def without_forks(requests, *a, **k):
+                for r in requests:
+                    r.fork_of = None
+                return run(requests, *a, **k)
+
+            backend.run = without_forks
+        c0 = time.process_time()
+        got = trainer.rollouts.collect_step(trainer.source, 4, 0, trainer.state.engine_seed)
+        cpu = time.process_time() - c0
+    leaves = sum(len(g.samples) for g in got.groups)
+    return {"leaves": leaves, "cpu_s": cpu, "cpu_s_per_leaf": cpu / leaves,
+            "peak_kv_bytes_per_leaf": got.metrics["peak_kv_bytes"] / leaves,
+            "generated_tokens": got.sampling["generated_tokens"]}  # fmt: skip
+
+
+@stoppable("benchmarks/tree_fork.py", "the measurement; re-run it", exits=True)
+def main() -> dict:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "tree_fork")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runs: dict[str, list[dict]] = {f"{a}@{n}": [] for n in LENGTHS for a in ARMS}
+    for r in range(args.repeats):
+        for n in LENGTHS:
+            for name in ARMS if r % 2 == 0 else list(ARMS)[::-1]:
+                runs[f"{name}@{n}"].append(collect(name, n, r, args.out))
+                print(f"round {r} {name}@{n}: {runs[f'{name}@{n}'][-1]}", flush=True)
+    med = {k: {m: statistics.median(x[m] for x in v) for m in v[0]} for k, v in runs.items()}
+    cmd = command_line()
+    goals = {}
+    for n in LENGTHS:
+        tree, chains = med[f"tree@{n}"], med[f"chains@{n}"]
+        speed = tree["cpu_s_per_leaf"] / chains["cpu_s_per_leaf"]
+        kv = tree["peak_kv_bytes_per_leaf"] / chains["peak_kv_bytes_per_leaf"]
+        goals[f"Trees at 4 leaves, {n} new tokens: rollout seconds per leaf <= 0.8x independent chains'"] = {
+            "value": round(speed, 3),
+            "target": SPEED_TARGET,
+            "met": speed <= SPEED_TARGET,
+            "command": cmd,
+        }
+        goals[f"Trees at 4 leaves, {n} new tokens: peak KV per leaf below independent chains'"] = {
+            "value": round(kv, 3), "target": 1.0, "met": kv < 1.0, "command": cmd}  # fmt: skip
+    payload = {"medians": med, "runs": runs, "arms": ARMS, "command": cmd, "machine": machine_info()}
+    update_result(OUT, "tree_fork", payload, goals)
+    for k, v in med.items():
+        print(k, {m: round(x, 4) for m, x in v.items()})
+    return med
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(0)

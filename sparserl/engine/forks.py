@@ -1,0 +1,82 @@
+"""Forks without a prefill (tree rollouts): a sample continues from another's state at a token it drew.
+
+A request with `snapshots` = k keeps, while it decodes, its state just before each of its k least likely drawn
+tokens (the lowest sampler log-probs, the earlier among equals: the tree's fork points, rollout/tree.py): its
+cache row (every layer's held slots, per-slot state and page summaries, quantized or not, cut to what it holds)
+and the next-token logits. A request started from one (`Request.fork`, its `prefix` the tokens before that
+position) is admitted with that row and those logits: no prompt or prefix is prefilled again, and under an
+evicting cache it holds the slots the parent held there, as an uninterrupted run would. A snapshot is only valid
+for the weights that made it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from sparserl.engine.cache import KVCache
+
+if TYPE_CHECKING:
+    from sparserl.engine.decoding import DecodeRun
+
+
+@dataclass
+class Snapshot:
+    """A sample's state before it drew the token at `position` of its completion (log-prob `logp`): its cache
+    row (a one-row cache) and the logits [V] that token was drawn from."""
+
+    position: int
+    logp: float
+    cache: KVCache
+    logits: Tensor
+
+
+def _rank(s: Snapshot) -> tuple[float, int]:
+    return s.logp, s.position
+
+
+class SnapshotKeeper:
+    """The snapshots of a run's samples that ask for them (`wants[i]` per sample), by sample id."""
+
+    def __init__(self, wants: list[int]):
+        self.wants = wants
+        self.active = any(wants)
+        self.kept: dict[int, list[Snapshot]] = {}
+
+    def observe(
+        self, cache: KVCache, logits: Tensor, rows: Tensor, ids: Tensor, at: Tensor, lp: Tensor
+    ) -> None:
+        """One step's draws (before their tokens are fed): keep the state of each draw that is among its
+        sample's `wants` least likely so far, dropping the one it displaces."""
+        for row, i, t, logp in zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), strict=True):
+            k = self.wants[i]
+            if not k:
+                continue
+            kept = self.kept.setdefault(i, [])
+            worst = max(kept, key=_rank) if len(kept) == k else None
+            if worst is not None and (logp, t) >= _rank(worst):
+                continue
+            kept.append(Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone()))
+            if worst is not None:
+                kept.remove(worst)
+
+
+def admit_forked(run: DecodeRun, ids: list[int]) -> None:
+    """Append the rows of samples started from snapshots (`Request.fork`), with their logits: no prefill."""
+    snaps = [run.requests[i].fork for i in ids]
+    for i, snap in zip(ids, snaps, strict=True):
+        if snap.position != len(run.requests[i].prefix):
+            raise ValueError(
+                f"request {i}: forked at completion position {snap.position} but given "
+                f"{len(run.requests[i].prefix)} prefix tokens"
+            )
+    need = max(int(s.cache.length[0]) for s in snaps) + 1
+    run._resize(max(run.cache.capacity, run.fit_capacity(need)), run.cache.rows + len(ids))
+    one = torch.zeros(1, dtype=torch.long, device=run.cache.length.device)
+    for snap in snaps:
+        run.cache.append(snap.cache, one)
+    events = torch.zeros(len(ids), dtype=torch.long, device=run.events.device)
+    run._joined(ids, torch.stack([s.logits for s in snaps]), events, 0)
