@@ -160,8 +160,8 @@ class DecodeRun:
 
     def shares(self, i: int) -> bool:
         """Whether an admission of sample i reads its first input held once: an input two or more samples start
-        from (a group's prompt; the prompt + prefix of children forked at one token; `shared_inputs`), the
-        sample having drawn nothing since (a preempted one comes back as a copy)."""
+        from (a group's prompt; a fork point's prompt + prefix; `shared_inputs`), the sample having drawn nothing
+        since (a preempted one comes back as a copy), and keeping no fork state nor starting from one."""
         r = self.requests[i]
         own_row = r.snapshots or r.fork is not None  # a snapshot is a whole row; a fork starts from one
         return (
@@ -238,7 +238,7 @@ class DecodeRun:
     def admit(self, ids: list[int]) -> None:
         """Prefill the given samples (identical inputs once) and add them to the batch; samples that read their
         shared first input (`shares`: a group's prompt) get rows of their own tokens only, that input prefilled
-        and held once."""
+        and held once; samples started from a fork state get its row, nothing prefilled (engine/forks.py)."""
         if not ids:
             return
         t0 = time.perf_counter()
