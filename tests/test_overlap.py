@@ -173,3 +173,26 @@ def test_overlap_runs_with_the_rollout_systems(tmp_path: Path, keys: list[str]) 
     assert by_step[3]["rollout/staleness_max"] >= 1
     assert all(torch.isfinite(w).all() for w in trainer.policy.weights().values())
     trainer.close()
+
+
+@pytest.mark.slow  # starts Ray and a rollout worker (~20 s)
+def test_overlap_with_a_ray_rollout_worker_equals_the_local_overlapped_run(tmp_path: Path) -> None:
+    """The rollout drawn ahead by a Ray worker (weights pushed once per version): the same weights and metrics
+    as the local backend's overlapped run, every batch after the first one version behind."""
+    local = make_trainer(
+        tiny_cfg(tmp_path, *OVERLAP[:1], "trainer.steps=3", "trainer.eval_prompts=0", name="local")
+    )
+    local.train()
+    ray = make_trainer(tiny_cfg(tmp_path, *OVERLAP[:1], "trainer.steps=3", "trainer.eval_prompts=0",
+                                "distributed.rollout_workers=1", name="ray"))  # fmt: skip
+    try:
+        ray.train()
+        _same_weights(local, ray)
+        by_step = {r["step"]: r for r in rows(ray.run_dir) if "reward/mean" in r}
+        assert [by_step[s]["rollout/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+        for step, row in ((r["step"], r) for r in rows(local.run_dir) if "reward/mean" in r):
+            for key in ("reward/mean", "actor/loss", "rollout_corr/kl"):
+                assert row[key] == by_step[step][key], (step, key)
+    finally:
+        local.close()
+        ray.close()
