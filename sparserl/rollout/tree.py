@@ -6,8 +6,8 @@ distribution that drew them) and draws from the fork point on, on its own stream
 afresh. Children join the parent's group (one group id per tree: every path is a leaf). Shared prefixes are not
 generated again (`reused_prefix`), nor prefilled: every path that forks later keeps its states at its `forks`
 least likely tokens (`GroupPlan.snapshots`, engine/forks.py) and a child starts from its parent's state there
-(`Draft.fork_of`), where the backend holds it (the local one, for the weights that made it; else, as on Ray
-workers, the child prefills its prompt and prefix).
+(`Draft.fork_of`), where the backend that runs it holds it (for the weights that made it; a Ray worker keeps
+its own); else the child prefills its prompt and prefix.
 """
 
 from __future__ import annotations
