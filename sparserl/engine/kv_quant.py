@@ -145,7 +145,9 @@ class QuantizedKVCache(KVCache):
         at = (rows[:, None, None], heads, slots[:, None, :])
         return self.codec.decode(self.k[layer][at], self.k_scale[layer][at], self.compute_dtype)
 
-    def eviction_slots(self, layer, rows):
+    def eviction_slots(
+        self, layer: int, rows: Tensor | slice
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], Tensor]:
         keys, positions, extras, length = super().eviction_slots(layer, rows)
         scale = self.k_scale[layer][rows, :, : keys.shape[2]]
         return self.codec.decode(keys, scale, self.compute_dtype), positions, extras, length
