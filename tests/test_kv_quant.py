@@ -242,3 +242,14 @@ def test_a_kv_memory_cap_counts_the_quantized_bytes() -> None:
         assert not unfinished and run.peak_bytes <= cap
         steps[name] = stats.decode_steps
     assert steps["int8"] < 0.8 * steps["float32"], steps
+
+
+def test_fp8_codes_read_through_the_table_are_torchs_float8_values() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    codes = codes[
+        (codes.view(torch.float8_e4m3fn).float().isnan()).logical_not()
+    ]  # the encoder writes no NaN
+    want = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(CODECS["fp8"].codes(codes, torch.float32), want)
+    strided = torch.randint(0, 120, (2, 3, 10, 4), dtype=torch.uint8)[:, :, 2:7]  # a chunk of a cache: a view
+    assert torch.equal(CODECS["fp8"].codes(strided, torch.float32), strided.view(torch.float8_e4m3fn).float())
