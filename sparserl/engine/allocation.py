@@ -1,6 +1,6 @@
-"""How much KV cache a decoding run allocates: the block and row rounding the running cache uses, the positions a
-request's own row holds, and what the dense engine allocates for a batch, the yardstick of the KV memory a
-sparse cache saves. `DecodeRun` sizes its cache with the same functions, so the yardstick cannot drift from
+"""Which KV cache a decoding run holds and how much it allocates: the cache's kind, the block and row rounding the
+running cache uses, the positions a request's own row holds, and what the dense engine allocates for a batch, the
+yardstick of the KV memory a sparse cache saves. `DecodeRun` sizes its cache with the same functions, so the yardstick cannot drift from
 what the dense engine really does (a test compares it with a dense run's measured peak)."""
 
 from __future__ import annotations
@@ -8,10 +8,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
-from sparserl.engine.shared_prefix import held_once, shared_inputs
+from sparserl.engine.cache import KVCache
+from sparserl.engine.evicting_prefix import EvictingPrefixCache
+from sparserl.engine.kv_quant import QuantizedKVCache
+from sparserl.engine.shared_prefix import SharedPrefixCache, held_once, shared_inputs
 
 if TYPE_CHECKING:
     from sparserl.engine.decoding import Request
+    from sparserl.engine.rollout import RolloutEngine
 
 CAPACITY_BUCKET = 128  # slots are allocated in blocks of this many positions (a compiled step's capacity too)
 COMPILED_MIN_ROWS = 4  # fewer live rows decode eagerly: the compiled step would save ~ms and cost a graph
@@ -55,3 +59,30 @@ def dense_kv_allocation(
         capacity, rows = in_blocks(capacity), row_bucket(rows) if rows >= COMPILED_MIN_ROWS else rows
     total = bytes_per_position * (rows * capacity + sum(map(len, shared)))
     return total if cap is None else min(total, cap)
+
+
+def running_cache(engine: RolloutEngine, shared: bool, longest_input: int, align: int) -> KVCache:
+    """The empty cache a decoding run of `engine` holds its rows in: with inputs held once (`shared`), an
+    `EvictingPrefixCache` under eviction (each row evicts on its own path, the prompt cut first; at most
+    `longest_input` or the largest budget wide) or a `SharedPrefixCache` (whole `align`-position pages); a
+    `QuantizedKVCache` under kv.quant (it copies every prompt: `RolloutEngine.share_prompts`); else a `KVCache`."""
+    dec, kv = engine.decoder, engine.kv
+    shape = (
+        dec.num_layers,
+        0,
+        dec.num_kv_heads,
+        dec.num_heads,
+        dec.head_dim,
+        0,
+        kv.window,
+        dec.dtype,
+        dec.device,
+    )
+    extras = engine.evictor.method.extras if engine.evictor else ()
+    if shared and engine.evictor is not None:
+        return EvictingPrefixCache(*shape, extras=extras, width=min(kv.max_budget, longest_input))
+    if kv.quantized:
+        return QuantizedKVCache(*shape, extras=extras, quant=kv.quant)
+    if shared:
+        return SharedPrefixCache(*shape, extras=extras, align=align)
+    return KVCache(*shape, extras=extras)

@@ -21,14 +21,13 @@ from sparserl.engine.allocation import (
     in_blocks,
     own_positions,
     row_bucket,
+    running_cache,
 )
 from sparserl.engine.cache import KVCache
-from sparserl.engine.evicting_prefix import EvictingPrefixCache
 from sparserl.engine.forks import Snapshot, SnapshotKeeper, admit_forked
-from sparserl.engine.kv_quant import QuantizedKVCache
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
-from sparserl.engine.shared_prefix import SharedPrefixCache, held_once, shared_inputs
+from sparserl.engine.shared_prefix import held_once, shared_inputs
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
@@ -85,7 +84,7 @@ class DecodeRun:
     ):
         self.engine, self.requests, self.sampling, self.recorder = engine, requests, sampling, recorder
         self.kv_memory_cap = kv_memory_cap
-        dec, dev, n = engine.decoder, engine.decoder.device, len(requests)
+        dev, n = engine.decoder.device, len(requests)
         steps = max(r.max_new_tokens for r in requests)
         self.tokens = torch.zeros(n, steps, dtype=torch.long, device=dev)
         self.logps = torch.zeros(n, steps, device=dev)
@@ -108,17 +107,7 @@ class DecodeRun:
         self.finish: list[str | None] = [None] * n
         self.events = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = PositionStats(torch.zeros(n, dtype=torch.long, device=dev))
-        shape = (dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, 0, engine.kv.window, dec.dtype,
-                 dev)  # fmt: skip
-        extras = engine.evictor.method.extras if engine.evictor else ()
-        if self.shared and engine.evictor is not None:  # rows evict on their own paths, the prompt cut first
-            width = min(engine.kv.max_budget, max(map(len, self.first_input)))
-            self.cache = EvictingPrefixCache(*shape, extras=extras, width=width)
-        elif engine.kv.quantized:  # copies every prompt (`RolloutEngine.share_prompts`)
-            self.cache = QuantizedKVCache(*shape, extras=extras, quant=engine.kv.quant)
-        else:
-            share = {"align": self.align} if self.shared else {}
-            self.cache = (SharedPrefixCache if self.shared else KVCache)(*shape, extras=extras, **share)
+        self.cache = running_cache(engine, bool(self.shared), max(map(len, self.first_input)), self.align)
         self.sample_of_row = torch.zeros(0, dtype=torch.long, device=dev)
         self.logits: Tensor | None = None
         self.compiled = engine.compiled_step is not None

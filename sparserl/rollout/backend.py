@@ -10,7 +10,8 @@ backend asked to run at a version it does not hold refuses.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -189,14 +190,20 @@ class LocalBackend(RolloutBackend):
     def check_fits(self, prompt_length: int, max_new_tokens: int) -> None:
         self.scheduler.check_fits(prompt_length, max_new_tokens)
 
+    @contextmanager
+    def _teacher_forced(self) -> Iterator[None]:
+        """No gradients, and the engine's compute dtype as autocast (the sampler's precision)."""
+        dtype = self.engine.decoder.dtype
+        device = self.engine.model.get_input_embeddings().weight.device.type
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            yield
+
     def score(
         self, prompts: list[list[int]], completions: list[list[int]], temperature: float
     ) -> list[list[float]]:
-        model, dtype = self.engine.model, self.engine.decoder.dtype
-        device = model.get_input_embeddings().weight.device.type
-        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        with self._teacher_forced():
             return [
-                score(model, [p], [c], temperature)[0].tolist()
+                score(self.engine.model, [p], [c], temperature)[0].tolist()
                 for p, c in zip(prompts, completions, strict=True)
             ]
 
@@ -208,13 +215,12 @@ class LocalBackend(RolloutBackend):
         temperature: float,
         batched: bool = True,
     ) -> list[tuple[int, list[float]]]:
-        model, dtype = self.engine.model, self.engine.decoder.dtype
-        device = model.get_input_embeddings().weight.device.type
         uniforms = [
             sample_uniforms(seed, [key], len(d))[0] for (seed, key), d in zip(streams, drafts, strict=True)
         ]
-        with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-            out = redraw(model, prompts, drafts, uniforms, temperature, token_budget=8192 if batched else 0)
+        with self._teacher_forced():
+            budget = 8192 if batched else 0
+            out = redraw(self.engine.model, prompts, drafts, uniforms, temperature, token_budget=budget)
         return [(cut, logp.tolist()) for cut, logp in out]
 
     def run(
