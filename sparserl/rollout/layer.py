@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -143,7 +142,9 @@ class RolloutLayer:
             if whole or cut == (s.max_new_tokens or self.cfg.max_new_tokens):
                 s.finish_reason = d.finish if whole else "length"
 
-    def _kept(self, s: SampleRecord, d: Draft, verified: Any) -> tuple[int, list[float]]:
+    def _kept(
+        self, s: SampleRecord, d: Draft, verified: list[float] | tuple[int, list[float]] | None
+    ) -> tuple[int, list[float]]:
         """How many of the draft's tokens sample `s` keeps, and their sampler log-probs (`verified`: the
         verifier's log-probs, or a coupled draft's (cut, log-probs))."""
         cap, spec = s.max_new_tokens or self.cfg.max_new_tokens, self.cfg.spec
