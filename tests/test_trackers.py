@@ -110,7 +110,7 @@ def test_wandb_offline_run_holds_the_step_metrics(tmp_path: Path, monkeypatch: p
 
 
 def test_mlflow_file_store_holds_the_step_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("mlflow", reason=f"logging.mlflow needs MLflow (a heavy install): {TRACKING}")
+    pytest.importorskip("mlflow", reason=f"logging.mlflow needs MLflow (mlflow-skinny is enough): {TRACKING}")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this
     run = two_steps(tmp_path, "logging.mlflow=true")
