@@ -93,10 +93,12 @@ VERL_KEYS = [
         "prompts are not cut: one that leaves no room for rollout.max_new_tokens follows "
         "task.on_long_prompt")),
     ("actor_rollout_ref.rollout.temperature", eq(SAMPLING, "rollout.temperature")),
-    ("actor_rollout_ref.rollout.top_p", eq(SAMPLING, "rollout.top_p", "training refuses < 1")),
+    ("actor_rollout_ref.rollout.top_p", eq(SAMPLING,
+        "rollout.top_p",
+        "training takes < 1 with algo.keep_sampling_mask=true only")),
     ("actor_rollout_ref.rollout.top_k", eq(SAMPLING,
         "rollout.top_k",
-        "-1 there is 0 here; training refuses > 0")),
+        "-1 there is 0 here; > 0 in training with algo.keep_sampling_mask=true only")),
     ("actor_rollout_ref.rollout.name", no(OTHER,
         "the rollouts run in sparserl's own engine (a compressed KV cache is the point), not vLLM or "
         "SGLang")),

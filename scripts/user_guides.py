@@ -90,9 +90,10 @@ TRL_FIELDS: list[tuple[str, Row]] = [
         "the learner and pi_old score at it too; rollout.sampler_temperature lets the sampler alone differ")),
     ("top_p", eq(SAMPLING,
         "rollout.top_p",
-        "training refuses < 1: the sampler's log-probs would be of the truncated distribution and pi_old's "
-        "of the full softmax (evaluation accepts it)")),
-    ("top_k", eq(SAMPLING, "rollout.top_k", "0 disables, as TRL's; training refuses > 0 as top_p < 1")),
+        "training takes < 1 with algo.keep_sampling_mask=true only (pi_old, the learner and the reference "
+        "renormalised over the sampler's kept set; else the ratios would compare a truncated distribution with a "
+        "full softmax)")),
+    ("top_k", eq(SAMPLING, "rollout.top_k", "0 disables, as TRL's; > 0 in training as top_p < 1")),
     ("min_p", no(SAMPLING,
         "the engine samples with temperature, top-k and top-p only; like them, a min-p cut would make the "
         "sampler's log-probs differ from pi_old's full softmax")),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparserl.algo import AlgoConfig, algo_config, kl_penalty, policy_loss
-from sparserl.algo.keep_sampling import keep_sampling_logprobs, kept_set
+from sparserl.algo.keep_sampling import keep_sampling_logprobs, pack_kept, unpack_kept
 from sparserl.algo.token_masks import truncated_completion_mask
 from sparserl.config import load_config
 
@@ -168,16 +168,14 @@ def test_k3_is_is_the_importance_weighted_k3_and_unbiased_under_pi_old():
         kl_penalty(p_theta.log(), p_ref.log(), "k3_is", 10.0)
 
 
-def test_keep_sampling_mask_renormalises_over_the_kept_set_and_is_refused_in_the_update():
+def test_keep_sampling_mask_renormalises_over_the_kept_set():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     sampler = torch.tensor([[-0.3, -1.4, float("-inf"), float("-inf")]])  # top-2 kept
-    kept = kept_set(sampler)
+    kept = unpack_kept(pack_kept(sampler), 4)
     assert kept.tolist() == [[True, True, False, False]]
     got = keep_sampling_logprobs(logits, kept, torch.tensor([1]))
     assert got.item() == pytest.approx(1.0 - math.log(math.exp(2.0) + math.exp(1.0)))
     assert keep_sampling_logprobs(logits, kept, torch.tensor([2])).item() == float("-inf")
-    with pytest.raises(NotImplementedError, match="algo.keep_sampling_mask=true is not available"):
-        AlgoConfig(keep_sampling_mask=True)
 
 
 # ---- TRL: truncated completions, top-entropy tokens ---------------------------------------------------------

@@ -87,6 +87,6 @@ def test_learner_logprobs_grad_is_autograds_bit_for_bit(temperature):
     weights = torch.randn(2, TARGET_CHUNK, generator=g)
     plain = (logits / temperature).log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
     (want,) = torch.autograd.grad((plain * weights).sum(), logits)
-    chunked = _TargetLogprobs.apply(logits, targets, temperature)
+    chunked = _TargetLogprobs.apply(logits, targets, temperature, None)
     (got,) = torch.autograd.grad((chunked * weights).sum(), logits)
     assert torch.equal(plain, chunked) and torch.equal(want, got)

@@ -8,7 +8,6 @@ from typing import Any
 
 from sparserl.algo.advantages import ADV_ESTIMATORS, ADV_TRANSFORMS
 from sparserl.algo.config_checks import check_ranges
-from sparserl.algo.keep_sampling import KEEP_SAMPLING_REFUSAL, NotAvailableInUpdate
 from sparserl.algo.losses import POLICY_LOSS_ALIASES, POLICY_LOSSES, REFUSED_POLICY_LOSSES
 from sparserl.algo.rs_aliases import ALIASES as RS_ALIASES
 from sparserl.algo.rs_aliases import NO_EQUIVALENT as RS_NO_EQUIVALENT
@@ -344,9 +343,11 @@ class AlgoConfig:
     keep_sampling_mask: bool = field(
         default=False,
         metadata={
-            "help": "DeepSeek-V3.2's keep-sampling mask (pi_theta and pi_old renormalised over the sampler's "
-            "top-p/top-k kept set): refused, since the update has the drawn tokens' log-probs only, not the "
-            "learner's full distributions; algo/keep_sampling.py does it for callers that have them."
+            "help": "DeepSeek-V3.2's keep-sampling mask: the sampler records each token's top-p/top-k kept set "
+            "(V/8 bytes a token) and pi_theta, pi_old and the reference are renormalised over it, so that their "
+            "ratios to the sampler compare like with like. Changes nothing (and records nothing) with "
+            "rollout.top_p=1 and rollout.top_k=0. Needs whole samples drawn by this step's sampler: not with "
+            "rollout.partial, Ray rollout workers, SPEC-RL drafts or swarm-shared groups."
         },
     )
     sampler_kl_coef: float = field(
@@ -410,8 +411,6 @@ class AlgoConfig:
         for name in self.adv_transforms:
             _choice("adv_transforms", name, tuple(ADV_TRANSFORMS))
         check_ranges(self)
-        if self.keep_sampling_mask:
-            raise NotAvailableInUpdate(KEEP_SAMPLING_REFUSAL)
 
     @property
     def needs_entropy(self) -> bool:

@@ -52,12 +52,13 @@ def cross_section_checks(cfg: TrainConfig) -> None:
             f"algo.overlong_buffer={cfg.algo.overlong_buffer} exceeds rollout.max_new_tokens="
             f"{cfg.rollout.max_new_tokens}: every completion would be penalised"
         )
-    if cfg.trainer.log_acceptance and cfg.rollout.partial.enable:
+    check_distill(cfg)  # before the recording check: it says why DistillSparse needs whole samples
+    recording = sampler_records(cfg)
+    if recording and cfg.rollout.partial.enable:
         raise ConfigError(
-            "trainer.log_acceptance=true measures alpha on whole samples; with rollout.partial.enable=true a "
-            "resumed sample's earlier distributions are gone: turn one of them off"
+            f"{' and '.join(recording)} read(s) what the sampler recorded for every token of a sample; with "
+            "rollout.partial.enable=true a resumed sample's earlier distributions are gone: turn one of them off"
         )
-    check_distill(cfg)
     check_sampling(cfg)
     check_switches(cfg)
     if cfg.algo.sparse_rollout and not cfg.kv.sparse:
@@ -67,15 +68,27 @@ def cross_section_checks(cfg: TrainConfig) -> None:
         )
 
 
+def sampler_records(cfg: TrainConfig) -> list[str]:
+    """The settings that need the sampler to record each token's distribution (alpha, DistillSparse's replay,
+    the keep-sampling mask's kept sets): they need whole samples, drawn by this run's own sampler."""
+    from sparserl.algo.keep_sampling import truncates
+
+    keep = cfg.algo.keep_sampling_mask and truncates(cfg.rollout.top_p, cfg.rollout.top_k)
+    on = {"trainer.log_acceptance": cfg.trainer.log_acceptance, "distill.enable": cfg.distill.enable,
+          "algo.keep_sampling_mask": keep}  # fmt: skip
+    return [k for k, v in on.items() if v]
+
+
 def check_sampling(cfg: TrainConfig) -> None:
-    """Training samples from the tempered softmax only, and warns where stale tokens go uncorrected."""
+    """Training samples from the tempered softmax, or truncates it under the keep-sampling mask; warns where
+    stale tokens go uncorrected."""
     r = cfg.rollout
-    if r.top_p < 1.0 or r.top_k > 0:
+    if (r.top_p < 1.0 or r.top_k > 0) and not cfg.algo.keep_sampling_mask:
         raise ConfigError(
-            f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: training needs top_p=1 and top_k=0, since "
-            "the sampler records log-probs of the truncated distribution while pi_old, the learner and the "
-            "reference use the full softmax, a mismatch the corrections would mistake for sparsity "
-            "(`sparserl eval` and `sparserl rollout` may truncate: --top-p)"
+            f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the sampler records log-probs of the truncated "
+            "distribution while pi_old, the learner and the reference use the full softmax, a mismatch the "
+            "corrections would mistake for sparsity. Set algo.keep_sampling_mask=true (all of them renormalised "
+            "over the sampler's kept set), or top_p=1 and top_k=0"
         )
     if r.partial.enable and r.partial.mode == "train_all" and cfg.algo.correction_mode == "none":
         warnings.warn(

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from sparserl.algo.keep_sampling import pack_kept
+
 _GOLDEN_GAMMA = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's increment and mixing constants
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -124,11 +126,13 @@ def sample_next(
 @dataclass
 class TokenDistributions:
     """The next-token distribution at each position of one completion: the `k` most likely ids and their
-    log-probs [T, k] (most likely first), and all log-probs [T, V] when asked (else None). Float32, CPU."""
+    log-probs [T, k] (most likely first), all log-probs [T, V] and the kept sets as bits when asked (else None).
+    Float32 (bits: uint8), CPU."""
 
     top_ids: Tensor
     top_logprobs: Tensor
     full_logprobs: Tensor | None = None
+    kept: Tensor | None = None  # [T, ceil(V / 8)] uint8: the ids top-k / top-p kept (algo/keep_sampling.py)
 
 
 def check_distribution_request(top_logprobs: int, vocab: int, caller: str) -> None:
@@ -147,29 +151,49 @@ def distributions_of(logp: Tensor, top_logprobs: int, full_logprobs: bool) -> To
 
 class DistributionRecorder:
     """Keeps, decode step by decode step, the top-k (and optionally full) log-probs of the distribution each
-    row sampled from. Memory: 12 bytes x k per token; the full distributions go to one CPU buffer per row of
-    `steps` x V floats, allocated when first written (the OS commits only the pages a row's tokens fill), and
-    are handed to the samples without a copy unless the row finished early."""
+    row sampled from, and on request its kept set as bits (the keep-sampling mask). Memory: 12 bytes x k per
+    token; the full distributions go to one CPU buffer per row of `steps` x V floats, allocated when first
+    written (the OS commits only the pages a row's tokens fill), and are handed to the samples without a copy
+    unless the row finished early; the kept sets, V / 8 bytes per row and step, to one CPU buffer."""
 
-    def __init__(self, rows: int, steps: int, top_logprobs: int, full_logprobs: bool, device: torch.device):
-        self.k, self.steps, self.full_logprobs = top_logprobs, steps, full_logprobs
+    def __init__(
+        self,
+        rows: int,
+        steps: int,
+        top_logprobs: int,
+        full_logprobs: bool,
+        device: torch.device,
+        kept_sets: bool = False,
+    ):
+        self.k, self.steps, self.full_logprobs, self.kept_sets = top_logprobs, steps, full_logprobs, kept_sets
         self.top_ids = torch.zeros(rows, steps, top_logprobs, dtype=torch.long, device=device)
         self.top_logprobs = torch.zeros(rows, steps, top_logprobs, device=device)
         self.full: list[Tensor | None] = []  # per row [steps, V], from the first step on
+        self.kept: Tensor | None = None  # [rows, steps, ceil(V / 8)] uint8, from the first step on
 
     @classmethod
     def maybe(
-        cls, rows: int, steps: int, top_logprobs: int, full_logprobs: bool, device: torch.device
+        cls,
+        rows: int,
+        steps: int,
+        top_logprobs: int,
+        full_logprobs: bool,
+        device: torch.device,
+        kept_sets: bool = False,
     ) -> DistributionRecorder | None:
         """A recorder when anything is asked for, else None (nothing is computed or kept)."""
-        return (
-            cls(rows, steps, top_logprobs, full_logprobs, device) if top_logprobs or full_logprobs else None
-        )
+        wanted = top_logprobs or full_logprobs or kept_sets
+        return cls(rows, steps, top_logprobs, full_logprobs, device, kept_sets) if wanted else None
 
     def record(self, steps: Tensor, rows: Tensor, logp: Tensor) -> None:
         """Keep the distributions `logp` [len(rows), V] of the sample rows `rows` at their tokens `steps`."""
         values, ids = logp.topk(self.k, dim=-1)
         self.top_ids[rows, steps], self.top_logprobs[rows, steps] = ids, values
+        if self.kept_sets:
+            bits = pack_kept(logp).cpu()
+            if self.kept is None:
+                self.kept = torch.zeros(len(self.top_ids), self.steps, bits.shape[-1], dtype=torch.uint8)
+            self.kept[rows.cpu(), steps.cpu()] = bits
         if self.full_logprobs:
             if not self.full:
                 self.full = [torch.empty(self.steps, logp.shape[-1]) for _ in range(len(self.top_ids))]
@@ -183,8 +207,9 @@ class DistributionRecorder:
         if self.full_logprobs:
             full = self.full[i] if length == self.steps else self.full[i][:length].clone()
             self.full[i] = None
+        kept = self.kept[i, :length].clone() if self.kept is not None else None
         return TokenDistributions(
-            self.top_ids[i, :length].cpu(), self.top_logprobs[i, :length].float().cpu(), full
+            self.top_ids[i, :length].cpu(), self.top_logprobs[i, :length].float().cpu(), full, kept
         )
 
     def attach(self, samples: Sequence) -> None:

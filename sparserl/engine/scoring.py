@@ -11,6 +11,7 @@ from copy import deepcopy
 import torch
 from torch import Tensor, nn
 
+from sparserl.algo.keep_sampling import unpack_kept
 from sparserl.engine.decoder import causal_lm
 from sparserl.engine.module_mode import module_mode
 from sparserl.engine.padding import right_pad
@@ -142,45 +143,61 @@ def completion_logprobs(
     completion_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
     with_entropy: bool = False,
+    kept: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Differentiable per-token log-probs `logp` [B, T] of each completion given its prompt, and `mask` [B, T].
 
     T is the longest completion; rows are right-padded (mask 0). With `with_entropy`, also the entropy [B, T] of
-    each position's distribution (after temperature).
+    each position's distribution (after temperature). `kept` (uint8 [B, >= T, V / 8], the sampler's kept sets
+    as bits, algo/keep_sampling.py) renormalises every distribution over its position's kept ids.
 
     Without grad (and without entropy) the [B, T, V] log-softmax is never whole: `target_logprobs` takes it
     `TARGET_CHUNK` positions at a time, the same numbers for a third of the memory (the learner, with grad, keeps
     the whole one: autograd would hold every chunk's output anyway).
     """
     logits, targets, mask = _completion_logits(model, prompt_ids, completion_ids)
+    kept = kept[:, : targets.shape[1]] if kept is not None else None
     if not with_entropy:
         if not torch.is_grad_enabled():
-            return target_logprobs(logits, targets, temperature) * mask, mask
-        return _TargetLogprobs.apply(logits, targets, temperature) * mask, mask
-    logp_all = (logits / temperature).log_softmax(dim=-1)
+            return target_logprobs(logits, targets, temperature, kept) * mask, mask
+        return _TargetLogprobs.apply(logits, targets, temperature, kept) * mask, mask
+    scaled = _kept_only(logits / temperature, kept)
+    logp_all = scaled.log_softmax(dim=-1)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1) * mask
-    if not with_entropy:
-        return logp, mask
-    entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+    entropy = -(logp_all.exp() * logp_all.masked_fill(scaled == float("-inf"), 0.0)).sum(-1) * mask
     return logp, mask, entropy
+
+
+def _kept_only(logits: Tensor, kept: Tensor | None) -> Tensor:
+    """`logits` [..., V] with the ids outside `kept` (bits [..., V / 8]; None: all kept) at -inf."""
+    if kept is None:
+        return logits
+    return logits.masked_fill(~unpack_kept(kept, logits.shape[-1]).to(logits.device), float("-inf"))
 
 
 TARGET_CHUNK = 256
 """Positions per slice in `target_logprobs`: 256 x 49152 float32 logits is 48 MiB a slice (two alive at once)."""
 
 
-def target_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+def target_logprobs(
+    logits: Tensor, targets: Tensor, temperature: float = 1.0, kept: Tensor | None = None
+) -> Tensor:
     """`(logits / temperature).log_softmax(-1)` gathered at `targets` ([..., V] and [...] -> [...]), computed
     `TARGET_CHUNK` positions at a time so that the whole [..., V] division and log-softmax never exist at once:
     without grad, the dense scoring pass holds the logits alone instead of three copies of them (its peak in the
-    default run: 0.67 GB lower, docs/results/rl_step.json `memory`).
+    default run: 0.67 GB lower, docs/results/rl_step.json `memory`). With `kept` (bits [..., V / 8]), over each
+    position's kept ids only.
 
     Bit for bit the unchunked result: the division is elementwise, the log-softmax reduces each position's row on
     its own (max, sum of exps, log; the same vectorised order whatever the number of rows), the gather copies."""
     v = logits.shape[-1]
     flat, idx = logits.reshape(-1, v), targets.reshape(-1, 1)
+    bits = kept.reshape(-1, kept.shape[-1]) if kept is not None else None
     parts = [
-        (flat[rows] / temperature).log_softmax(dim=-1).gather(-1, idx[rows]).squeeze(-1)
+        _kept_only(flat[rows] / temperature, bits[rows] if bits is not None else None)
+        .log_softmax(dim=-1)
+        .gather(-1, idx[rows])
+        .squeeze(-1)
         for rows in (slice(s, s + TARGET_CHUNK) for s in range(0, flat.shape[0], TARGET_CHUNK))
     ]
     return torch.cat(parts).view(targets.shape)
@@ -193,26 +210,29 @@ class _TargetLogprobs(torch.autograd.Function):
     backward is autograd's own formula for gather, log-softmax and the division, chunked."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, kept: Tensor | None) -> Tensor:
         ctx.save_for_backward(logits, targets)
-        ctx.temperature = temperature
-        return target_logprobs(logits, targets, temperature)
+        ctx.temperature, ctx.kept = temperature, kept
+        return target_logprobs(logits, targets, temperature, kept)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         logits, targets = ctx.saved_tensors
         t, v = ctx.temperature, logits.shape[-1]
         flat, idx, g = logits.reshape(-1, v), targets.reshape(-1, 1), grad.reshape(-1, 1)
+        bits = ctx.kept.reshape(-1, ctx.kept.shape[-1]) if ctx.kept is not None else None
         out = torch.empty_like(flat)
         for start in range(0, flat.shape[0], TARGET_CHUNK):
             rows = slice(start, start + TARGET_CHUNK)
-            logp = (flat[rows] / t).log_softmax(dim=-1)
+            scaled = _kept_only(flat[rows] / t, bits[rows] if bits is not None else None)
+            logp = scaled.log_softmax(dim=-1)
             picked = torch.zeros_like(logp).scatter_(
                 -1, idx[rows], g[rows].to(logp.dtype)
             )  # gather's backward
             # the op autograd itself runs for log_softmax: bit for bit the unchunked gradient (tested)
+            # (an id outside the kept set gets exp(-inf) = 0 times the sum: no gradient, as masked_fill's backward)
             out[rows] = torch._log_softmax_backward_data(picked, logp, -1, logp.dtype) / t
-        return out.view_as(logits), None, None
+        return out.view_as(logits), None, None, None
 
 
 def micro_batches(
@@ -283,14 +303,19 @@ def score(
     completion_ids: Sequence[Sequence[int]],
     temperature: float = 1.0,
     token_budget: int = 8192,
+    kept: Tensor | None = None,
 ) -> list[Tensor]:
     """Per-token log-probs (float32, CPU) of each completion, micro-batched to `token_budget` tokens
-    (`micro_batches`)."""
+    (`micro_batches`); over the sampler's kept sets (`kept`, bits [B, T, V / 8]) when given."""
     out: list[Tensor | None] = [None] * len(prompt_ids)
     with module_mode(model, training=False):  # dropout off while scoring
         for chunk in micro_batches(prompt_ids, completion_ids, token_budget, shares_prompts(model)):
             logp, _ = completion_logprobs(
-                model, [prompt_ids[i] for i in chunk], [completion_ids[i] for i in chunk], temperature
+                model,
+                [prompt_ids[i] for i in chunk],
+                [completion_ids[i] for i in chunk],
+                temperature,
+                kept=kept[chunk] if kept is not None else None,
             )
             for row, i in enumerate(chunk):
                 out[i] = logp[row, : len(completion_ids[i])].float().cpu()

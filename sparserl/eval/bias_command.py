@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from sparserl.algo.keep_sampling import truncates
 from sparserl.config import TrainConfig
 from sparserl.errors import UserError
 from sparserl.eval.bias import DENSE, NAIVE, estimator_configs, rollout_clusters
@@ -96,6 +97,11 @@ def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = F
             model_loader: Any = None, task: Any = None, command: str = "") -> dict:  # fmt: skip
     """Run (or finish) the K batches into `out`, then write and return the report. `progress(done, total)` is
     called after each batch."""
+    if truncates(cfg.rollout.top_p, cfg.rollout.top_k):
+        raise UserError(
+            f"sparserl bias: rollout.top_p={cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}: the command "
+            "scores pi_old with the full softmax and has no keep-sampling mask yet; measure with top_p=1, top_k=0"
+        )
     out = Path(out)
     _check_out(out, {"config": cfg.to_dict(), "settings": dataclasses.asdict(s)}, resume)
     if cfg.trainer.threads:

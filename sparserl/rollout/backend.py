@@ -235,7 +235,7 @@ class LocalBackend(RolloutBackend):
         rec = self.recording
         recorder = DistributionRecorder.maybe(
             len(requests), max(r.max_new_tokens for r in requests), rec.top_logprobs, rec.full_logprobs,
-            self.engine.decoder.device,
+            self.engine.decoder.device, rec.kept_sets,
         )  # fmt: skip
         held = HeldRecorder() if rec.held else None
 

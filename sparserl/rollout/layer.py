@@ -64,7 +64,8 @@ class RolloutLayer:
     ) -> None:
         if backend.recording.any and cfg.partial.enable:
             raise ValueError(
-                "recording the sampler's distributions (for alpha) or held positions (for its replay) needs whole "
+                "recording the sampler's distributions (for alpha, the keep-sampling mask) or held positions (for its "
+                "replay) needs whole "
                 "samples; a sample resumed by rollout.partial has lost its earlier ones"
             )
         if backend.recording.held and cfg.kv_memory_cap_bytes is not None:

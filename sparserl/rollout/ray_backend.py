@@ -205,7 +205,8 @@ class RayBackend(RolloutBackend):
         if self.recording.any or rollout_cfg.partial.enable:
             raise ValueError(
                 "distributed.rollout_workers > 0 runs whole shares on the workers and returns tokens and log-probs "
-                "only: it cannot record distributions or held positions (trainer.log_acceptance, distill.enable) "
+                "only: it cannot record distributions or held positions (trainer.log_acceptance, distill.enable, "
+                "algo.keep_sampling_mask) "
                 "or stop a step early (rollout.partial.enable) yet"
             )
         import ray

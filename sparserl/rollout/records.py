@@ -13,16 +13,17 @@ from typing import Any
 
 @dataclass
 class Recording:
-    """What the samples' segments carry besides tokens: the sampler's top-k / full log-probs per token (alpha)
-    and the positions an evicting cache held (a teacher-forced replay)."""
+    """What the samples' segments carry besides tokens: the sampler's top-k / full log-probs per token (alpha),
+    its kept sets (the keep-sampling mask) and the positions an evicting cache held (a teacher-forced replay)."""
 
     top_logprobs: int = 0
     full_logprobs: bool = False
     held: bool = False
+    kept_sets: bool = False
 
     @property
     def any(self) -> bool:
-        return bool(self.top_logprobs or self.full_logprobs or self.held)
+        return bool(self.top_logprobs or self.full_logprobs or self.held or self.kept_sets)
 
 
 @dataclass

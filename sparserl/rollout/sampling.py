@@ -11,6 +11,7 @@ from fractions import Fraction
 from typing import Any
 
 from sparserl.algo.advantages import ADV_ESTIMATORS
+from sparserl.config.checks import sampler_records
 from sparserl.config.errors import ConfigError
 from sparserl.config.sampling import SamplingConfig
 from sparserl.rollout import reuse as _reuse  # noqa: F401 - registers its wrapper
@@ -336,8 +337,9 @@ def check_group_sources(cfg: Any) -> None:
             "step would run all sampling.max_extra_rounds for nothing; set rollout.n >= 2"
         )
     unrecorded = [c.switch(cfg) for c in chosen if not c.recordable]
-    if unrecorded and (cfg.trainer.log_acceptance or cfg.distill.enable):
+    recording = sampler_records(cfg)
+    if unrecorded and recording:
         raise ConfigError(
             f"{', '.join(unrecorded)} starts samples from others or adds rounds to a step, whose distributions and "
-            "held positions are not recorded: it cannot run with trainer.log_acceptance or distill.enable"
+            f"held positions are not recorded: it cannot run with {' or '.join(recording)}"
         )

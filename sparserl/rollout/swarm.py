@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from sparserl.config.checks import sampler_records
 from sparserl.config.errors import ConfigError
 from sparserl.rollout.records import GroupRecord
 from sparserl.rollout.sources import Draft, GroupPlan, GroupSource, WrappedSource, register_wrapper, step_seed
@@ -59,10 +60,11 @@ class SwarmSharing(WrappedSource):
                 "distributed.swarm.shared_groups > 0 with rollout.partial.enable=true: APRIL's stop counts "
                 "rollout.prompts_per_step groups and would leave the drawn ones for later; turn one of them off"
             )
-        if shared and (cfg.trainer.log_acceptance or cfg.distill.enable):
+        recording = sampler_records(cfg)
+        if shared and recording:
             raise ConfigError(
                 "distributed.swarm.shared_groups starts samples from others, whose distributions and held "
-                "positions are not recorded: it cannot run with trainer.log_acceptance or distill.enable"
+                f"positions are not recorded: it cannot run with {' or '.join(recording)}"
             )
 
     def __init__(self, inner: GroupSource, cfg: Any, tokenizer: Any) -> None:

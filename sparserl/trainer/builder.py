@@ -16,6 +16,7 @@ from torch import nn
 
 from sparserl.algo import make_adv_transforms
 from sparserl.config import save_config
+from sparserl.config.checks import sampler_records
 from sparserl.engine.decoder import max_positions
 from sparserl.engine.rollout import RolloutEngine
 from sparserl.engine.run_settings import engine_settings
@@ -113,7 +114,8 @@ def build_run(
     t.held_out = held_out_eval(cfg, t.eval_view, rows, t.own_engine, t.policy)
     t.source = make_group_source(SourceContext(t.train_rows, cfg.rollout.n, seed, cfg, t.tokenizer))
     t.adv_transforms = make_adv_transforms(cfg.algo, cfg.shaping, JudgeResources(t.policy, t.own_engine))
-    recording = Recording(**acceptance_request(cfg), held=records_held(t.addons, cfg))
+    keeps = "algo.keep_sampling_mask" in sampler_records(cfg)
+    recording = Recording(**acceptance_request(cfg), held=records_held(t.addons, cfg), kept_sets=keeps)
     # rollout.overlap: the sampler draws from a replica of the policy while the learner updates the policy
     replica = t.policy.sampler_replica() if cfg.rollout.overlap.active else None
     t.rollouts = build_rollout(cfg, replica or t.policy.module, t.tokenizer, t.train_view, recording, t.say)

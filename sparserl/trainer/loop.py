@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from sparserl.algo import advantages_from_config
+from sparserl.algo.keep_sampling import kept_set_metrics, padded_kept
 from sparserl.algo.reward_shaping import overlong_penalty
 from sparserl.config import TrainConfig
 from sparserl.engine.padding import right_pad
@@ -141,12 +142,17 @@ class Trainer:
         return {"source": self.source.state_dict(), "layer": dataclasses.asdict(self.rollouts.state)}
 
     def _score(
-        self, model: Any, prompts: list[list[int]], completions: list[list[int]], length: int
+        self,
+        model: Any,
+        prompts: list[list[int]],
+        completions: list[list[int]],
+        length: int,
+        kept: Tensor | None = None,
     ) -> Tensor:
         from sparserl.engine import score
 
         with self.policy.autocast():
-            rows = score(model, prompts, completions, temperature=self.cfg.rollout.temperature)
+            rows = score(model, prompts, completions, temperature=self.cfg.rollout.temperature, kept=kept)
         return right_pad(rows, torch.float32, width=length)[0]
 
     # ------------------------------------------------------------------------------------------- one step
@@ -165,7 +171,12 @@ class Trainer:
         samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
         rewards, penalty = self._rewards(samples)
-        batch = self._batch(samples, rewards)
+        kept = (
+            [seg.distributions.kept for seg in got.recorded]
+            if self.rollouts.backend.recording.kept_sets
+            else []
+        )
+        batch = self._batch(samples, rewards, kept)
         batch.held = [seg.held for seg in got.recorded] if self.rollouts.backend.recording.held else None
         batch.truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         batch.versions = right_pad([s.versions for s in samples], torch.long)[0]
@@ -185,6 +196,7 @@ class Trainer:
             kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
         )
         metrics.update(got.logged)  # what the reward functions logged (log_metric)
+        metrics.update(kept_set_metrics(batch.kept, batch.mask) if batch.kept is not None else {})
         self._count(got.task_counters)
         batch.table = completion_rows(
             step, samples, batch.advantages, self.train_view, cfg.logging.completions
@@ -201,9 +213,10 @@ class Trainer:
         )
         return raw + penalty, penalty
 
-    def _batch(self, samples: list[SampleRecord], rewards: Tensor) -> Batch:
+    def _batch(self, samples: list[SampleRecord], rewards: Tensor, kept: list[Tensor]) -> Batch:
         """The learner's batch: padded tokens and masks, advantages over group ids, and the dense pi_old and
-        reference log-probs where they are needed (pi_old taken from the learner's own pass when it can)."""
+        reference log-probs where they are needed (pi_old taken from the learner's own pass when it can), over
+        the sampler's kept sets `kept` (per sample; empty: no keep-sampling mask)."""
         cfg = self.cfg
         completions = [list(s.tokens) for s in samples]
         prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
@@ -218,16 +231,17 @@ class Trainer:
             0
         ].bool()  # 0: a stale token (partial.mode=mask_old)
         length = mask.shape[1]
+        kept_sets = padded_kept(kept, [len(c) for c in completions], length) if kept else None
         logp_old = logp_ref = None
         with torch.no_grad():
             if (
                 cfg.algo.needs_recompute or dense_logprobs_needed(self.addons)
             ) and not self.reuses_learner_logprobs(len(samples)):
-                logp_old = self._score(self.policy.module, prompts, completions, length)
+                logp_old = self._score(self.policy.module, prompts, completions, length, kept_sets)
             if cfg.algo.kl_coef > 0:
                 with self.policy.reference() as ref:
-                    logp_ref = self._score(ref, prompts, completions, length)
-        return Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages)
+                    logp_ref = self._score(ref, prompts, completions, length, kept_sets)
+        return Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages, kept=kept_sets)
 
     def reuses_learner_logprobs(self, batch_size: int) -> bool:
         """pi_old taken from the learner's own first pass (trainer.reuse_learner_logprobs) where that is exact:

@@ -59,6 +59,7 @@ class Batch:
     table: list[dict] | None = None  # the completions table's rows (trainer/completions.py), not trained on
     truncated: Tensor | None = None  # [B] bool: cut at their length cap (algo.mask_truncated_completions)
     versions: Tensor | None = None  # [B, T] the policy version that drew each token (rollout.overlap, APRIL)
+    kept: Tensor | None = None  # [B, T, V / 8] uint8: the sampler's kept sets (algo.keep_sampling_mask)
 
     def advantages_of(self, rows: Tensor, length: int) -> Tensor:
         """The advantages of `rows`, cut to `length` tokens when they are per token."""
@@ -357,12 +358,14 @@ class Learner:
 
         idx = micro.tolist()
         score = self.scorer if self.scorer is not None else partial(completion_logprobs, self.module)
+        kept = {"kept": batch.kept[micro]} if batch.kept is not None else {}
         with self.autocast():
             out = score(
                 [batch.prompts[i] for i in idx],
                 [batch.completions[i] for i in idx],
                 temperature=self.cfg.rollout.temperature,
                 with_entropy=self.cfg.algo.needs_entropy,
+                **kept,
             )
         return out[0].cpu(), (out[2].cpu() if len(out) > 2 else None)
 
