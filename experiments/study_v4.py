@@ -10,6 +10,8 @@ the same command after a kill.
     python experiments/study_v4.py pilot       # ~0.4 CPU-h: the dense pilot (learning rate, a training rollout's cost)
     python experiments/study_v4.py a2          # ~12 CPU-h (after A1: the samplers R1 picks)
     python experiments/study_v4.py bias-default   # the 15-minute goal: sparserl bias on the embedded default
+    python experiments/study_v4.py train       # ~13 CPU-h: stage B or B' (R4 picks; experiments/study_v4_train.py)
+    python experiments/study_v4.py evaluate    # ~2.5 CPU-h: the held-out evaluations, one process per model
     python experiments/study_v4.py report      # the rules judged so far, the goals
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path
 import study_v4_rules as R
 import torch
 from study_v3 import read, sample, sft_rung, task_of, write
+from study_v4_train import eval_one, evaluate, judged_r5, train
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "experiments" / "study_v4.yaml"
@@ -238,6 +241,7 @@ def report(args) -> None:
     whole = default.get("process", {})
     minutes = whole["cpu_s"] / 60 if default.get("complete") and not whole.get("resumed", True) else None
     judged = R.judge(a1, a2, minutes)
+    judged["R5"] = judged_r5()
     ws = read(RESULTS / "warmstart.json", {}).get("goals", {}).get("warm start reproduced", {})
     names = list(R.GOALS)
     r3 = judged["R3"]
@@ -265,14 +269,16 @@ def probe_rows() -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["setup", "warmstart", "a1", "pilot", "a2", "bias-default", "report"])
+    p.add_argument("stage", choices=["setup", "warmstart", "a1", "pilot", "a2", "bias-default", "train", "evaluate",
+                                      "eval-one", "report"])  # fmt: skip
+    p.add_argument("model", nargs="*", help="eval-one only: NAME SPEC (the `evaluate` stage calls it)")
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-4)
     args = p.parse_args()
     os.chdir(ROOT)  # the setting names its model relative to the repository root
     torch.set_num_threads(1)
     stages = {"setup": setup, "warmstart": warmstart, "a1": a1, "pilot": pilot, "a2": a2, "bias-default": bias_default,
-              "report": report}  # fmt: skip
+              "train": train, "evaluate": evaluate, "eval-one": lambda a: eval_one(*a.model), "report": report}  # fmt: skip
     stages[args.stage](args)
     return 0
 

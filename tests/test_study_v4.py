@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 
+import study_v4_r5 as B  # noqa: E402
 import study_v4_rules as R  # noqa: E402
 
 
@@ -68,3 +69,78 @@ def test_judge_applies_r3_r4_and_r6():
     assert out["R5"]["status"] == "not run"
     missing = R.judge({}, {}, None)
     assert missing["R1"]["status"] == missing["R3"]["status"] == missing["R6"]["status"] == "not run"
+
+
+# ---- stage B: the plan, R5 and the validity gate -----------------------------------------------------------
+
+
+def estimators(rel_low: float, gain_low: float) -> dict:
+    return {"estimators": {"config": {"relative_cosine_gain": v(rel_low + 0.1, rel_low, rel_low + 0.2),
+                                      "cosine_gain": v(gain_low + 0.1, gain_low, gain_low + 0.2)}}}  # fmt: skip
+
+
+def test_stage_b_trains_the_gated_sampler_with_the_largest_gain_else_a_temperature():
+    a2 = {"rkv120": estimators(0.3, 0.1), "rkv136": estimators(0.5, 0.05), "temp1.15": estimators(0.1, 0.2),
+          "temp1.3": estimators(0.2, 0.3)}  # fmt: skip
+    judged = {"R4": {"status": "judged", "gated_samplers": ["rkv120", "rkv136"]}}
+    p = B.plan(judged, a2)
+    assert (p["stage"], p["sampler"], p["evicting"]) == ("B", "rkv136", True)
+    assert p["arms"]["naive"] == ["algo.preset=naive-sparse", *R.SAMPLERS["rkv136"]]
+    assert p["arms"]["dense"][0] == "algo.preset=dense" and p["seeds"] == [0, 1, 2, 3]
+    p = B.plan({"R4": {"status": "judged", "gated_samplers": []}}, a2)
+    assert (p["stage"], p["sampler"], p["evicting"]) == ("B'", "temp1.3", False)
+    with pytest.raises(SystemExit, match="R4 is not judged"):
+        B.plan({"R4": {"status": "not run"}}, a2)
+
+
+def test_paired_t_and_holm_against_scipy_and_by_hand():
+    from scipy.stats import ttest_1samp
+
+    diffs = [0.10, 0.09, 0.09, 0.11]
+    want = ttest_1samp(diffs, 0.0, alternative="greater").pvalue
+    assert B.one_sided_t(diffs)["p"] == pytest.approx(want)
+    assert B.one_sided_t(diffs, 0.05, greater=False)["p"] == pytest.approx(
+        ttest_1samp(diffs, 0.05, alternative="less").pvalue
+    )
+    assert B.holm({"a": 0.01, "b": 0.04}, 0.05) == {"a": True, "b": True}
+    assert B.holm({"a": 0.03, "b": 0.04}, 0.05) == {"a": False, "b": False}  # 0.03 > 0.05 / 2 stops it
+    assert B.holm({"a": 0.01, "b": 0.06}, 0.05) == {"a": True, "b": False}
+
+
+def test_r5_and_the_validity_gate_on_hand_made_runs():
+    acc = {
+        "dense": [0.45, 0.42, 0.40, 0.44],
+        "naive": [0.30, 0.32, 0.28, 0.31],
+        "sparse-rl": [0.40, 0.41, 0.37, 0.42],
+    }
+    heldout = {"start": {"dense": {"mean@4": 0.30}, "sparse": {"mean@4": 0.20}}}
+    for arm, values in acc.items():
+        for s, a in enumerate(values):
+            heldout[f"{arm}-s{s}"] = {
+                "dense": {"mean@4": a},
+                "sparse": {"mean@4": a - (0.1 if arm == "dense" else 0.05)},
+            }
+    early = {"dense": 0.4, "naive": 0.1, "sparse-rl": 0.3}  # naive's early reward is 0.25x dense's: invalid
+    curves = {f"{arm}-s{s}": [{"step": t, "reward/mean": early[arm], "rollout_corr/k3_kl": 0.02} for t in range(1, 29)]
+              for arm in acc for s in range(4)}  # fmt: skip
+    p = {"stage": "B", "sampler": "rkv136", "evicting": True, "seeds": [0, 1, 2, 3], "rollouts": 28}
+    a1 = {"rollout": {"k3_token": v(0.03)}}
+    out = B.judge_r5(p, heldout, curves, a1, estimators(0.5, 0.1))
+    assert out["primary"]["mean"] == pytest.approx(0.0975) and out["primary"]["significant"]
+    assert not out["tost"]["equivalent"]
+    assert out["secondary"]["SRL - dense under sparse inference > 0"]["mean"] == pytest.approx(
+        sum(a - d for a, d in zip(acc["sparse-rl"], acc["dense"], strict=True)) / 4 + 0.05
+    )
+    dense_gain = sum(acc["dense"]) / 4 - 0.30
+    assert out["first_order"]["predicted_gap"] == pytest.approx(
+        [0.6 * dense_gain, 0.5 * dense_gain, 0.7 * dense_gain]
+    )
+    assert out["first_order"]["inside"] is False  # 0.0975 lies above 0.7 x 0.1275
+    gate = out["validity"]
+    assert gate["dense_gain"]["passed"] and gate["sparse-rl_early_reward_ratio"]["value"] == pytest.approx(
+        0.75
+    )
+    assert not gate["naive_early_reward_ratio"]["passed"] and not gate["passed"]
+    assert (
+        gate["naive_mismatch_kept"]["value"] == pytest.approx(2 / 3) and gate["naive_mismatch_kept"]["passed"]
+    )

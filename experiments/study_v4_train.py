@@ -1,0 +1,132 @@
+"""Study v4, stage B (or B') and its held-out evaluation, driven by experiments/study_v4.py:
+
+    python experiments/study_v4.py train      # ~13 CPU-h: 3 arms x 4 seeds x 28 rollouts, one run at a time
+    python experiments/study_v4.py evaluate   # ~2.5 CPU-h: the warm start and the 12 trained models, one process each
+    python experiments/study_v4.py report     # R5 and the validity gate, once every evaluation is in
+
+The arms and the sampler come from R4 (study_v4_r5.plan), fixed in study_v4.json when first chosen. Every run is a
+`sparserl train` of experiments/study_v4.yaml that resumes from its last checkpoint after a kill; each finished
+run's metrics.jsonl is copied to docs/results/study_v4/b/NAME.jsonl, each evaluation to .../heldout/NAME.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import study_v4_r5 as B
+import study_v4_rules as R
+from study_v3 import read, task_of, write
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results" / "study_v4"
+JSON = RESULTS / "study_v4.json"
+RUNS = ROOT / "runs" / "study_v4"
+CONFIG = ROOT / "experiments" / "study_v4.yaml"
+COMMIT = "git add docs/results/study_v4 && git commit docs/results/study_v4 -m 'Study v4: <stage> part done'"
+
+
+def stage_plan() -> dict:
+    """Stage B's plan, chosen from the judged R4 the first time and kept in study_v4.json after."""
+    state = read(JSON)
+    if "stage_b" not in state:
+        if "judged" not in state:
+            raise SystemExit("run `python experiments/study_v4.py report` after stage A2 first")
+        a2 = {k: read(RESULTS / "a2" / f"{k}.json", {}) for k in state["a2_samplers"]}
+        state["stage_b"] = B.plan(state["judged"], a2)
+        write(JSON, state)
+    return state["stage_b"]
+
+
+def run_names(p: dict) -> list[str]:
+    """Seed-major, so that a stop leaves whole seeds of all three arms (the pairs the tests read)."""
+    return [f"{arm}-s{seed}" for seed in p["seeds"] for arm in p["arms"]]
+
+
+def train(args) -> None:
+    """Every arm and seed, one `sparserl train` at a time (resumed, or skipped when its copy is committed)."""
+    from study import train_arm
+
+    p = stage_plan()
+    lr = read(RESULTS / "pilot.json")["lr"]
+    for name in run_names(p):
+        dest = RESULTS / "b" / f"{name}.jsonl"
+        if dest.is_file():
+            continue
+        arm, seed = name.rsplit("-s", 1)
+        overrides = [
+            *p["arms"][arm],
+            f"trainer.seed={seed}",
+            f"trainer.steps={p['rollouts']}",
+            f"optim.lr={lr}",
+        ]
+        run = train_arm(RUNS / "b", name, overrides, [], config=CONFIG)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(run / "metrics.jsonl", dest)
+        print(f"stage {p['stage']} {name} done; commit: {COMMIT}", flush=True)
+
+
+def models(p: dict) -> dict[str, str]:
+    """The warm start and every finished run, by name."""
+    out = {"start": str((RUNS / "warmstart").relative_to(ROOT))}
+    out |= {
+        n: str((RUNS / "b" / n).relative_to(ROOT))
+        for n in run_names(p)
+        if (RESULTS / "b" / f"{n}.jsonl").is_file()
+    }
+    return out
+
+
+def evaluate(args) -> None:
+    """Each model held out in its own process (`eval-one`), skipped when its JSON exists."""
+    p = stage_plan()
+    for name, spec in models(p).items():
+        if not (RESULTS / "heldout" / f"{name}.json").is_file():
+            cmd = [sys.executable, str(ROOT / "experiments" / "study_v4.py"), "eval-one", name, spec]
+            subprocess.run(cmd, cwd=ROOT, check=True)
+            print(f"held out {name}; commit: {COMMIT}", flush=True)
+
+
+def eval_one(name: str, spec: str) -> None:
+    """One model on the held-out rows (R5: 128 prompts x 4), dense and, for an evicting sampler, under that
+    sampler's KV setting; the training setting's completion length, the evaluation seed fixed."""
+    from sparserl.config import load_config
+    from sparserl.eval.evaluate import evaluate as run_eval
+    from sparserl.eval.loading import load_eval_model
+
+    p, held = stage_plan(), R.RULES["R5"]["heldout"]
+    cfg = load_config(CONFIG, list(p["arms"]["sparse-rl"]))
+    loaded = load_eval_model(spec)
+    ev = run_eval(loaded.model, loaded.tokenizer, task_of(cfg, "heldout"), kv=cfg.kv if p["evicting"] else None,
+                  samples=held["samples"], limit=held["prompts"], max_new_tokens=cfg.rollout.max_new_tokens,
+                  seed=1234)  # fmt: skip
+    write(RESULTS / "heldout" / f"{name}.json", {"model": spec, **ev})
+
+
+def judged_r5() -> dict:
+    """R5 and the validity gate when every evaluation is in, else 'not run' with what is missing."""
+    state = read(JSON)
+    p = state.get("stage_b")
+    if p is None:
+        return {
+            "status": "not run",
+            "reason": "stage B has not been planned (python experiments/study_v4.py train)",
+        }
+    names = ["start", *run_names(p)]
+    heldout = {n: read(RESULTS / "heldout" / f"{n}.json", {}) for n in names}
+    missing = [n for n, h in heldout.items() if not h]
+    if missing:
+        return {"status": "not run", "reason": f"held-out evaluations missing: {', '.join(missing)}"}
+    curves = {
+        n: [json.loads(x) for x in (RESULTS / "b" / f"{n}.jsonl").read_text().splitlines()] for n in names[1:]
+    }
+    a1 = read(RESULTS / "a1" / f"{p['sampler']}.json")
+    a2 = read(RESULTS / "a2" / f"{p['sampler']}.json")
+    out = B.judge_r5(p, heldout, curves, a1, a2)
+    r3 = state.get("judged", {}).get("R3", {}).get("passed")
+    out["validity"]["R3_passed"] = {"value": r3, "passed": bool(r3)}
+    out["validity"]["passed"] = out["validity"]["passed"] and bool(r3)
+    return out
