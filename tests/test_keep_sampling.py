@@ -4,6 +4,7 @@ renormalised over the recorded kept sets is the sampler's own log-prob, where th
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,25 @@ def test_sparserl_bias_refuses_a_truncating_sampler(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="sparserl bias: rollout.top_p=0.9"):
         measure(cfg, BiasSettings(), tmp_path / "bias")
     assert not (tmp_path / "bias").exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["rollout.overlap.enable=true"], ["rollout.kv_memory_cap=64KiB"]],
+    ids=["overlap", "kv-cap"],
+)
+def test_the_mask_trains_with_overlap_and_under_a_kv_cap(tmp_path: Path, extra: list[str]) -> None:
+    """Two steps with an R-KV sampler truncating at top-p 0.9: drawn ahead of the update, or preempted and
+    re-prefilled under a cap, every trained token's kept set was recorded (a padded one would count the whole
+    vocabulary) and the updates stay finite."""
+    cfg = tiny_cfg(tmp_path, "algo.keep_sampling_mask=true", "rollout.top_p=0.9", "trainer.steps=2", *extra)
+    trainer = make_trainer(cfg)
+    trainer.train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "keep_sampling/kept_tokens_mean" in r]
+    vocab = trainer.policy.module.lm_head.out_features
+    assert len(steps) == 2 and all(1 <= r["keep_sampling/kept_tokens_mean"] < vocab for r in steps)
+    assert all(
+        r["train/nonfinite_skipped_updates"] == 0 for r in rows if "train/nonfinite_skipped_updates" in r
+    )
+    trainer.close()
