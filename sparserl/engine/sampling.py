@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -172,18 +173,11 @@ class DistributionRecorder:
         self.kept: Tensor | None = None  # [rows, steps, ceil(V / 8)] uint8, from the first step on
 
     @classmethod
-    def maybe(
-        cls,
-        rows: int,
-        steps: int,
-        top_logprobs: int,
-        full_logprobs: bool,
-        device: torch.device,
-        kept_sets: bool = False,
-    ) -> DistributionRecorder | None:
-        """A recorder when anything is asked for, else None (nothing is computed or kept)."""
-        wanted = top_logprobs or full_logprobs or kept_sets
-        return cls(rows, steps, top_logprobs, full_logprobs, device, kept_sets) if wanted else None
+    def maybe(cls, *args: Any, **kwargs: Any) -> DistributionRecorder | None:
+        """A recorder (the constructor's arguments) when anything is asked for, else None (nothing is computed
+        or kept: the empty top-k buffers it made are dropped)."""
+        recorder = cls(*args, **kwargs)
+        return recorder if recorder.k or recorder.full_logprobs or recorder.kept_sets else None
 
     def record(self, steps: Tensor, rows: Tensor, logp: Tensor) -> None:
         """Keep the distributions `logp` [len(rows), V] of the sample rows `rows` at their tokens `steps`."""
