@@ -97,6 +97,26 @@ async def async_hangs(completions, **kwargs):
     return [1.0] * len(completions)
 
 
+_EVENTS = {}
+
+
+def _event(name):
+    """An event of the running loop: functions awaited together share one loop, one after another do not."""
+    return _EVENTS.setdefault((id(asyncio.get_running_loop()), name), asyncio.Event())
+
+
+async def waits_for_second(completions, **kwargs):
+    _event("first").set()
+    await asyncio.wait_for(_event("second").wait(), 2)  # never set unless `waits_for_first` runs meanwhile
+    return [1.0] * len(completions)
+
+
+async def waits_for_first(completions, **kwargs):
+    _event("second").set()
+    await asyncio.wait_for(_event("first").wait(), 2)
+    return [2.0] * len(completions)
+
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     """verl's signature: one completion at a time."""
     ok = ground_truth in solution_str and data_source == "openai/gsm8k" and extra_info["index"] >= 0
@@ -225,6 +245,30 @@ def test_an_async_function_that_hangs_times_out(files: Path) -> None:
     assert task.score_batch(["a", "b"], [task[0]] * 2) == [0.0, 0.0]
     assert (task.stats.errors, task.stats.timeouts) == (0, 2)
     task.close()
+
+
+def test_async_functions_are_awaited_together(files: Path) -> None:
+    """Each waits for an event the other sets: only awaited together (as TRL gathers them) do both finish."""
+    ours = files / "ours.py"
+    task = rewarded(standard_rows(files), [f"{ours}:waits_for_second", f"{ours}:waits_for_first"])
+    assert task.score_batch(["a", "b"], [task[0]] * 2) == [3.0, 3.0]
+    assert (task.stats.errors, task.stats.timeouts) == (0, 0)
+    task.close()
+    alone = rewarded(standard_rows(files), f"{ours}:waits_for_second")  # nothing sets its event: 2 s, then 0
+    assert alone.score_batch(["a"], [alone[0]]) == [0.0] and alone.stats.errors == 1
+    alone.close()
+
+
+def test_awaited_together_each_keeps_its_own_failures(files: Path) -> None:
+    ours = files / "ours.py"
+    task = rewarded(standard_rows(files), [f"{ours}:async_raises", f"{files / 'trl_docs.py'}:non_empty"])
+    assert task.score_batch(["fine", "boom"], [task[0]] * 2) == [2.0, 1.0]  # boom's retry alone fails
+    assert (task.stats.errors, task.stats.timeouts) == (1, 0)
+    task.close()
+    hung = rewarded(standard_rows(files), [f"{ours}:async_hangs", f"{ours}:async_raises"], reward_timeout=0.3)
+    assert hung.score_batch(["a", "b"], [hung[0]] * 2) == [0.0, 0.0]
+    assert hung.stats.timeouts == 4  # one overrun for the pair: each function's two completions count
+    hung.close()
 
 
 def verl_rows(tmp_path: Path) -> Path:

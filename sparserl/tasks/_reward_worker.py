@@ -3,17 +3,20 @@ whatever they do (raise, `sys.exit`, `os._exit`, a signal, a hang, a memory blow
 
 Requests and replies are length-prefixed pickles on stdin / the original stdout (stray prints go to stderr):
 - `("load", key, source, cwd, sys_path, style)`: `source` is a 'module:function' / 'file.py:function' spec or
-  the pickle of a function (found by reference), `style` task.reward_style; replies `("ok",)` or
+  the pickle of a function (found by reference), `style` task.reward_style; replies `("ok", is_async)` or
   `("error", message)`;
 - `("call", key, call)` (a reward_styles.RewardCall): replies `("values", [float | None | str], logs)` (a str
   says why that item is not a reward; `logs` what the function logged, RewardLogs), `("count", what, logs)`
   when the result is not a sequence, or `("raised", what)`. An `async def` function is awaited here.
+- `("calls", [(key, call), ...])`: several async functions awaited together; replies `("replies", [reply])`,
+  one `call` reply each (`("raised", what)` for the whole when awaiting them ended in sys.exit).
 SIGINT and SIGTERM are ignored: a Ctrl-C or a scheduler's SIGTERM to the whole process group must not cut a
 step short; the parent closes this worker (stdin EOF, or PR_SET_PDEATHSIG when the parent dies).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import pickle
 import sys
@@ -85,7 +88,20 @@ def _load(source: str | bytes, style: str) -> tuple[Any, str]:
 def _call(loaded: tuple[Any, str], call: Any) -> tuple:
     from sparserl.tasks.reward_styles import invoke
 
-    values, logs = invoke(*loaded, call)
+    return _reply(*invoke(*loaded, call))
+
+
+def _calls(functions: dict[str, Any], pairs: list[tuple[str, Any]]) -> tuple:
+    """Several functions on their calls, the async ones awaited together: `("replies", [reply])`, each reply as
+    a `call` request's."""
+    from sparserl.tasks.reward_styles import invoke_together
+
+    results = invoke_together([(*functions[key], call) for key, call in pairs])
+    return ("replies", [("raised", describe(r)) if isinstance(r, Exception) else _reply(*r) for r in results])
+
+
+def _reply(values: Any, logs: Any) -> tuple:
+    """A function's result as the parent reads it: its items as rewards, or what it returned instead."""
     if isinstance(values, (str, bytes, dict)):
         return ("count", f"a {type(values).__name__}", logs)
     try:
@@ -117,7 +133,9 @@ def main() -> None:
                 sys.path[:] = path
                 os.chdir(cwd)
                 functions[key] = _load(source, style)
-                reply: tuple = ("ok",)
+                reply: tuple = ("ok", inspect.iscoroutinefunction(functions[key][0]))
+            elif op == "calls":
+                reply = _calls(functions, request[1])
             else:
                 _, key, call = request
                 reply = _call(functions[key], call)

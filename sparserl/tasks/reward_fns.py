@@ -38,7 +38,7 @@ import functools
 import inspect
 import logging
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,9 +94,10 @@ def by_reference(fn: Any) -> bytes | str:
 
 @dataclass(frozen=True)
 class _Isolated:
-    """A reward function loaded in the task's worker process under `key`."""
+    """A reward function loaded in the task's worker process under `key` (`asynchronous`: an `async def`)."""
 
     key: str
+    asynchronous: bool = False
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,24 @@ class _InProcess:
 
     fn: RewardFn
     style: str
+
+
+def _isolated_result(reply: tuple) -> tuple[Any, RewardLogs]:
+    """A worker's reply to a call: the function's items (`_NotAReward` for those that are no number) or
+    `_NotAReward` for a result that is no sequence, and its logs; RewardRaised when it raised."""
+    from sparserl.tasks.reward_process import RewardRaised
+
+    if reply[0] == "raised":
+        raise RewardRaised(reply[1])
+    kind, values, logs = reply
+    if kind == "count":
+        return _NotAReward(values), logs
+    return [_NotAReward(v) if isinstance(v, str) else v for v in values], logs
+
+
+def _reraise(error: BaseException) -> Any:
+    """Raise `error` (a failure shared by every function awaited together)."""
+    raise error
 
 
 class _NotAReward(str):
@@ -199,7 +218,7 @@ class RewardFnTask(Task):
         location = reward.rpartition(":")[0] if isinstance(reward, str) else self.names[index]
         failure = self._process.load(key, source, self.style, what=f"importing {location}")
         if failure is None:
-            return _Isolated(key)
+            return _Isolated(key, key in self._process.asynchronous)
         if isinstance(reward, str):
             raise UserError(
                 failure if failure.startswith("task.reward=") else f"task.reward={reward!r}: {failure}"
@@ -272,11 +291,12 @@ class RewardFnTask(Task):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
         call = RewardCall.build(completions, examples, completion_ids, RewardState(step, self.max_steps))
         total, logs = [0.0] * len(completions), RewardLogs()
+        awaited = self._awaited_together(call)
         for fn, name, weight in zip(self.rewards, self.names, self.weights, strict=True):
             if isinstance(fn, str):  # BUILTIN_REWARD
                 scores = self.task.score_batch(completions, examples)
             else:
-                scores, logged = self._guarded_scores(fn, name, call)
+                scores, logged = self._guarded_scores(fn, name, call, awaited.get(id(fn)))
                 logs.update(self._checked(logged, len(call), name))
             total = [t + weight * s for t, s in zip(total, scores, strict=True)]
         return total, logs
@@ -288,23 +308,45 @@ class RewardFnTask(Task):
             return call_with_deadline(
                 functools.partial(invoke, fn.fn, fn.style, call), (), self.reward_timeout
             )
-        kind, values, logs = self._process.call(fn.key, call, self.reward_timeout)
-        if kind == "count":
-            return _NotAReward(values), logs
-        return [_NotAReward(v) if isinstance(v, str) else v for v in values], logs
+        return _isolated_result(self._process.call(fn.key, call, self.reward_timeout))
+
+    def _awaited_together(self, call: RewardCall) -> dict[int, Callable[[], tuple[Any, RewardLogs]]]:
+        """With two or more async functions in the worker, their results on `call`, awaited together there (as
+        TRL gathers them), by id of the function: each a callable that returns what `_call` would, or raises
+        what it would (an overrun or an ended worker: for every one of them). {} otherwise, or when awaiting
+        them ended in sys.exit (each is then called on its own)."""
+        from sparserl.tasks.reward_process import RewardCrash, RewardRaised
+
+        together = [fn for fn in self.rewards if isinstance(fn, _Isolated) and fn.asynchronous]
+        if len(together) < 2:
+            return {}
+        try:
+            replies = self._process.call_together([(fn.key, call) for fn in together], self.reward_timeout)
+        except RewardRaised:
+            return {}
+        except (RewardTimeout, RewardCrash) as e:
+            return {id(fn): functools.partial(_reraise, e) for fn in together}
+        return {
+            id(fn): functools.partial(_isolated_result, reply)
+            for fn, reply in zip(together, replies, strict=True)
+        }
 
     def _guarded_scores(
-        self, fn: _Isolated | _InProcess, name: str, call: RewardCall
+        self,
+        fn: _Isolated | _InProcess,
+        name: str,
+        call: RewardCall,
+        awaited: Callable[[], tuple[Any, RewardLogs]] | None = None,
     ) -> tuple[list[float], RewardLogs]:
-        """`fn`'s reward of each completion, 0 for those it fails on (counted), and what it logged. A batch
-        call that raises (or calls sys.exit) is retried one completion at a time, so only the completions it
-        raises on score 0; an overrun or an ended worker is not retried (it would cost as much again per
-        completion), nor a wrong number of rewards (a bug)."""
+        """`fn`'s reward of each completion, 0 for those it fails on (counted), and what it logged (`awaited`:
+        its result already awaited with the others). A batch call that raises (or calls sys.exit) is retried
+        one completion at a time, so only the completions it raises on score 0; an overrun or an ended worker
+        is not retried (it would cost as much again per completion), nor a wrong number of rewards (a bug)."""
         from sparserl.tasks.reward_process import RewardCrash
 
         n = len(call)
         try:
-            values, logs = self._call(fn, call)
+            values, logs = awaited() if awaited is not None else self._call(fn, call)
         except (RewardTimeout, RewardCrash) as e:
             return self._failed(e, n, name), RewardLogs()
         except (Exception, SystemExit) as e:

@@ -151,6 +151,7 @@ class RewardProcess:
     def __init__(self) -> None:
         self._handle = _Handle()
         self._loads: dict[str, tuple[str | bytes, str, list[str], str]] = {}
+        self.asynchronous: set[str] = set()  # the loaded functions that are coroutine functions
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, self._handle.kill)
 
@@ -256,6 +257,8 @@ class RewardProcess:
             if reply[0] != "ok":
                 return str(reply[1])
             self._loads[key] = entry
+            if reply[1]:
+                self.asynchronous.add(key)
         return None
 
     def call(self, key: str, call: Any, timeout: float | None) -> tuple:
@@ -269,6 +272,17 @@ class RewardProcess:
         if reply[0] == "raised":
             raise RewardRaised(reply[1])
         return reply
+
+    def call_together(self, pairs: list[tuple[str, Any]], timeout: float | None) -> list[tuple]:
+        """`call` for several (async) functions at once, awaited together in the worker: one reply each (a
+        function that raised replies `("raised", what)`), under one `timeout` for all. RewardTimeout,
+        RewardCrash and RewardRaised (awaiting them ended in sys.exit) concern the whole call."""
+        with self._lock:
+            self._start_locked()
+            reply = self._exchange(("calls", pairs), wait_limit(timeout))
+        if reply[0] == "raised":
+            raise RewardRaised(reply[1])
+        return reply[1]
 
     def close(self) -> None:
         """Stop the worker (a later call starts it again)."""

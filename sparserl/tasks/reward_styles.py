@@ -11,9 +11,10 @@ ground_truth=..., extra_info=...)` returning a number or a dict with a `score` k
 like `log_metric` and `log_extra`). `auto` (the default) takes a function naming `solution_str` and
 `ground_truth` but not `completions` for verl's, any other for TRL's.
 
-An `async def` function is awaited (verl's: every completion's call at once). `invoke` runs where the function
-runs, in the reward worker process or, for a callable that cannot be sent there, in the trainer's process; what
-it logged comes back with the rewards as `RewardLogs`.
+An `async def` function is awaited (verl's: every completion's call at once; several async functions of a task
+together, `invoke_together`). `invoke` runs where the function runs, in the reward worker process or, for a
+callable that cannot be sent there, in the trainer's process; what it logged comes back with the rewards as
+`RewardLogs`.
 """
 
 from __future__ import annotations
@@ -258,21 +259,23 @@ def _verl_score(item: Any, i: int, n: int, logs: RewardLogs) -> Any:
     return item["score"]
 
 
-def invoke(fn: Callable, style: str, call: RewardCall) -> tuple[Any, RewardLogs]:
-    """Call `fn` on `call` in `style` ('trl' or 'verl'), awaiting it if it is a coroutine function; returns
-    what it returned (verl: one result per completion) and what it logged."""
+@dataclass
+class _Begun:
+    """A function called on a batch: what it returned (an awaitable for an async function), what it logs into,
+    and how the returned value becomes its result."""
+
+    value: Any
+    logs: RewardLogs
+    finish: Callable[[Any], Any]
+
+
+def _begin(fn: Callable, style: str, call: RewardCall) -> _Begun:
+    """Call `fn` on `call` in `style` ('trl' or 'verl'), not awaiting what it returns."""
     logs = RewardLogs()
     if style == "verl":
         results = [fn(**accepted(fn, call.verl_kwargs(i))) for i in range(len(call))]
-        if any(inspect.isawaitable(r) for r in results):
-
-            async def gather() -> list:
-                return list(
-                    await asyncio.gather(*(r if inspect.isawaitable(r) else _done(r) for r in results))
-                )
-
-            results = _await(gather())
-        return [_verl_score(r, i, len(call), logs) for i, r in enumerate(results)], logs
+        value = _gathered(results) if any(inspect.isawaitable(r) for r in results) else results
+        return _Begun(value, logs, lambda rs: [_verl_score(r, i, len(call), logs) for i, r in enumerate(rs)])
 
     def log_metric(name: str, value: float) -> None:
         logs.metrics.setdefault(str(name), []).append(float(value))
@@ -281,10 +284,57 @@ def invoke(fn: Callable, style: str, call: RewardCall) -> tuple[Any, RewardLogs]
         logs.extras.setdefault(str(name), []).extend(plain(v) for v in values)
 
     kwargs = call.trl_kwargs() | {"log_metric": log_metric, "log_extra": log_extra}
-    values = fn(**accepted(fn, kwargs))
-    if inspect.isawaitable(values):
-        values = _await(values)
-    return values, logs
+    return _Begun(fn(**accepted(fn, kwargs)), logs, lambda value: value)
+
+
+async def _gathered(results: list) -> list:
+    """verl's per-completion results, the awaitable ones awaited together."""
+    return list(await asyncio.gather(*(r if inspect.isawaitable(r) else _done(r) for r in results)))
+
+
+def invoke(fn: Callable, style: str, call: RewardCall) -> tuple[Any, RewardLogs]:
+    """Call `fn` on `call` in `style` ('trl' or 'verl'), awaiting it if it is a coroutine function; returns
+    what it returned (verl: one result per completion) and what it logged."""
+    begun = _begin(fn, style, call)
+    value = _await(begun.value) if inspect.isawaitable(begun.value) else begun.value
+    return begun.finish(value), begun.logs
+
+
+def invoke_together(
+    calls: Sequence[tuple[Callable, str, RewardCall]],
+) -> list[tuple[Any, RewardLogs] | Exception]:
+    """`invoke` for several functions, each result or the exception it raised: the functions are called one
+    after another, then what the async ones returned is awaited together on one event loop (TRL gathers its
+    async reward functions so). A SystemExit while awaiting ends the whole call (the caller falls back to
+    `invoke` one function at a time)."""
+    begun: list[_Begun | Exception] = []
+    for fn, style, call in calls:
+        try:
+            begun.append(_begin(fn, style, call))
+        except Exception as e:  # noqa: BLE001 - the function's own failure, reported as its result
+            begun.append(e)
+    waiting = [i for i, b in enumerate(begun) if isinstance(b, _Begun) and inspect.isawaitable(b.value)]
+
+    async def together() -> list:
+        return await asyncio.gather(*(begun[i].value for i in waiting), return_exceptions=True)
+
+    values = dict(zip(waiting, _await(together()), strict=True)) if waiting else {}
+    out: list[tuple[Any, RewardLogs] | Exception] = []
+    for i, b in enumerate(begun):
+        value = values.get(i, b.value if isinstance(b, _Begun) else None)
+        if isinstance(b, Exception) or isinstance(value, BaseException):
+            out.append(b if isinstance(b, Exception) else _as_exception(value))
+            continue
+        try:
+            out.append((b.finish(value), b.logs))
+        except Exception as e:  # noqa: BLE001 - e.g. a verl dict without a score, as the function's failure
+            out.append(e)
+    return out
+
+
+def _as_exception(error: BaseException) -> Exception:
+    """An awaited function's failure as an Exception (asyncio returns a cancellation as a BaseException)."""
+    return error if isinstance(error, Exception) else RuntimeError(f"{type(error).__name__}: {error}")
 
 
 async def _done(value: Any) -> Any:
