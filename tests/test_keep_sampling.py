@@ -138,3 +138,16 @@ def test_the_mask_trains_with_overlap_and_under_a_kv_cap(tmp_path: Path, extra: 
     assert len(steps) == 2 and all(1 <= r["keep_sampling/kept_tokens_mean"] < vocab for r in steps)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["nonfinite_skipped_updates"] == 0
     trainer.close()
+
+
+def test_ray_rollout_workers_refuse_the_mask_before_anything_loads(tmp_path: Path) -> None:
+    from sparserl.rollout.build import check_rollout
+
+    cfg = tiny_cfg(
+        tmp_path, "algo.keep_sampling_mask=true", "rollout.top_k=5", "distributed.rollout_workers=1"
+    )
+    with pytest.raises(ConfigError, match="cannot run with algo.keep_sampling_mask: it does not record"):
+        check_rollout(cfg)
+    check_rollout(
+        tiny_cfg(tmp_path, "algo.keep_sampling_mask=true", "distributed.rollout_workers=1")
+    )  # no cut

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from sparserl.config.checks import sampler_records
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
@@ -289,8 +290,7 @@ def backend_class(cfg: Any) -> type[RolloutBackend]:
 def check_backend(cfg: Any) -> None:
     """Refuse settings that need a capability the run's backend does not declare (never its name)."""
     cls = backend_class(cfg)
-    asks = {"trainer.log_acceptance": (cfg.trainer.log_acceptance, "records"),
-            "distill.enable": (cfg.distill.enable, "records"),
+    asks = {**{key: (True, "records") for key in sampler_records(cfg)},
             "rollout.partial.enable": (cfg.rollout.partial.enable, "partial_stop"),
             "rollout.spec.enable": (cfg.rollout.spec.enable, "scores")}  # fmt: skip
     missing = {key: cap for key, (on, cap) in asks.items() if on and not getattr(cls, cap)}
