@@ -196,3 +196,20 @@ def test_overlap_with_a_ray_rollout_worker_equals_the_local_overlapped_run(tmp_p
     finally:
         local.close()
         ray.close()
+
+
+@pytest.mark.parametrize("lora", ["false", "true"])
+def test_a_rollout_drawn_ahead_brings_its_reference_logprobs(tmp_path: Path, lora: str) -> None:
+    """The sampler's thread scores the reference beside a rollout it drew ahead (adapters off on its replica,
+    or the frozen copy), bit for bit what the learner's thread would compute, so the step does not wait for it."""
+    trainer = make_trainer(tiny_cfg(tmp_path, *OVERLAP, f"model.lora={lora}"))
+    batch, _ = trainer.rollout(1)  # drawn here: its reference scored by the learner's thread
+    for step in (2, 3):  # step 3's is drawn by policy 1, whose adapters are no longer zero
+        trainer.learn(step - 1, batch)
+        ahead = trainer.steps.ahead.future.result()
+        assert ahead.ref_logps is not None and trainer.cfg.algo.kl_coef > 0
+        batch, _ = trainer.rollout(step)
+        with trainer.policy.reference() as ref:
+            direct = trainer._score(ref, batch.prompts, batch.completions, batch.mask.shape[1])
+        assert batch.logp_ref is ahead.ref_logps and torch.equal(batch.logp_ref, direct)
+    trainer.close()

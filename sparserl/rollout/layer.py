@@ -52,6 +52,9 @@ class Collected:
     by_sample: dict[int, Segment] = field(default_factory=dict)  # recordings by id(SampleRecord)
     task_counters: dict[str, float] = field(default_factory=dict)  # the task's reward calls, errors, timeouts
     logged: dict[str, float] = field(default_factory=dict)  # what the reward functions logged (log_metric)
+    ref_logps: list | None = (
+        None  # per trained sample, the reference's log-probs when scored beside the rollout
+    )
 
 
 class RolloutLayer:

@@ -127,6 +127,8 @@ def build_run(
         replica,
         cfg.trainer.steps,
         cfg.rollout.overlap.max_staleness,
+        # the reference does not change with the version: a rollout drawn ahead gets its log-probs there
+        partial(t.score_reference, replica) if replica is not None and cfg.algo.kl_coef > 0 else None,
     )
     # a KV cap too small for the first rows' prompts fails here, before any step (later rows at their step)
     longest = max(len(t.train_view.prompt_ids(r)) for r in t.train_rows[:64])

@@ -171,12 +171,7 @@ class Trainer:
         samples = [s for g in got.groups for s in g.samples]
         t1 = time.perf_counter()
         rewards, penalty = self._rewards(samples)
-        kept = (
-            [seg.distributions.kept for seg in got.recorded]
-            if self.rollouts.backend.recording.kept_sets
-            else []
-        )
-        batch = self._batch(samples, rewards, kept)
+        batch = self._batch(samples, rewards, self._kept_sets(got), got.ref_logps)
         batch.held = [seg.held for seg in got.recorded] if self.rollouts.backend.recording.held else None
         batch.truncated = torch.tensor([s.finish_reason == "length" for s in samples])
         batch.versions = right_pad([s.versions for s in samples], torch.long)[0]
@@ -213,10 +208,34 @@ class Trainer:
         )
         return raw + penalty, penalty
 
-    def _batch(self, samples: list[SampleRecord], rewards: Tensor, kept: list[Tensor]) -> Batch:
+    def _kept_sets(self, got: Any) -> list[Tensor]:
+        """The sampler's kept sets of each trained sample (the keep-sampling mask), else []."""
+        return (
+            [seg.distributions.kept for seg in got.recorded]
+            if self.rollouts.backend.recording.kept_sets
+            else []
+        )
+
+    def score_reference(self, replica: Any, got: Any) -> None:
+        """The reference's log-probs of a rollout drawn ahead, on the sampler's thread with the sampler's
+        `replica` (adapters off, or the frozen copy), while the learner updates (rollout.overlap): the
+        reference does not depend on the policy version, so they need not wait for the update."""
+        samples = [s for g in got.groups for s in g.samples]
+        prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
+        completions = [list(s.tokens) for s in samples]
+        lengths, kept = [len(c) for c in completions], self._kept_sets(got)
+        width = max(lengths, default=0)
+        with self.policy.reference(replica) as ref:
+            kept_sets = padded_kept(kept, lengths, width) if kept else None
+            got.ref_logps = self._score(ref, prompts, completions, width, kept_sets)
+
+    def _batch(
+        self, samples: list[SampleRecord], rewards: Tensor, kept: list[Tensor], ref: Tensor | None = None
+    ) -> Batch:
         """The learner's batch: padded tokens and masks, advantages over group ids, and the dense pi_old and
-        reference log-probs where they are needed (pi_old taken from the learner's own pass when it can), over
-        the sampler's kept sets `kept` (per sample; empty: no keep-sampling mask)."""
+        reference log-probs where they are needed (pi_old taken from the learner's own pass when it can; the
+        reference's, `ref` [B, T], when scored beside the rollout), over the sampler's kept sets `kept` (per
+        sample; empty: no keep-sampling mask)."""
         cfg = self.cfg
         completions = [list(s.tokens) for s in samples]
         prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
@@ -238,9 +257,11 @@ class Trainer:
                 cfg.algo.needs_recompute or dense_logprobs_needed(self.addons)
             ) and not self.reuses_learner_logprobs(len(samples)):
                 logp_old = self._score(self.policy.module, prompts, completions, length, kept_sets)
-            if cfg.algo.kl_coef > 0:
-                with self.policy.reference() as ref:
-                    logp_ref = self._score(ref, prompts, completions, length, kept_sets)
+            if cfg.algo.kl_coef > 0 and ref is not None:
+                logp_ref = ref
+            elif cfg.algo.kl_coef > 0:
+                with self.policy.reference() as model:
+                    logp_ref = self._score(model, prompts, completions, length, kept_sets)
         return Batch(prompts, completions, mask, logp_sampler, logp_old, logp_ref, advantages, kept=kept_sets)
 
     def reuses_learner_logprobs(self, batch_size: int) -> bool:

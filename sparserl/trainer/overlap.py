@@ -42,7 +42,8 @@ class StepRollouts:
     """`take(step, states)` -> the step's rollout (each token records its version). `draw(step, version)` runs
     the rollout layer with the weights the backend holds; `backend.push_weights` hands it a version (with the
     sampler's trainable tensors when it samples from copies); `learner` is the module the learner updates and
-    `replica` the sampler's own (None: the backend samples from the learner's, in step)."""
+    `replica` the sampler's own (None: the backend samples from the learner's, in step); `beside(rollout)` runs
+    on the sampler's thread after a rollout drawn ahead (work that does not wait for the update)."""
 
     def __init__(
         self,
@@ -52,9 +53,13 @@ class StepRollouts:
         replica: torch.nn.Module | None,
         last_step: int,
         max_staleness: int = 1,
+        beside: Callable[[Any], None] | None = None,
     ) -> None:
         self.draw, self.backend, self.learner, self.replica = draw, backend, learner, replica
         self.last_step, self.max_staleness = last_step, max_staleness
+        self.beside = (
+            beside  # what the sampler's thread adds to a rollout it drew ahead (its reference log-probs)
+        )
         self.held = 0  # the policy version the sampler holds
         self.ahead: Ahead | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if replica is not None else None
@@ -87,7 +92,16 @@ class StepRollouts:
             got = self.draw(step, self.held)
         if self.overlapped and step < self.last_step:
             self._refresh(version)
-            self.ahead = Ahead(step + 1, version, self.pool.submit(self.draw, step + 1, version), states())
+            self.ahead = Ahead(
+                step + 1, version, self.pool.submit(self._draw_ahead, step + 1, version), states()
+            )
+        return got
+
+    def _draw_ahead(self, step: int, version: int) -> Any:
+        """On the sampler's thread: the rollout, then what `beside` adds to it while the learner updates."""
+        got = self.draw(step, version)
+        if self.beside is not None:
+            self.beside(got)
         return got
 
     def _refresh(self, version: int) -> None:

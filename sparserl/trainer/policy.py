@@ -104,6 +104,7 @@ class Policy:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.peft = None
+        self._replica_pefts: dict[int, Any] = {}  # a sampler replica's PEFT wrapper, by id of the replica
         self._ref: nn.Module | None = None
         self.own_adapters: list[str] = []  # the policy's own adapters: on everywhere
         self.distill_adapter: str | None = None  # on only on the sparse path (DistillSparse)
@@ -182,6 +183,7 @@ class Policy:
             return copy.deepcopy(self.module, memo=frozen)
         peft = copy.deepcopy(self.peft, memo=frozen)
         replica = peft.get_base_model()
+        self._replica_pefts[id(replica)] = peft
         if self.distill_adapter is not None:
             register_sparse_path(replica, lambda: self.sparse_path(peft))
         return replica
@@ -206,14 +208,16 @@ class Policy:
         return [p for p in self.module.parameters() if p.requires_grad and id(p) not in distill]
 
     @contextlib.contextmanager
-    def reference(self) -> Iterator[nn.Module]:
-        """The reference (initial) policy: adapters disabled with LoRA, else the frozen copy."""
+    def reference(self, replica: nn.Module | None = None) -> Iterator[nn.Module]:
+        """The reference (initial) policy: adapters disabled with LoRA (those of `replica`, a `sampler_replica`,
+        when given: its thread scores without touching the learner's switches), else the frozen copy."""
         if self.cfg.lora:
-            self._activate([])
+            peft = self._replica_pefts[id(replica)] if replica is not None else self.peft
+            self._activate([], peft)
             try:
-                yield self.module
+                yield replica if replica is not None else self.module
             finally:
-                self._activate(self.own_adapters)
+                self._activate(self.own_adapters, peft)
         elif self._ref is not None:
             yield self._ref
         else:
