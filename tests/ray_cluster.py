@@ -1,7 +1,10 @@
-"""A local 2-CPU Ray for a test module (`from tests.ray_cluster import local_ray`): started once per module,
-with the process's SIGTERM handler kept (sparserl/distributed/cluster.py), shut down after."""
+"""A local 2-CPU Ray for a test module (`from tests.ray_cluster import local_ray, ray_cpus_free`): started once
+per module, with the process's SIGTERM handler kept (sparserl/distributed/cluster.py), shut down after; each
+test starts once the cluster has its CPUs back from the previous test's actors."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -17,3 +20,15 @@ def local_ray():
     yield
     with keep_signal_handlers():
         ray.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def ray_cpus_free(local_ray):
+    """Wait (up to 60 s) until both CPUs are free: Ray gives an ended actor's CPU back asynchronously, which a
+    busy machine can delay past the next test's start (its workers then could not be placed)."""
+    import ray
+
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    yield

@@ -11,7 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from sparserl.trainer.update import Batch  # noqa: E402
-from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
+from tests.ray_cluster import local_ray, ray_cpus_free  # noqa: E402, F401 - the module's local Ray
 from tests.test_learner_group import FSDP_TOLERANCE, max_abs_diff  # noqa: E402
 from tests.test_trainer import make_trainer, tiny_cfg, weights  # noqa: E402
 

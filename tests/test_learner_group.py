@@ -5,6 +5,8 @@ learners that cannot all start are named within seconds."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 from sparserl.config import ConfigError, load_config  # noqa: E402
 from sparserl.seeds import SHUFFLE, derive_seed  # noqa: E402
-from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
+from tests.ray_cluster import local_ray, ray_cpus_free  # noqa: E402, F401 - the module's local Ray
 from tests.test_ray_backend import two_steps  # noqa: E402
 from tests.test_trainer import make_trainer, rows, tiny_cfg, weights  # noqa: E402
 
@@ -163,4 +165,7 @@ def test_learners_that_cannot_all_start_are_named_within_seconds(tmp_path):
     )
     with pytest.raises(RuntimeError, match=r"3 learners cannot all be placed: each asks for 1 CPUs.*2 CPUs"):
         make_trainer(tiny_cfg(tmp_path, *extra))
+    deadline = time.monotonic() + 30  # Ray frees a removed placement group's CPUs asynchronously
+    while ray.available_resources().get("CPU") != 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert ray.available_resources().get("CPU") == 2  # the placement group was removed

@@ -16,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from sparserl.distributed.weights import trainable_state  # noqa: E402
 from sparserl.rollout import StaleWeights  # noqa: E402
-from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
+from tests.ray_cluster import local_ray, ray_cpus_free  # noqa: E402, F401 - the module's local Ray
 from tests.test_trainer import make_trainer, tiny_cfg  # noqa: E402
 
 

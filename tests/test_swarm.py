@@ -9,7 +9,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from tests.ray_cluster import local_ray  # noqa: E402, F401 - the module's local Ray
+from tests.ray_cluster import local_ray, ray_cpus_free  # noqa: E402, F401 - the module's local Ray
 from tests.test_trainer import make_trainer, tiny_cfg, weights  # noqa: E402
 
 
