@@ -10,6 +10,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from sparserl.algo.advantages import ADV_ESTIMATORS
+from sparserl.algo.keep_sampling import truncates
 from sparserl.config.errors import ConfigError
 from sparserl.config.switches import check_switches
 from sparserl.engine.kv_config import EVICTION_METHODS, SELECTORS
@@ -71,8 +72,6 @@ def cross_section_checks(cfg: TrainConfig) -> None:
 def sampler_records(cfg: TrainConfig) -> list[str]:
     """The settings that need the sampler to record each token's distribution (alpha, DistillSparse's replay,
     the keep-sampling mask's kept sets): they need whole samples, drawn by this run's own sampler."""
-    from sparserl.algo.keep_sampling import truncates
-
     keep = cfg.algo.keep_sampling_mask and truncates(cfg.rollout.top_p, cfg.rollout.top_k)
     on = {"trainer.log_acceptance": cfg.trainer.log_acceptance, "distill.enable": cfg.distill.enable,
           "algo.keep_sampling_mask": keep}  # fmt: skip
@@ -83,7 +82,7 @@ def check_sampling(cfg: TrainConfig) -> None:
     """Training samples from the tempered softmax, or truncates it under the keep-sampling mask; warns where
     stale tokens go uncorrected."""
     r = cfg.rollout
-    if (r.top_p < 1.0 or r.top_k > 0) and not cfg.algo.keep_sampling_mask:
+    if truncates(r.top_p, r.top_k) and not cfg.algo.keep_sampling_mask:
         raise ConfigError(
             f"rollout.top_p={r.top_p}, rollout.top_k={r.top_k}: the sampler records log-probs of the truncated "
             "distribution while pi_old, the learner and the reference use the full softmax, a mismatch the "

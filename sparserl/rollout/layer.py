@@ -52,9 +52,7 @@ class Collected:
     by_sample: dict[int, Segment] = field(default_factory=dict)  # recordings by id(SampleRecord)
     task_counters: dict[str, float] = field(default_factory=dict)  # the task's reward calls, errors, timeouts
     logged: dict[str, float] = field(default_factory=dict)  # what the reward functions logged (log_metric)
-    ref_logps: list | None = (
-        None  # per trained sample, the reference's log-probs when scored beside the rollout
-    )
+    ref_logps: torch.Tensor | None = None  # [B, T] the reference's log-probs, when scored beside the rollout
 
 
 class RolloutLayer:
@@ -67,9 +65,8 @@ class RolloutLayer:
     ) -> None:
         if backend.recording.any and cfg.partial.enable:
             raise ValueError(
-                "recording the sampler's distributions (for alpha, the keep-sampling mask) or held positions (for its "
-                "replay) needs whole "
-                "samples; a sample resumed by rollout.partial has lost its earlier ones"
+                "recording the sampler's distributions (for alpha, the keep-sampling mask) or held positions (for "
+                "its replay) needs whole samples; a sample resumed by rollout.partial has lost its earlier ones"
             )
         if backend.recording.held and cfg.kv_memory_cap_bytes is not None:
             raise ValueError(

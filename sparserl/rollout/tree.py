@@ -59,10 +59,8 @@ class TreeRollouts(WrappedSource):
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
         plans = super().plan(k, version)
-        for p in plans:
-            p.snapshots = (
-                self.cfg.forks if self.cfg.rounds else 0
-            )  # the roots fork in the first forking round
+        for p in plans:  # the roots fork in the first forking round
+            p.snapshots = self.cfg.forks if self.cfg.rounds else 0
         return plans
 
     def reset_step(self) -> None:

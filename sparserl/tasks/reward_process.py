@@ -262,16 +262,13 @@ class RewardProcess:
         return None
 
     def call(self, key: str, call: Any, timeout: float | None) -> tuple:
-        """Call function `key` on `call` (reward_styles.RewardCall) in the worker: `("values",
-        [float | None | str], logs)` or `("count", what, logs)`, with what it logged (RewardLogs). Raises
-        RewardTimeout past `timeout` seconds, RewardCrash when the worker ends (both restart it on the next
-        call) and RewardRaised when the function raised or called sys.exit."""
+        """Call function `key` on `call` (reward_styles.RewardCall) in the worker: its reply, `("values",
+        [float | None | str], logs)`, `("count", what, logs)` or `("raised", what)` when the function raised or
+        called sys.exit (reward_fns reads it). Raises RewardTimeout past `timeout` seconds and RewardCrash when
+        the worker ends (both restart it on the next call)."""
         with self._lock:
             self._start_locked()
-            reply = self._exchange(("call", key, call), wait_limit(timeout))
-        if reply[0] == "raised":
-            raise RewardRaised(reply[1])
-        return reply
+            return self._exchange(("call", key, call), wait_limit(timeout))
 
     def call_together(self, pairs: list[tuple[str, Any]], timeout: float | None) -> list[tuple]:
         """`call` for several (async) functions at once, awaited together in the worker: one reply each (a

@@ -221,13 +221,20 @@ class Trainer:
         `replica` (adapters off, or the frozen copy), while the learner updates (rollout.overlap): the
         reference does not depend on the policy version, so they need not wait for the update."""
         samples = [s for g in got.groups for s in g.samples]
-        prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
-        completions = [list(s.tokens) for s in samples]
-        lengths, kept = [len(c) for c in completions], self._kept_sets(got)
-        width = max(lengths, default=0)
+        width = max((len(s.tokens) for s in samples), default=0)
+        prompts, completions, kept_sets = self._scoring_inputs(samples, self._kept_sets(got), width)
         with self.policy.reference(replica) as ref:
-            kept_sets = padded_kept(kept, lengths, width) if kept else None
             got.ref_logps = self._score(ref, prompts, completions, width, kept_sets)
+
+    def _scoring_inputs(
+        self, samples: list[SampleRecord], kept: list[Tensor], width: int
+    ) -> tuple[list[list[int]], list[list[int]], Tensor | None]:
+        """The prompts and completions of `samples` as the scorers take them, and the sampler's kept sets
+        padded to `width` positions (None without the keep-sampling mask)."""
+        completions = [list(s.tokens) for s in samples]
+        prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
+        kept_sets = padded_kept(kept, [len(c) for c in completions], width) if kept else None
+        return prompts, completions, kept_sets
 
     def _batch(
         self, samples: list[SampleRecord], rewards: Tensor, kept: list[Tensor], ref: Tensor | None = None
@@ -237,20 +244,18 @@ class Trainer:
         reference's, `ref` [B, T], when scored beside the rollout), over the sampler's kept sets `kept` (per
         sample; empty: no keep-sampling mask)."""
         cfg = self.cfg
-        completions = [list(s.tokens) for s in samples]
-        prompts = [self.train_view.prompt_ids(s.prompt_id) for s in samples]
+        logp_sampler, mask = right_pad([s.sampler_logps for s in samples], torch.float32)
+        length = mask.shape[1]
+        prompts, completions, kept_sets = self._scoring_inputs(samples, kept, length)
         group_index = [s.group_id for s in samples]
         texts = [s.text or "" for s in samples]
         task_rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # before shaping
         advantages = advantages_from_config(
             rewards, group_index, cfg.algo, texts, self.adv_transforms, completions, task_rewards
         )
-        logp_sampler, mask = right_pad([s.sampler_logps for s in samples], torch.float32)
         mask &= right_pad([s.loss_mask for s in samples])[
             0
         ].bool()  # 0: a stale token (partial.mode=mask_old)
-        length = mask.shape[1]
-        kept_sets = padded_kept(kept, [len(c) for c in completions], length) if kept else None
         logp_old = logp_ref = None
         with torch.no_grad():
             if (

@@ -57,9 +57,8 @@ class StepRollouts:
     ) -> None:
         self.draw, self.backend, self.learner, self.replica = draw, backend, learner, replica
         self.last_step, self.max_staleness = last_step, max_staleness
-        self.beside = (
-            beside  # what the sampler's thread adds to a rollout it drew ahead (its reference log-probs)
-        )
+        # what the sampler's thread adds to a rollout it drew ahead (its reference log-probs)
+        self.beside = beside
         self.held = 0  # the policy version the sampler holds
         self.ahead: Ahead | None = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead") if replica is not None else None
