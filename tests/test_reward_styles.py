@@ -332,6 +332,37 @@ def test_in_process_callables_take_every_style() -> None:
     assert seen == {"truth": ex.answer, "info": {}}
 
 
+def test_in_process_async_functions_are_awaited_together() -> None:
+    """Two local async functions (run in the trainer's process), each waiting for the other's event, both
+    finish; a raising one keeps its failure to itself; one left alone waits in vain and scores 0."""
+    import asyncio
+
+    events: dict = {}
+
+    def event(name: str) -> asyncio.Event:
+        return events.setdefault((id(asyncio.get_running_loop()), name), asyncio.Event())
+
+    async def first(completions, **kwargs):
+        event("first").set()
+        await asyncio.wait_for(event("second").wait(), 2)
+        return [1.0] * len(completions)
+
+    class Second:  # a callable object whose __call__ is async
+        async def __call__(self, completions, **kwargs):
+            event("second").set()
+            await asyncio.wait_for(event("first").wait(), 2)
+            return [2.0] * len(completions)
+
+    async def raises(completions, **kwargs):
+        raise ValueError("boom")
+
+    task = with_reward_fns(make_task(TaskConfig(reward_timeout=5.0)), [first, Second(), raises])
+    assert task.score_batch(["a", "b"], [task[0]] * 2) == [3.0, 3.0]
+    assert (task.stats.errors, task.stats.timeouts) == (2, 0)  # `raises`, retried per completion
+    alone = with_reward_fns(make_task(TaskConfig(reward_timeout=5.0)), [first])
+    assert alone.score_batch(["a"], [alone[0]]) == [0.0] and alone.stats.errors == 1
+
+
 def test_rewards_carry_their_logs_across_processes_and_batches() -> None:
     """What a reward function logged travels with its rewards: pickled (to and from a rollout worker) and cut
     per group when several groups were scored in one call (the metrics stay with the first)."""

@@ -34,26 +34,25 @@ method, a callable object) runs in the trainer's process, as it is, with a note 
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
-import pickle
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from sparserl.errors import UserError
 from sparserl.tasks.base import Example, Task
 from sparserl.tasks.config import BUILTIN_REWARD
-from sparserl.tasks.reward_loading import RewardFn, check_spec
-from sparserl.tasks.reward_styles import RewardCall, RewardLogs, RewardState, invoke, resolve_style
-from sparserl.tasks.rewards import (
-    RewardStats,
-    RewardTimeout,
-    call_with_deadline,
-    finite_reward,
-    record_failure,
+from sparserl.tasks.reward_calls import (
+    Awaited,
+    InProcess,
+    Isolated,
+    NotAReward,
+    awaited_together,
+    by_reference,
+    call_placed,
 )
+from sparserl.tasks.reward_loading import RewardFn, check_spec
+from sparserl.tasks.reward_styles import RewardCall, RewardLogs, RewardState, resolve_style
+from sparserl.tasks.rewards import RewardStats, RewardTimeout, finite_reward, record_failure
 
 logger = logging.getLogger(__name__)
 _NOTED_IN_PROCESS: set[str] = set()  # in-process reward functions already said (once per process)
@@ -75,59 +74,6 @@ def _reward_count(values: Any) -> int | None:
 def _function_name(fn: Any) -> str:
     """How a callable is named in logs and `reward/...` error messages."""
     return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def by_reference(fn: Any) -> bytes | str:
-    """The pickle of `fn` by reference (module and name), which a worker process can load; else why not."""
-    if not inspect.isfunction(fn):
-        return f"it is a {type(fn).__name__}, not a plain function"
-    module = getattr(fn, "__module__", None)
-    if not module or module == "__main__":
-        return "it is defined in __main__ (a script or notebook), which a worker cannot import"
-    if "<" in fn.__qualname__:  # <lambda>, <locals>
-        return "it is a lambda or a local function"
-    try:
-        return pickle.dumps(fn, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001 - any reason means: keep it in-process
-        return f"it cannot be pickled ({type(e).__name__}: {e})"
-
-
-@dataclass(frozen=True)
-class _Isolated:
-    """A reward function loaded in the task's worker process under `key` (`asynchronous`: an `async def`)."""
-
-    key: str
-    asynchronous: bool = False
-
-
-@dataclass(frozen=True)
-class _InProcess:
-    """A reward function called in the trainer's process, in `style` ('trl' or 'verl')."""
-
-    fn: RewardFn
-    style: str
-
-
-def _isolated_result(reply: tuple) -> tuple[Any, RewardLogs]:
-    """A worker's reply to a call: the function's items (`_NotAReward` for those that are no number) or
-    `_NotAReward` for a result that is no sequence, and its logs; RewardRaised when it raised."""
-    from sparserl.tasks.reward_process import RewardRaised
-
-    if reply[0] == "raised":
-        raise RewardRaised(reply[1])
-    kind, values, logs = reply
-    if kind == "count":
-        return _NotAReward(values), logs
-    return [_NotAReward(v) if isinstance(v, str) else v for v in values], logs
-
-
-def _reraise(error: BaseException) -> Any:
-    """Raise `error` (a failure shared by every function awaited together)."""
-    raise error
-
-
-class _NotAReward(str):
-    """An item of an isolated function's result that is no number (the text says why)."""
 
 
 class _BadReturn(ValueError):
@@ -200,7 +146,7 @@ class RewardFnTask(Task):
             raise
 
     def _prepare(self, reward: RewardFn | str, index: int) -> Any:
-        """`reward` as called: BUILTIN_REWARD, an `_Isolated` handle in the worker, or `_InProcess`."""
+        """`reward` as called: BUILTIN_REWARD, an `Isolated` handle in the worker, or `InProcess`."""
         if isinstance(reward, str) and reward == BUILTIN_REWARD:
             return reward
         if not isinstance(reward, str) and not callable(reward):
@@ -218,14 +164,14 @@ class RewardFnTask(Task):
         location = reward.rpartition(":")[0] if isinstance(reward, str) else self.names[index]
         failure = self._process.load(key, source, self.style, what=f"importing {location}")
         if failure is None:
-            return _Isolated(key, key in self._process.asynchronous)
+            return Isolated(key, key in self._process.asynchronous)
         if isinstance(reward, str):
             raise UserError(
                 failure if failure.startswith("task.reward=") else f"task.reward={reward!r}: {failure}"
             )
         return self._in_process(reward, f"the worker could not load it ({failure})")
 
-    def _in_process(self, fn: RewardFn, why: str) -> _InProcess:
+    def _in_process(self, fn: RewardFn, why: str) -> InProcess:
         """`fn`, called in the trainer's process; says so once per function name."""
         name = _function_name(fn)
         style = resolve_style(fn, self.style, name)
@@ -238,7 +184,7 @@ class RewardFnTask(Task):
                 name,
                 why,
             )
-        return _InProcess(fn, style)
+        return InProcess(fn, style)
 
     def close(self) -> None:
         """Stop the reward worker, if any (a later call starts it again)."""
@@ -291,7 +237,7 @@ class RewardFnTask(Task):
             raise ValueError(f"{len(completions)} completions but {len(examples)} examples")
         call = RewardCall.build(completions, examples, completion_ids, RewardState(step, self.max_steps))
         total, logs = [0.0] * len(completions), RewardLogs()
-        awaited = self._awaited_together(call)
+        awaited = awaited_together(self.rewards, call, self._process, self.reward_timeout)
         for fn, name, weight in zip(self.rewards, self.names, self.weights, strict=True):
             if isinstance(fn, str):  # BUILTIN_REWARD
                 scores = self.task.score_batch(completions, examples)
@@ -301,42 +247,12 @@ class RewardFnTask(Task):
             total = [t + weight * s for t, s in zip(total, scores, strict=True)]
         return total, logs
 
-    def _call(self, fn: _Isolated | _InProcess, call: RewardCall) -> tuple[Any, RewardLogs]:
-        """The function's result on `call` and what it logged, under the timeout: in the worker for an
-        `_Isolated` one (its items come back as floats, None or `_NotAReward`), else in this process."""
-        if isinstance(fn, _InProcess):
-            return call_with_deadline(
-                functools.partial(invoke, fn.fn, fn.style, call), (), self.reward_timeout
-            )
-        return _isolated_result(self._process.call(fn.key, call, self.reward_timeout))
-
-    def _awaited_together(self, call: RewardCall) -> dict[int, Callable[[], tuple[Any, RewardLogs]]]:
-        """With two or more async functions in the worker, their results on `call`, awaited together there (as
-        TRL gathers them), by id of the function: each a callable that returns what `_call` would, or raises
-        what it would (an overrun or an ended worker: for every one of them). {} otherwise, or when awaiting
-        them ended in sys.exit (each is then called on its own)."""
-        from sparserl.tasks.reward_process import RewardCrash, RewardRaised
-
-        together = [fn for fn in self.rewards if isinstance(fn, _Isolated) and fn.asynchronous]
-        if len(together) < 2:
-            return {}
-        try:
-            replies = self._process.call_together([(fn.key, call) for fn in together], self.reward_timeout)
-        except RewardRaised:
-            return {}
-        except (RewardTimeout, RewardCrash) as e:
-            return {id(fn): functools.partial(_reraise, e) for fn in together}
-        return {
-            id(fn): functools.partial(_isolated_result, reply)
-            for fn, reply in zip(together, replies, strict=True)
-        }
-
     def _guarded_scores(
         self,
-        fn: _Isolated | _InProcess,
+        fn: Isolated | InProcess,
         name: str,
         call: RewardCall,
-        awaited: Callable[[], tuple[Any, RewardLogs]] | None = None,
+        awaited: Awaited | None = None,
     ) -> tuple[list[float], RewardLogs]:
         """`fn`'s reward of each completion, 0 for those it fails on (counted), and what it logged (`awaited`:
         its result already awaited with the others). A batch call that raises (or calls sys.exit) is retried
@@ -346,7 +262,11 @@ class RewardFnTask(Task):
 
         n = len(call)
         try:
-            values, logs = awaited() if awaited is not None else self._call(fn, call)
+            values, logs = (
+                awaited()
+                if awaited is not None
+                else call_placed(fn, call, self._process, self.reward_timeout)
+            )
         except (RewardTimeout, RewardCrash) as e:
             return self._failed(e, n, name), RewardLogs()
         except (Exception, SystemExit) as e:
@@ -355,9 +275,9 @@ class RewardFnTask(Task):
                 logs = RewardLogs.concat([(1, logged) for _, logged in parts])
                 return [s for scores, _ in parts for s in scores], logs
             return self._failed(e, n, name), RewardLogs()
-        count = None if isinstance(values, _NotAReward) else _reward_count(values)
+        count = None if isinstance(values, NotAReward) else _reward_count(values)
         if count != n:
-            if isinstance(values, _NotAReward):
+            if isinstance(values, NotAReward):
                 got = str(values)
             else:
                 got = f"a {type(values).__name__}" if count is None else f"{count} rewards"
@@ -416,7 +336,7 @@ class RewardFnTask(Task):
         non-number is 0, counted."""
         if value is None:
             return 0.0
-        if isinstance(value, _NotAReward):
+        if isinstance(value, NotAReward):
             self._record(_BadReturn(f"returned an item that is not a number ({value})"), 1, name)
             return 0.0
         try:
