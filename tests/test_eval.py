@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from itertools import combinations
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from sparserl.config import ConfigError, load_config, save_config
 from sparserl.engine import KVConfig
+from sparserl.errors import UserError
 from sparserl.eval import evaluate, load_eval_model, load_eval_task, pass_at_k, pass_ks, summarize_rewards
 from sparserl.eval.loading import eval_task_config
 from sparserl.models import ModelLoadError, tiny_model
@@ -196,8 +198,30 @@ def test_eval_task_config_sources(tmp_path: Path) -> None:
         load_eval_task(None, model_spec="smollm2-135m")
 
 
+def test_named_eval_sets_resolve_in_the_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--data aime24` / `gsm8k` are the files of the folders $SPARSERL_DATA_DIR names, searched in order;
+    unset, an eval set is an error that names the variable, and so is a named folder that does not exist."""
+    monkeypatch.delenv("SPARSERL_DATA_DIR", raising=False)
+    with pytest.raises(FileNotFoundError, match=r"SPARSERL_DATA_DIR.*eval/aime24\.jsonl"):
+        eval_task_config("aime24")
+    assert eval_task_config("gsm8k").data == ""  # the Hub's openai/gsm8k
+    first, second = tmp_path / "a", tmp_path / "b"
+    (second / "eval").mkdir(parents=True)
+    (second / "eval" / "aime24.jsonl").write_text(json.dumps({"problem": "1 + 1?", "answer": "2"}) + "\n")
+    (first / "gsm8k").mkdir(parents=True)
+    (first / "gsm8k" / "test.jsonl").write_text(json.dumps({"question": "1 + 2?", "answer": "#### 3"}) + "\n")
+    monkeypatch.setenv("SPARSERL_DATA_DIR", f"{first}{os.pathsep}{second}")
+    assert eval_task_config("aime24").data == str(second / "eval" / "aime24.jsonl")
+    assert eval_task_config("gsm8k").data == str(first / "gsm8k" / "test.jsonl")
+    assert load_eval_task("aime24")[0].answer == "2"
+    monkeypatch.setenv("SPARSERL_DATA_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match=r"SPARSERL_DATA_DIR names .*nowhere, which is not a folder"):
+        eval_task_config("gsm8k")
+
+
 @pytest.mark.shared_data
-def test_named_eval_sets_resolve_to_shared_files() -> None:
+def test_named_eval_sets_resolve_to_shared_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPARSERL_DATA_DIR", str(DATA))
     gsm = eval_task_config("gsm8k")
     assert gsm.data.endswith("gsm8k/test.jsonl")
     assert load_eval_task("aime24")[0].answer == "204"

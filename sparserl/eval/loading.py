@@ -4,6 +4,7 @@ a built-in procedural task, or a training run's own task)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from sparserl.config import ConfigError
+from sparserl.errors import UserError
 
 RUN_CONFIG = "config.yaml"  # sparserl.trainer.loop.CONFIG_FILE
 RUN_EXPORT = "final"  # sparserl.trainer.loop.EXPORT_DIR
@@ -126,20 +128,26 @@ def load_eval_model(
     return loaded
 
 
-def shared_data_dirs() -> list[Path]:
-    """Where the project's shared data folder may be: `../shared/data` beside the project root or the
-    working directory."""
-    root = Path(__file__).resolve().parents[2]
-    dirs = [root.parent / "shared" / "data", Path.cwd().parent / "shared" / "data", Path("shared") / "data"]
-    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+DATA_DIR_ENV = "SPARSERL_DATA_DIR"
+"""A folder of local evaluation files (`gsm8k/{split}.jsonl`, `eval/{name}.jsonl`) that `--data gsm8k` and the eval
+set names resolve to; several folders separated by the path separator (':'), searched in order."""
+
+
+def data_dirs() -> list[Path]:
+    """The folders named by `$SPARSERL_DATA_DIR` (none when unset); one that is not a folder is a UserError."""
+    named = [Path(d).expanduser() for d in os.environ.get(DATA_DIR_ENV, "").split(os.pathsep) if d]
+    missing = [str(d) for d in named if not d.is_dir()]
+    if missing:
+        raise UserError(f"${DATA_DIR_ENV} names {', '.join(missing)}, which is not a folder")
+    return named
 
 
 def _local_named(name: str, split: str) -> Path | None:
-    """The shared-data file for 'gsm8k' (its `split`) or one of the Sparse-RL eval sets, if present."""
+    """The local file for 'gsm8k' (its `split`) or one of the Sparse-RL eval sets, if a data folder holds it."""
     rel = f"gsm8k/{split}.jsonl" if name == "gsm8k" else f"eval/{name}.jsonl" if name in EVAL_SETS else None
     if rel is None:
         return None
-    for d in shared_data_dirs():
+    for d in data_dirs():
         if (d / rel).is_file():
             return d / rel
     return None
@@ -153,8 +161,8 @@ def eval_task_config(
     base: Any = None,
     prompt_template: str = "",
 ) -> Any:
-    """The TaskConfig for `--data`: a local .jsonl/.json/.parquet file, 'gsm8k' (the shared test file when
-    present, else openai/gsm8k), an eval set name (math500, aime24, ...: the shared files), 'math', a built-in
+    """The TaskConfig for `--data`: a local .jsonl/.json/.parquet file, 'gsm8k' (the local file when
+    $SPARSERL_DATA_DIR holds one, else openai/gsm8k), an eval set name (math500, aime24, ...: its local file), 'math', a built-in
     procedural task (arithmetic, long_arithmetic) or a Hugging Face dataset name. `base` (a run's TaskConfig)
     supplies the prompt format (instruction, system prompt) and the procedural settings; the data source and
     field mapping (question/answer keys, `prompt_template` over row fields) come from `data` and the
@@ -186,8 +194,8 @@ def eval_task_config(
         return replace(base, name=data, data=str(local), data_config="", **common)
     if data in EVAL_SETS:
         raise FileNotFoundError(
-            f"--data {data}: the eval set's file is not here (no shared data folder holds eval/{data}.jsonl); "
-            "give the path of its .jsonl file"
+            f"--data {data}: no folder in ${DATA_DIR_ENV} holds eval/{data}.jsonl; give the path of the eval "
+            f"set's .jsonl file, or set ${DATA_DIR_ENV} to the folder that holds eval/{data}.jsonl"
         )
     if "/" not in data and data not in ("gsm8k", "math"):  # like make_task: a Hub name is owner/name
         raise ConfigError(
