@@ -228,7 +228,7 @@ def run_sparserl(args, overrides: list[str], tmp: Path, arm: str = "sparserl") -
     for m in (json.loads(line) for line in metrics.read_text().splitlines() if line.strip()):
         cpu_s = m["time/step_cpu"]
         tokens = round(m.get("length/mean", m.get("response_length/mean", 0.0)) * args.n)
-        # time/reward existed until rewards overlapped the rollout (issue 17): it is inside time/rollout since
+        # time/reward existed until rewards overlapped the rollout: it has been inside time/rollout since
         row = step_row(m["step"], m["time/step"], cpu_s, m["time/rollout"], m.get("time/reward", 0.0) + m["time/score"],
                        m["time/train"], tokens)  # fmt: skip
         row.update(reward_mean=m.get("reward/mean"), time_reward_s=m.get("time/reward"), time_score_s=m["time/score"])  # fmt: skip
@@ -295,7 +295,7 @@ def goals(summary: dict[str, Any], dtype: str, command: str) -> dict[str, Any]:
 
 
 def other_goals() -> dict[str, Any]:
-    """The issue's goals measured by other benchmarks, copied here so that this file lists them all: the decode
+    """The step's other goals, measured by other benchmarks, copied here so that this file lists them all: the decode
     step's (decode_step.json), the bf16 step's (rl_step_bf16.json), and the GPU goal (rollout_gpu.json, from
     `benchmarks/rollout.py --device cuda`; not measured where no GPU run was made)."""
     out: dict[str, Any] = {GPU_GOAL: {"value": None, "target": GPU_GOAL_TARGET, "met": False, "command": "none: no GPU run",
