@@ -37,7 +37,7 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("held", ["copies", "fsdp", "fsdp-lora"])
+@pytest.mark.parametrize("held", ["copies", "fsdp", "fsdp-lora", "fsdp-recompute"])
 def test_two_learners_give_one_learners_update_and_skip_together(tmp_path, held):
     """Bypass mode: the correction metrics compare the learner's own log-probs, which each rank has for its rows
     only (merged before the metrics). Step 2's batch has a NaN in a row that rank 1 runs. With FSDP each rank
@@ -51,6 +51,8 @@ def test_two_learners_give_one_learners_update_and_skip_together(tmp_path, held)
     sharded = ("distributed.fsdp=true",) if held.startswith("fsdp") else ()
     if held == "fsdp-lora":  # the frozen base is sharded too; only the adapter trains (measured 1.9e-6 here)
         extra = (*extra, "model.lora=true", "optim.lr=1e-2")
+    if held == "fsdp-recompute":  # each sharded layer's MLP recomputed inside its backward
+        extra = (*extra, "optim.recompute_modules=[mlp]")
     one = make_trainer(tiny_cfg(tmp_path, *extra, name="one"))
     two = make_trainer(tiny_cfg(tmp_path, *extra, "distributed.learners=2", *sharded, name="two"))
     try:

@@ -145,13 +145,57 @@ def test_gradient_checkpointing_gives_the_same_gradient(
     from sparserl.engine.decoder import causal_lm
 
     trainer = make_trainer(tiny_cfg(tmp_path, "optim.gradient_checkpointing=true", name="gc"))
-    assert causal_lm(trainer.policy.module).is_gradient_checkpointing
+    assert causal_lm(trainer.policy.module).model.gradient_checkpointing
     trainer.close()
     plain = _captured_gradient(tmp_path, 2, monkeypatch)
     recomputed = _captured_gradient(tmp_path, 2, monkeypatch, "optim.gradient_checkpointing=true")
     assert len(plain) == len(recomputed) > 0
     for a, b in zip(plain, recomputed, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_recomputed_mlps_give_the_same_gradient_and_keep_less(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """optim.recompute_modules=[mlp] reruns each layer's MLP in the backward (the group's prompt still shared):
+    the gradient is the plain one bit for bit, the forward keeps fewer bytes for the backward, a deep copy (a
+    sampler's replica) recomputes its own MLPs, and a name the layers lack is a ConfigError."""
+    import copy
+
+    from sparserl.engine.decoder import causal_lm
+    from sparserl.engine.scoring import completion_logprobs
+
+    plain = _captured_gradient(tmp_path, 2, monkeypatch)
+    recomputed = _captured_gradient(tmp_path, 2, monkeypatch, "optim.recompute_modules=[mlp]")
+    assert len(plain) == len(recomputed) > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
+
+    def kept_bytes(trainer) -> int:
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        module = trainer.policy.module.train()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            completion_logprobs(module, [[5, 6, 7]] * 4, [[8, 9, 10, 11, 12]] * 4)
+        return sum(kept.values())
+
+    cfgs = [
+        tiny_cfg(tmp_path, *extra, name=f"kept{len(extra)}")
+        for extra in ((), ("optim.recompute_modules=[mlp]",))
+    ]
+    full, lean = (make_trainer(c) for c in cfgs)
+    assert kept_bytes(lean) < kept_bytes(full)
+    replica = copy.deepcopy(lean.policy.module)
+    mlp = causal_lm(replica).model.layers[0].mlp
+    assert mlp.forward.__self__ is mlp
+    with pytest.raises(ConfigError, match=r"optim.recompute_modules names \['attention'\].*mlp"):
+        load_config(None, ["optim.recompute_modules=[attention]"])
+    with pytest.raises(ConfigError, match="gradient_checkpointing=true: whole layers"):
+        load_config(None, ["optim.recompute_modules=[mlp]", "optim.gradient_checkpointing=true"])
+    full.close(), lean.close()
 
 
 class _Lockstep(SingleProcess):

@@ -26,6 +26,8 @@ from sparserl.tasks.config import GENERATED_TASKS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SCHEDULES = ("constant", "linear", "cosine")
+# a decoder layer's sub-modules that optim.recompute_modules may name (trainer/recompute.py): the feed-forward block
+RECOMPUTE_MODULES = ("mlp",)
 DEFAULT_PRESET = "sparse-rl"
 
 
@@ -131,6 +133,15 @@ class OptimConfig:
             "then runs each sequence's prompt itself instead of sharing a group's (docs/algorithm.md)."
         },
     )
+    recompute_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Sub-modules of every decoder layer whose activations the backward recomputes instead of "
+            "keeping (selective recompute: Megatron's and verl's Megatron backend's recompute_modules). 'mlp': the "
+            "feed-forward block, most of the update's activations, for one more MLP forward; a group's prompt "
+            "stays shared, unlike gradient_checkpointing. Empty: none."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.lr < math.inf:
@@ -147,6 +158,17 @@ class OptimConfig:
         for key in ("grad_accum", "ppo_epochs"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"optim.{key}={getattr(self, key)} must be >= 1")
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(
+                f"optim.recompute_modules names {unknown}: a decoder layer's recomputable sub-modules are "
+                f"{', '.join(RECOMPUTE_MODULES)}"
+            )
+        if self.recompute_modules and self.gradient_checkpointing:
+            raise ConfigError(
+                "optim.recompute_modules with optim.gradient_checkpointing=true: whole layers are recomputed "
+                "already; set one of them"
+            )
 
 
 @dataclass

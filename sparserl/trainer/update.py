@@ -33,6 +33,7 @@ from sparserl.errors import UserError
 from sparserl.seeds import SHUFFLE, derive_seed
 from sparserl.trainer.completions import SampleStats, sample_stats
 from sparserl.trainer.loss_scale import DynamicLossScale, attach
+from sparserl.trainer.recompute import enable_activation_checkpointing, recompute_submodules
 
 # Loss metrics that add up over micro-batches (then divide by the mini-batch's denominator); the others are
 # per-micro-batch statistics, averaged weighted by size.
@@ -208,9 +209,9 @@ class Learner:
         if (
             cfg.optim.gradient_checkpointing
         ):  # transformers' own; non-reentrant: works with frozen bases (LoRA)
-            causal_lm(module).gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_activation_checkpointing(causal_lm(module))
+        if cfg.optim.recompute_modules:
+            recompute_submodules(causal_lm(module).model.layers, cfg.optim.recompute_modules)
         o = cfg.optim
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
