@@ -23,10 +23,10 @@ def command_helps() -> dict[str, str]:
     return {"sparserl": parser.format_help(), **{n: p.format_help() for n, p in sub.choices.items()}}
 
 
-def test_docs_and_help_cite_no_file_outside_the_project() -> None:
-    texts = {
-        str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
-    }
+def test_docs_help_configs_and_library_cite_no_file_outside_the_project() -> None:
+    """A clone has no folder beside it: the docs, the help, the shipped configs and the library name none."""
+    shipped = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "configs").glob("*.yaml")]
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in [*shipped, *(ROOT / "sparserl").rglob("*.py")]}
     texts |= {f"{name} --help": text for name, text in command_helps().items()}
     cited = {where: OUTSIDE.findall(text) for where, text in texts.items() if OUTSIDE.search(text)}
     assert not cited, cited
