@@ -24,11 +24,12 @@ def local_ray():
 
 @pytest.fixture(autouse=True)
 def ray_cpus_free(local_ray):
-    """Wait (up to 60 s) until both CPUs are free: Ray gives an ended actor's CPU back asynchronously, which a
-    busy machine can delay past the next test's start (its workers then could not be placed)."""
+    """Wait (up to 180 s) until both CPUs are free: Ray gives an ended actor's CPU back asynchronously, which a
+    busy machine can delay past the next test's start (its workers then could not be placed; seen after 60 s
+    with another job on the second core)."""
     import ray
 
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     yield
