@@ -195,6 +195,10 @@ def test_recomputed_mlps_give_the_same_gradient_and_keep_less(
         load_config(None, ["optim.recompute_modules=[attention]"])
     with pytest.raises(ConfigError, match="gradient_checkpointing=true: whole layers"):
         load_config(None, ["optim.recompute_modules=[mlp]", "optim.gradient_checkpointing=true"])
+    from sparserl.trainer.recompute import recompute_submodules
+
+    with pytest.raises(ConfigError, match=r"optim.recompute_modules names 'mlp'.*\(Linear\) do not have"):
+        recompute_submodules(torch.nn.ModuleList([torch.nn.Linear(2, 2)]), ["mlp"])
     full.close(), lean.close()
 
 

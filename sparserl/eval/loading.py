@@ -162,8 +162,8 @@ def eval_task_config(
     prompt_template: str = "",
 ) -> Any:
     """The TaskConfig for `--data`: a local .jsonl/.json/.parquet file, 'gsm8k' (the local file when
-    $SPARSERL_DATA_DIR holds one, else openai/gsm8k), an eval set name (math500, aime24, ...: its local file), 'math', a built-in
-    procedural task (arithmetic, long_arithmetic) or a Hugging Face dataset name. `base` (a run's TaskConfig)
+    $SPARSERL_DATA_DIR holds one, else openai/gsm8k), an eval set name (math500, aime24, ...: its local file),
+    'math', a built-in procedural task (arithmetic, long_arithmetic) or a Hugging Face dataset name. `base` (a run's TaskConfig)
     supplies the prompt format (instruction, system prompt) and the procedural settings; the data source and
     field mapping (question/answer keys, `prompt_template` over row fields) come from `data` and the
     arguments. Eval scores correctness: the format reward and the run's own reward functions are off."""

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from sparserl.config import ConfigError
+
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The module's class forward, under a non-reentrant checkpoint while it trains with grad (as is otherwise:
@@ -27,13 +29,16 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def recompute_submodules(layers: nn.ModuleList, names: Sequence[str]) -> None:
     """Every layer's sub-modules `names` (config's RECOMPUTE_MODULES: 'mlp', the feed-forward block, whose gate,
     up, activation and product tensors, four of [tokens, intermediate] a layer, are most of what the backward
-    keeps) recomputed in the backward. Bound as a method
-    of each sub-module, so that a deep copy of the model (a sampler's replica) binds its own."""
+    keeps) recomputed in the backward. Bound as a method of each sub-module, so that a deep copy of the model (a
+    sampler's replica) binds its own. A model whose layers lack one is a ConfigError naming the setting."""
     for layer in layers:
         for name in names:
             sub = getattr(layer, name, None)
             if not isinstance(sub, nn.Module):
-                raise ValueError(f"decoder layer {type(layer).__name__} has no sub-module {name!r}")
+                raise ConfigError(
+                    f"optim.recompute_modules names {name!r}, which this model's decoder layers "
+                    f"({type(layer).__name__}) do not have"
+                )
             sub.forward = types.MethodType(_checkpointed_forward, sub)
 
 

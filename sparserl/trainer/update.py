@@ -206,9 +206,7 @@ class Learner:
         self.cfg, self.module, self.params, self.autocast = cfg, module, params, autocast
         self.collective, self.scorer = collective, scorer
         self.sample_stats: SampleStats | None = None  # the last update's per-sample gap and rejection
-        if (
-            cfg.optim.gradient_checkpointing
-        ):  # transformers' own; non-reentrant: works with frozen bases (LoRA)
+        if cfg.optim.gradient_checkpointing:
             enable_activation_checkpointing(causal_lm(module))
         if cfg.optim.recompute_modules:
             recompute_submodules(causal_lm(module).model.layers, cfg.optim.recompute_modules)
