@@ -11,6 +11,7 @@ import torch
 
 from sparserl.cli import main
 from sparserl.config import load_config
+from sparserl.errors import UserError
 from sparserl.eval.bias import per_token_gaps
 from sparserl.eval.bias_command import BiasSettings, measure
 from sparserl.eval.bias_run import BiasRun, Sketch
@@ -221,6 +222,22 @@ def test_bias_command_writes_report_plot_and_resumes(tmp_path, capsys):
     assert json.loads((out / "bias.json").read_text())["batches_done"] == 3  # more batches: the first 2 kept
     assert main([*args[:-5], "--batches", "3", "--prompts", "1", "--out", str(out), "--resume"]) == 1
     assert "settings.prompts" in capsys.readouterr().err
+
+
+def test_resume_reads_a_setting_added_since_at_its_default(tmp_path):
+    """A folder measured before a config field existed resumes while that field keeps its default, and refuses
+    once the field is set otherwise (the saved run never had it)."""
+    from sparserl.eval.bias_command import _check_out, _fingerprint
+
+    out, s = tmp_path / "b", BiasSettings(prompts=2, batches=2)
+    old = _fingerprint(tiny(), s)
+    del old["config"]["optim"]["recompute_modules"]
+    out.mkdir()
+    (out / "settings.json").write_text(json.dumps(old))
+    _check_out(out, _fingerprint(tiny(), s), resume=True)
+    (out / "settings.json").write_text(json.dumps(old))
+    with pytest.raises(UserError, match="optim.recompute_modules"):
+        _check_out(out, _fingerprint(tiny("optim.recompute_modules=[mlp]"), s), resume=True)
 
 
 def test_bias_command_refuses_unknown_estimators(tmp_path, capsys):

@@ -47,7 +47,8 @@ class BiasSettings:
 
 def _check_out(out: Path, fingerprint: dict, resume: bool) -> None:
     """A new --out, or with --resume one whose saved settings equal these but for --batches, which may grow (the
-    saved batches are kept and the new ones measured; else a clear error)."""
+    saved batches are kept and the new ones measured; else a clear error). A setting the saved file lacks (one
+    added to sparserl since) counts at its default, so an upgrade alone does not stop a resume."""
     saved = out / SETTINGS_FILE
     if saved.is_file() and not resume:
         raise UserError(
@@ -56,9 +57,9 @@ def _check_out(out: Path, fingerprint: dict, resume: bool) -> None:
     if not saved.is_file() and resume and out.exists() and any(out.iterdir()):
         raise UserError(f"--resume: {out} holds no {SETTINGS_FILE}; it is not a sparserl bias folder")
     if saved.is_file():
-        old = json.loads(saved.read_text())
+        old = _with_defaults(json.loads(saved.read_text()), _fingerprint(TrainConfig(), BiasSettings()))
         changed = [
-            d for d in _differences(old, json.loads(json.dumps(fingerprint))) if d != "settings.batches"
+            d for d in _differences(old, fingerprint) if d != "settings.batches"
         ]
         if changed:
             raise UserError(
@@ -70,6 +71,18 @@ def _check_out(out: Path, fingerprint: dict, resume: bool) -> None:
             )
     out.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(fingerprint, indent=1))
+
+
+def _fingerprint(cfg: TrainConfig, s: BiasSettings) -> dict:
+    return json.loads(json.dumps({"config": cfg.to_dict(), "settings": dataclasses.asdict(s)}))
+
+
+def _with_defaults(saved: Any, defaults: Any) -> Any:
+    """`saved` with the keys it lacks taken from `defaults` (nested dicts merged)."""
+    if not (isinstance(saved, dict) and isinstance(defaults, dict)):
+        return saved
+    return {k: _with_defaults(saved[k], defaults.get(k)) if k in saved else defaults[k]
+            for k in set(saved) | set(defaults)}  # fmt: skip
 
 
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -103,7 +116,7 @@ def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = F
             "scores pi_old with the full softmax and has no keep-sampling mask yet; measure with top_p=1, top_k=0"
         )
     out = Path(out)
-    _check_out(out, {"config": cfg.to_dict(), "settings": dataclasses.asdict(s)}, resume)
+    _check_out(out, _fingerprint(cfg, s), resume)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     run = BiasRun(cfg, model_loader, task)
