@@ -58,9 +58,7 @@ def _check_out(out: Path, fingerprint: dict, resume: bool) -> None:
         raise UserError(f"--resume: {out} holds no {SETTINGS_FILE}; it is not a sparserl bias folder")
     if saved.is_file():
         old = _with_defaults(json.loads(saved.read_text()), _fingerprint(TrainConfig(), BiasSettings()))
-        changed = [
-            d for d in _differences(old, fingerprint) if d != "settings.batches"
-        ]
+        changed = [d for d in _differences(old, fingerprint) if d != "settings.batches"]
         if changed:
             raise UserError(
                 f"--resume: {out} was measured with other settings ({', '.join(changed[:6])}); use another --out"
