@@ -30,7 +30,9 @@ SPEED_TARGET = 0.8  # tree seconds per leaf over chains'
 
 
 def collect(name: str, length: int, seed: int, out: Path) -> dict:
-    """One step of arm `name` at `length` new tokens: leaves, CPU seconds, peak KV bytes."""
+    """One step of arm `name` at `length` new tokens: leaves, CPU seconds, peak KV bytes, tokens generated and
+    the decode steps that generated them (a tree's rounds decode one after the other: each step reads every
+    weight once however few rows it runs)."""
     from sparserl.config import load_config
     from sparserl.trainer import Trainer
 
@@ -57,7 +59,34 @@ def collect(name: str, length: int, seed: int, out: Path) -> dict:
     leaves = sum(len(g.samples) for g in got.groups)
     return {"leaves": leaves, "cpu_s": cpu, "cpu_s_per_leaf": cpu / leaves,
             "peak_kv_bytes_per_leaf": got.metrics["peak_kv_bytes"] / leaves,
-            "generated_tokens": got.sampling["generated_tokens"]}  # fmt: skip
+            "generated_tokens": got.sampling["generated_tokens"],
+            "decode_steps": got.metrics["decode_steps"]}  # fmt: skip
+
+
+def cost_split(runs: dict[str, list[dict]]) -> dict:
+    """Least squares over every run: CPU seconds = a x decode steps + b x generated tokens + c (a: what a step
+    costs however many rows it runs, chiefly reading the weights; b: what each row adds)."""
+    import torch
+
+    rows = [r for v in runs.values() for r in v]
+    x = torch.tensor([[r["decode_steps"], r["generated_tokens"], 1.0] for r in rows], dtype=torch.float64)
+    y = torch.tensor([[r["cpu_s"]] for r in rows], dtype=torch.float64)
+    a, b, c = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    resid = (y - x @ torch.tensor([[a], [b], [c]], dtype=torch.float64)).abs().max().item()
+    return {"per_decode_step_s": a, "per_generated_token_s": b, "constant_s": c, "max_abs_residual_s": resid,
+            "runs": len(rows)}  # fmt: skip
+
+
+def one_flight(med: dict[str, dict], split: dict) -> dict[str, float]:
+    """An estimate, from the split, of the tree's seconds per leaf over the chains' had its children decoded in
+    the roots' flight (the chains' decode steps, the tree's tokens): the tree's measured seconds less its extra
+    steps at the fitted cost of a step."""
+    out = {}
+    for n in LENGTHS:
+        tree, chains = med[f"tree@{n}"], med[f"chains@{n}"]
+        extra = (tree["decode_steps"] - chains["decode_steps"]) * split["per_decode_step_s"]
+        out[f"{n}"] = (tree["cpu_s"] - extra) / tree["leaves"] / chains["cpu_s_per_leaf"]
+    return out
 
 
 @stoppable("benchmarks/tree_fork.py", "the measurement; re-run it", exits=True)
@@ -90,7 +119,10 @@ def main() -> dict:
         }
         goals[f"Trees at 4 leaves, {n} new tokens: peak KV per leaf below independent chains'"] = {
             "value": round(kv, 3), "target": 1.0, "met": kv < 1.0, "command": cmd}  # fmt: skip
-    payload = {"medians": med, "runs": runs, "arms": ARMS, "command": cmd, "machine": machine_info()}
+    split = cost_split(runs)
+    split["one_flight_estimate"] = one_flight(med, split)
+    payload = {"medians": med, "runs": runs, "arms": ARMS, "cost_split": split, "command": cmd,
+               "machine": machine_info()}  # fmt: skip
     update_result(OUT, "tree_fork", payload, goals)
     for k, v in med.items():
         print(k, {m: round(x, 4) for m, x in v.items()})
