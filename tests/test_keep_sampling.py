@@ -63,11 +63,15 @@ def test_learner_logprobs_and_gradient_over_the_kept_set() -> None:
     assert want[0, 0].item() == pytest.approx(hand.item(), abs=1e-6)
     assert torch.allclose(target_logprobs(logits, targets, temperature, bits), want, atol=1e-6)
 
-    from sparserl.engine.scoring import _TargetLogprobs
+    from sparserl.engine.scoring import head_logprobs
+
+    class Identity(torch.nn.Linear):  # a head whose logits are its input: the gradient lands on the logits
+        def forward(self, x):
+            return x
 
     weights = torch.randn(2, 4, generator=gen)
     a = logits.clone().requires_grad_()
-    (_TargetLogprobs.apply(a, targets, temperature, bits) * weights).sum().backward()
+    (head_logprobs(Identity(1, 1), a, targets, temperature, bits) * weights).sum().backward()
     b = logits.clone().requires_grad_()
     (keep_sampling_logprobs(b / temperature, kept, targets) * weights).sum().backward()
     assert torch.allclose(a.grad, b.grad, atol=1e-6)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
+from functools import partial
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from sparserl.algo.keep_sampling import unpack_kept
 from sparserl.engine.decoder import causal_lm
@@ -30,7 +32,17 @@ def _completion_logits(
     model: nn.Module, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Logits [B, T, V] predicting each completion token from its prompt and the tokens before it, the targets
-    [B, T] and the mask [B, T]. T is the longest completion; rows are right-padded (mask 0).
+    [B, T] and the mask [B, T] (`_completion_hidden` through the LM head)."""
+    hidden, targets, mask = _completion_hidden(model, prompt_ids, completion_ids)
+    return head_logits(causal_lm(model).lm_head, hidden).float(), targets, mask
+
+
+def _completion_hidden(
+    model: nn.Module, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Final hidden states [B, T, H] at the positions that predict each completion token from its prompt and the
+    tokens before it, the targets [B, T] and the mask [B, T]. T is the longest completion; rows are right-padded
+    (mask 0).
 
     Rows that share their prompt (a GRPO group) share its forward pass: the prompt (but its last token) runs once,
     its KV is repeated to the group's rows, and only the last prompt token and the completions run per row. The
@@ -53,7 +65,7 @@ def _completion_logits(
         ]
         order = torch.tensor([i for rows, _ in parts for i in rows], device=device)
         hidden = torch.cat([h for _, h in parts])[order.argsort()]  # back to the callers' row order
-    return head_logits(lm.lm_head, hidden).float(), targets.to(device), mask.to(device)
+    return hidden, targets.to(device), mask.to(device)
 
 
 def shares_prompts(model: nn.Module) -> bool:
@@ -151,21 +163,54 @@ def completion_logprobs(
     each position's distribution (after temperature). `kept` (uint8 [B, >= T, V / 8], the sampler's kept sets
     as bits, algo/keep_sampling.py) renormalises every distribution over its position's kept ids.
 
-    Without grad (and without entropy) the [B, T, V] log-softmax is never whole: `target_logprobs` takes it
-    `TARGET_CHUNK` positions at a time, the same numbers for a third of the memory (the learner, with grad, keeps
-    the whole one: autograd would hold every chunk's output anyway).
+    Without entropy the [B, T, V] logits never exist whole, with or without grad (`head_logprobs`); with
+    entropy they do (the entropy's gradient needs every position's whole distribution).
     """
-    logits, targets, mask = _completion_logits(model, prompt_ids, completion_ids)
+    hidden, targets, mask = _completion_hidden(model, prompt_ids, completion_ids)
     kept = kept[:, : targets.shape[1]] if kept is not None else None
+    lm_head = causal_lm(model).lm_head
     if not with_entropy:
-        if not torch.is_grad_enabled():
-            return target_logprobs(logits, targets, temperature, kept) * mask, mask
-        return _TargetLogprobs.apply(logits, targets, temperature, kept) * mask, mask
-    scaled = _kept_only(logits / temperature, kept)
+        return head_logprobs(lm_head, hidden, targets, temperature, kept) * mask, mask
+    scaled = _kept_only(head_logits(lm_head, hidden).float() / temperature, kept)
     logp_all = scaled.log_softmax(dim=-1)
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1) * mask
     entropy = -(logp_all.exp() * logp_all.masked_fill(scaled == float("-inf"), 0.0)).sum(-1) * mask
     return logp, mask, entropy
+
+
+def head_logprobs(
+    lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float = 1.0, kept: Tensor | None = None
+) -> Tensor:
+    """`target_logprobs(lm_head(hidden), ...)` ([..., H] and [...] -> [...]) with the head run `TARGET_CHUNK`
+    positions at a time, so that the [..., V] logits never exist whole. With grad, each chunk is checkpointed
+    (torch.utils.checkpoint): the backward keeps only the chunk's hidden states and runs its head and log-softmax
+    again, where autograd would keep the logits and build their gradient whole (8 rows x 64 tokens x SmolLM2's
+    49,152 ids: 100 MB each; 5 GB a row at 4k tokens and Qwen's 151,936). Fused kernels that do this (Liger's
+    fused linear cross-entropy) need a GPU; on one, the chunk's matmuls are what they fuse.
+
+    The same numbers as the whole head, bit for bit on CPU (a row's logits do not depend on the other rows of the
+    product), and the same gradient to the hidden states (the recomputed chunk runs the same ops); a trained head
+    (full fine-tuning) sums its weight's gradient chunk by chunk, a rounding apart (tests/test_scoring.py)."""
+    flat, idx = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    bits = kept.reshape(-1, kept.shape[-1]) if kept is not None else None
+    grad = torch.is_grad_enabled()
+    parts = []
+    for start in range(0, flat.shape[0], TARGET_CHUNK):
+        rows = slice(start, start + TARGET_CHUNK)
+        chunk = partial(
+            _chunk_logprobs, lm_head, idx[rows], temperature, None if bits is None else bits[rows]
+        )
+        if grad:
+            parts.append(checkpoint(chunk, flat[rows], use_reentrant=False, preserve_rng_state=False))
+        else:
+            parts.append(chunk(flat[rows]))
+    return torch.cat(parts).view(targets.shape)
+
+
+def _chunk_logprobs(lm_head: nn.Module, targets: Tensor, temperature: float, kept: Tensor | None,
+                    hidden: Tensor) -> Tensor:  # fmt: skip
+    """One chunk of `head_logprobs`: at most `TARGET_CHUNK` positions, so `target_logprobs` takes it whole."""
+    return target_logprobs(head_logits(lm_head, hidden).float(), targets, temperature, kept)
 
 
 def _kept_only(logits: Tensor, kept: Tensor | None) -> Tensor:
@@ -201,38 +246,6 @@ def target_logprobs(
         for rows in (slice(s, s + TARGET_CHUNK) for s in range(0, flat.shape[0], TARGET_CHUNK))
     ]
     return torch.cat(parts).view(targets.shape)
-
-
-class _TargetLogprobs(torch.autograd.Function):
-    """`target_logprobs` with a gradient that holds no [N, V] tensor but the logits and their gradient: the
-    log-softmax is recomputed `TARGET_CHUNK` positions at a time in the backward, where autograd would have saved
-    `logits / T` and its log-softmax whole (two more [N, V] copies; the learner's peak in the default run). The
-    backward is autograd's own formula for gather, log-softmax and the division, chunked."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, temperature: float, kept: Tensor | None) -> Tensor:
-        ctx.save_for_backward(logits, targets)
-        ctx.temperature, ctx.kept = temperature, kept
-        return target_logprobs(logits, targets, temperature, kept)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        logits, targets = ctx.saved_tensors
-        t, v = ctx.temperature, logits.shape[-1]
-        flat, idx, g = logits.reshape(-1, v), targets.reshape(-1, 1), grad.reshape(-1, 1)
-        bits = ctx.kept.reshape(-1, ctx.kept.shape[-1]) if ctx.kept is not None else None
-        out = torch.empty_like(flat)
-        for start in range(0, flat.shape[0], TARGET_CHUNK):
-            rows = slice(start, start + TARGET_CHUNK)
-            scaled = _kept_only(flat[rows] / t, bits[rows] if bits is not None else None)
-            logp = scaled.log_softmax(dim=-1)
-            picked = torch.zeros_like(logp).scatter_(
-                -1, idx[rows], g[rows].to(logp.dtype)
-            )  # gather's backward
-            # the op autograd itself runs for log_softmax: bit for bit the unchunked gradient (tested)
-            # (an id outside the kept set gets exp(-inf) = 0 times the sum: no gradient, as masked_fill's backward)
-            out[rows] = torch._log_softmax_backward_data(picked, logp, -1, logp.dtype) / t
-        return out.view_as(logits), None, None, None
 
 
 def micro_batches(
