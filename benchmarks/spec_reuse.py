@@ -90,7 +90,8 @@ def arm(lr: float, seed: int, out: Path) -> dict:
 
 
 COST_KEYS = ("time/rollout", "sampling/spec_verify_s", "sampling/source_score_s", "sampling/generated_tokens",
-             "sampling/spec_accepted_frac", "sampling/spec_rollout_s")  # fmt: skip
+             "sampling/spec_accepted_frac", "sampling/spec_rollout_s", "rollout/prefill_s", "rollout/decode_s",
+             "rollout/decode_steps", "rollout/admissions")  # fmt: skip
 # --cost's section per acceptance rule: 'spec_cost' was measured with SPEC-RL's ratio rule, one draft at a time
 COST_SECTIONS = {"ratio": "spec_cost", "coupled": "spec_cost_coupled"}
 
