@@ -163,33 +163,35 @@ def completion_logprobs(
     each position's distribution (after temperature). `kept` (uint8 [B, >= T, V / 8], the sampler's kept sets
     as bits, algo/keep_sampling.py) renormalises every distribution over its position's kept ids.
 
-    Without entropy the [B, T, V] logits never exist whole, with or without grad (`head_logprobs`); with
-    entropy they do (the entropy's gradient needs every position's whole distribution).
+    The [B, T, V] logits never exist whole, with or without grad (`head_logprobs`).
     """
     hidden, targets, mask = _completion_hidden(model, prompt_ids, completion_ids)
     kept = kept[:, : targets.shape[1]] if kept is not None else None
-    lm_head = causal_lm(model).lm_head
+    out = head_logprobs(causal_lm(model).lm_head, hidden, targets, temperature, kept, with_entropy)
     if not with_entropy:
-        return head_logprobs(lm_head, hidden, targets, temperature, kept) * mask, mask
-    scaled = _kept_only(head_logits(lm_head, hidden).float() / temperature, kept)
-    logp_all = scaled.log_softmax(dim=-1)
-    logp = logp_all.gather(-1, targets[..., None]).squeeze(-1) * mask
-    entropy = -(logp_all.exp() * logp_all.masked_fill(scaled == float("-inf"), 0.0)).sum(-1) * mask
-    return logp, mask, entropy
+        return out * mask, mask
+    return out[0] * mask, mask, out[1] * mask
 
 
 def head_logprobs(
-    lm_head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float = 1.0, kept: Tensor | None = None
-) -> Tensor:
-    """`target_logprobs(lm_head(hidden), ...)` ([..., H] and [...] -> [...]) with the head run `TARGET_CHUNK`
-    positions at a time, so that the [..., V] logits never exist whole. With grad, each chunk is checkpointed
-    (torch.utils.checkpoint): the backward keeps only the chunk's hidden states and runs its head and log-softmax
-    again, where autograd would keep the logits and build their gradient whole (8 rows x 64 tokens x SmolLM2's
-    49,152 ids: 100 MB each; 5 GB a row at 4k tokens and Qwen's 151,936). Fused kernels that do this (Liger's
-    fused linear cross-entropy) need a GPU; on one, the chunk's matmuls are what they fuse.
+    lm_head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    kept: Tensor | None = None,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`target_logprobs(lm_head(hidden), ...)` ([..., H] and [...] -> [...]), and with `with_entropy` each
+    position's entropy too, with the head run `TARGET_CHUNK` positions at a time, so that the [..., V] logits
+    never exist whole. With grad, each chunk is checkpointed (torch.utils.checkpoint): the backward keeps only
+    the chunk's hidden states and runs its head and log-softmax again, where autograd would keep the logits and
+    build their gradient whole (8 rows x 64 tokens x SmolLM2's 49,152 ids: 100 MB each, and the entropy several
+    copies more; 5 GB a row at 4k tokens and Qwen's 151,936). Fused kernels that do this (Liger's fused linear
+    cross-entropy) need a GPU; on one, the chunk's matmuls are what they fuse.
 
     The same numbers as the whole head, bit for bit on CPU (a row's logits do not depend on the other rows of the
-    product), and the same gradient to the hidden states (the recomputed chunk runs the same ops); a trained head
+    product; each position's log-softmax and entropy reduce its own row), and the same gradient to the hidden
+    states without entropy (the recomputed chunk runs the same ops; with it, a rounding apart); a trained head
     (full fine-tuning) sums its weight's gradient chunk by chunk, a rounding apart (tests/test_scoring.py)."""
     flat, idx = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     bits = kept.reshape(-1, kept.shape[-1]) if kept is not None else None
@@ -197,20 +199,27 @@ def head_logprobs(
     parts = []
     for start in range(0, flat.shape[0], TARGET_CHUNK):
         rows = slice(start, start + TARGET_CHUNK)
-        chunk = partial(
-            _chunk_logprobs, lm_head, idx[rows], temperature, None if bits is None else bits[rows]
-        )
+        chunk = partial(_chunk_logprobs, lm_head, idx[rows], temperature,
+                        None if bits is None else bits[rows], with_entropy)  # fmt: skip
         if grad:
             parts.append(checkpoint(chunk, flat[rows], use_reentrant=False, preserve_rng_state=False))
         else:
             parts.append(chunk(flat[rows]))
-    return torch.cat(parts).view(targets.shape)
+    if not with_entropy:
+        return torch.cat(parts).view(targets.shape)
+    return tuple(torch.cat([p[i] for p in parts]).view(targets.shape) for i in (0, 1))
 
 
 def _chunk_logprobs(lm_head: nn.Module, targets: Tensor, temperature: float, kept: Tensor | None,
-                    hidden: Tensor) -> Tensor:  # fmt: skip
+                    with_entropy: bool, hidden: Tensor) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """One chunk of `head_logprobs`: at most `TARGET_CHUNK` positions, so `target_logprobs` takes it whole."""
-    return target_logprobs(head_logits(lm_head, hidden).float(), targets, temperature, kept)
+    logits = head_logits(lm_head, hidden).float()
+    if not with_entropy:
+        return target_logprobs(logits, targets, temperature, kept)
+    scaled = _kept_only(logits / temperature, kept)
+    logp_all = scaled.log_softmax(dim=-1)
+    entropy = -(logp_all.exp() * logp_all.masked_fill(scaled == float("-inf"), 0.0)).sum(-1)
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
 def _kept_only(logits: Tensor, kept: Tensor | None) -> Tensor:
