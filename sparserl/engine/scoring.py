@@ -183,19 +183,22 @@ def head_logprobs(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`target_logprobs(lm_head(hidden), ...)` ([..., H] and [...] -> [...]), and with `with_entropy` each
     position's entropy too, with the head run `TARGET_CHUNK` positions at a time, so that the [..., V] logits
-    never exist whole. With grad, each chunk is checkpointed (torch.utils.checkpoint): the backward keeps only
-    the chunk's hidden states and runs its head and log-softmax again, where autograd would keep the logits and
-    build their gradient whole (8 rows x 64 tokens x SmolLM2's 49,152 ids: 100 MB each, and the entropy several
-    copies more; 5 GB a row at 4k tokens and Qwen's 151,936). Fused kernels that do this (Liger's fused linear
-    cross-entropy) need a GPU; on one, the chunk's matmuls are what they fuse.
+    never exist whole, where autograd would keep them and build their gradient whole (8 rows x 64 tokens x
+    SmolLM2's 49,152 ids: 100 MB each, and the entropy several copies more; 5 GB a row at 4k tokens and Qwen's
+    151,936). With grad, a frozen head (LoRA) takes each position's gradient in the forward
+    (`_FrozenHeadLogprobs`); a trained one checkpoints each chunk (torch.utils.checkpoint: its head runs again in
+    the backward). Fused kernels that do this (Liger's fused linear cross-entropy) need a GPU.
 
     The same numbers as the whole head, bit for bit on CPU (a row's logits do not depend on the other rows of the
-    product; each position's log-softmax and entropy reduce its own row), and the same gradient to the hidden
-    states without entropy (the recomputed chunk runs the same ops; with it, a rounding apart); a trained head
-    (full fine-tuning) sums its weight's gradient chunk by chunk, a rounding apart (tests/test_scoring.py)."""
+    product; each position's log-softmax and entropy reduce its own row). Gradients a rounding apart from the
+    whole head's: through a checkpointed chunk the hidden states' are bit for bit without entropy and the
+    weight's sums the chunks (3.6e-7 relative); a frozen head's 3.2e-7 relative (tests/test_scoring.py)."""
     flat, idx = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     bits = kept.reshape(-1, kept.shape[-1]) if kept is not None else None
     grad = torch.is_grad_enabled()
+    if grad and flat.requires_grad and not any(w.requires_grad for w in lm_head.parameters()):
+        out = _FrozenHeadLogprobs.apply(flat, lm_head, idx, temperature, bits, with_entropy)
+        return out.view(targets.shape) if not with_entropy else tuple(o.view(targets.shape) for o in out)
     parts = []
     for start in range(0, flat.shape[0], TARGET_CHUNK):
         rows = slice(start, start + TARGET_CHUNK)
@@ -208,6 +211,51 @@ def head_logprobs(
     if not with_entropy:
         return torch.cat(parts).view(targets.shape)
     return tuple(torch.cat([p[i] for p in parts]).view(targets.shape) for i in (0, 1))
+
+
+class _FrozenHeadLogprobs(torch.autograd.Function):
+    """`head_logprobs` for a head that takes no gradient (LoRA's frozen head), without running it twice: a
+    position's log-prob (and entropy) depends on its own hidden state alone, so its gradient to that state is one
+    H-vector, taken in the forward chunk by chunk (the head's own backward applied to d logp / d logits:
+    onehot - p, over T) and scaled by the incoming gradient in the backward. Kept: two [N, H] tensors at most,
+    where checkpointing keeps the hidden states and runs the head again (one more head matmul a chunk)."""
+
+    @staticmethod
+    def forward(ctx, flat, lm_head, targets, temperature, kept, with_entropy):  # type: ignore[override]
+        outs, jacobians = [], []
+        for start in range(0, flat.shape[0], TARGET_CHUNK):
+            rows = slice(start, start + TARGET_CHUNK)
+            with torch.enable_grad():
+                h = flat[rows].detach().requires_grad_(True)
+                logits = head_logits(lm_head, h).float()
+            with torch.no_grad():
+                scaled = _kept_only(logits.detach() / temperature, None if kept is None else kept[rows])
+                logp_all = scaled.log_softmax(dim=-1)
+                p = logp_all.exp()
+                d_logp = (-p).scatter_add_(-1, targets[rows, None], torch.ones_like(p[:, :1])) / temperature
+                wants = [d_logp]
+                logp = logp_all.gather(-1, targets[rows, None]).squeeze(-1)
+                if with_entropy:
+                    safe = logp_all.masked_fill(scaled == float("-inf"), 0.0)
+                    entropy = -(p * safe).sum(-1)
+                    wants.append(-p * (safe + entropy[:, None]) / temperature)
+            jacobians.append(torch.stack([
+                torch.autograd.grad(logits, h, want, retain_graph=i + 1 < len(wants))[0]
+                for i, want in enumerate(wants)
+            ]))  # fmt: skip
+            outs.append((logp, entropy) if with_entropy else (logp,))
+        ctx.save_for_backward(torch.cat(jacobians, dim=1))
+        ctx.with_entropy = with_entropy
+        logp = torch.cat([o[0] for o in outs])
+        return (logp, torch.cat([o[1] for o in outs])) if with_entropy else logp
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        (jac,) = ctx.saved_tensors  # [1 or 2, N, H]
+        g = grads[0][:, None] * jac[0]
+        if ctx.with_entropy:
+            g = g + grads[1][:, None] * jac[1]
+        return g, None, None, None, None, None
 
 
 def _chunk_logprobs(lm_head: nn.Module, targets: Tensor, temperature: float, kept: Tensor | None,
