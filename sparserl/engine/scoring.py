@@ -228,17 +228,23 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
             with torch.enable_grad():
                 h = flat[rows].detach().requires_grad_(True)
                 logits = head_logits(lm_head, h).float()
-            with torch.no_grad():
-                scaled = _kept_only(logits.detach() / temperature, None if kept is None else kept[rows])
+            with (
+                torch.no_grad()
+            ):  # in place where it can be: two [chunk, V] tensors alive (three for entropy)
+                scaled = _kept_only(logits.detach().div(temperature), None if kept is None else kept[rows])
                 logp_all = scaled.log_softmax(dim=-1)
-                p = logp_all.exp()
-                d_logp = (-p).scatter_add_(-1, targets[rows, None], torch.ones_like(p[:, :1])) / temperature
-                wants = [d_logp]
                 logp = logp_all.gather(-1, targets[rows, None]).squeeze(-1)
+                wants = []
                 if with_entropy:
-                    safe = logp_all.masked_fill(scaled == float("-inf"), 0.0)
+                    safe = logp_all.masked_fill_(scaled == float("-inf"), 0.0)
+                    p = safe.exp().masked_fill_(scaled == float("-inf"), 0.0)
                     entropy = -(p * safe).sum(-1)
-                    wants.append(-p * (safe + entropy[:, None]) / temperature)
+                    wants.append(safe.add_(entropy[:, None]).mul_(p).div_(-temperature))
+                else:
+                    p = logp_all.exp_()
+                del scaled
+                ones = torch.ones_like(p[:, :1])
+                wants.insert(0, p.neg_().scatter_add_(-1, targets[rows, None], ones).div_(temperature))
             jacobians.append(torch.stack([
                 torch.autograd.grad(logits, h, want, retain_graph=i + 1 < len(wants))[0]
                 for i, want in enumerate(wants)
