@@ -20,7 +20,7 @@ from sparserl.algo.keep_sampling import (
 )
 from sparserl.config import ConfigError
 from sparserl.engine import score
-from sparserl.engine.scoring import target_logprobs
+from sparserl.engine.chunked_head import target_logprobs
 
 DENSE_TOP_K = ["algo.preset=dense", "algo.correction_mode=decoupled", "kv.method=dense", "rollout.top_k=3"]
 
@@ -63,7 +63,7 @@ def test_learner_logprobs_and_gradient_over_the_kept_set() -> None:
     assert want[0, 0].item() == pytest.approx(hand.item(), abs=1e-6)
     assert torch.allclose(target_logprobs(logits, targets, temperature, bits), want, atol=1e-6)
 
-    from sparserl.engine.scoring import head_logprobs
+    from sparserl.engine.chunked_head import head_logprobs
 
     class Identity(torch.nn.Linear):  # a head whose logits are its input: the gradient lands on the logits
         def forward(self, x):

@@ -83,7 +83,7 @@ def test_learner_logprobs_in_chunks_are_autograds(temperature, frozen):
     backward. A trained head (full fine-tuning) checkpoints each chunk: the gradient to the hidden states bit for
     bit, the weight's the chunks' products summed, a rounding apart (measured 3.6e-7 relative). A frozen head
     (LoRA) takes each position's gradient in the forward: a rounding apart (measured 3.2e-7 relative)."""
-    from sparserl.engine.scoring import TARGET_CHUNK, head_logprobs
+    from sparserl.engine.chunked_head import TARGET_CHUNK, head_logprobs
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(24, 500, bias=False)
@@ -113,7 +113,7 @@ def test_learner_entropy_in_chunks_is_the_whole_heads():
     """With an entropy term (a frozen head) the head runs in chunks too: log-probs and entropies equal autograd's
     through the whole head bit for bit, the gradient to the hidden states a rounding apart, and no chunk of
     logits is kept."""
-    from sparserl.engine.scoring import TARGET_CHUNK, head_logprobs
+    from sparserl.engine.chunked_head import TARGET_CHUNK, head_logprobs
 
     g = torch.Generator().manual_seed(1)
     head = torch.nn.Linear(24, 500, bias=False)

@@ -5,7 +5,7 @@ it, a truncating sampler's log-prob of a token exceeds the learner's by the log 
 the kept set, a bias the corrections read as mismatch.
 
 The sampler records each token's kept set as bits (`pack_kept`: V / 8 bytes a token, 6 KiB for SmolLM2's 49,152
-ids); the learner's log-softmax runs over the kept ids only (`engine.scoring.target_logprobs`), which is
+ids); the learner's log-softmax runs over the kept ids only (`engine.chunked_head.target_logprobs`), which is
 `keep_sampling_logprobs` below, chunked. A token whose kept set is that token alone gets log-prob 0 and no
 gradient (`keep_sampling/single_token_frac` counts them).
 """
