@@ -41,8 +41,7 @@ def head_logprobs(
         out = _FrozenHeadLogprobs.apply(flat, lm_head, idx, temperature, bits, with_entropy)
         return out.view(targets.shape) if not with_entropy else tuple(o.view(targets.shape) for o in out)
     parts = []
-    for start in range(0, flat.shape[0], TARGET_CHUNK):
-        rows = slice(start, start + TARGET_CHUNK)
+    for rows in _chunks(flat.shape[0]):
         chunk = partial(_chunk_logprobs, lm_head, idx[rows], temperature,
                         None if bits is None else bits[rows], with_entropy)  # fmt: skip
         if grad:
@@ -64,21 +63,20 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat, lm_head, targets, temperature, kept, with_entropy):  # type: ignore[override]
         outs, jacobians = [], []
-        for start in range(0, flat.shape[0], TARGET_CHUNK):
-            rows = slice(start, start + TARGET_CHUNK)
+        for rows in _chunks(flat.shape[0]):
             with torch.enable_grad():
                 h = flat[rows].detach().requires_grad_(True)
                 logits = head_logits(lm_head, h).float()
-            with (
-                torch.no_grad()
-            ):  # in place where it can be: two [chunk, V] tensors alive (three for entropy)
+            # in place where it can be: two [chunk, V] tensors alive (three for entropy)
+            with torch.no_grad():
                 scaled = _kept_only(logits.detach().div(temperature), None if kept is None else kept[rows])
                 logp_all = scaled.log_softmax(dim=-1)
                 logp = logp_all.gather(-1, targets[rows, None]).squeeze(-1)
                 wants = []
                 if with_entropy:
-                    safe = logp_all.masked_fill_(scaled == float("-inf"), 0.0)
-                    p = safe.exp().masked_fill_(scaled == float("-inf"), 0.0)
+                    dropped = scaled == float("-inf")
+                    safe = logp_all.masked_fill_(dropped, 0.0)
+                    p = safe.exp().masked_fill_(dropped, 0.0)
                     entropy = -(p * safe).sum(-1)
                     wants.append(safe.add_(entropy[:, None]).mul_(p).div_(-temperature))
                 else:
@@ -128,6 +126,11 @@ TARGET_CHUNK = 256
 """Positions per slice in `target_logprobs`: 256 x 49152 float32 logits is 48 MiB a slice (two alive at once)."""
 
 
+def _chunks(n: int) -> list[slice]:
+    """Slices of `TARGET_CHUNK` positions (the last shorter) covering `n`."""
+    return [slice(s, s + TARGET_CHUNK) for s in range(0, n, TARGET_CHUNK)]
+
+
 def target_logprobs(
     logits: Tensor, targets: Tensor, temperature: float = 1.0, kept: Tensor | None = None
 ) -> Tensor:
@@ -147,6 +150,6 @@ def target_logprobs(
         .log_softmax(dim=-1)
         .gather(-1, idx[rows])
         .squeeze(-1)
-        for rows in (slice(s, s + TARGET_CHUNK) for s in range(0, flat.shape[0], TARGET_CHUNK))
+        for rows in _chunks(flat.shape[0])
     ]
     return torch.cat(parts).view(targets.shape)
