@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from sparserl.errors import UserError
+from sparserl.grouped_sdpa import use_grouped_sdpa
 from sparserl.hub import hub_offline, unreachable
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def load_model(
     Weights the architecture lacks or does not use are an error (ModelLoadError), never random layers."""
     if spec.startswith(TINY_PREFIX):
         model, tokenizer = tiny_model(spec[len(TINY_PREFIX) :], seed=0)
+        use_grouped_sdpa(model)
         return model.to(dtype=dtype, device=device).eval(), tokenizer
     source = resolve_spec(spec)
     offline = isinstance(source, str) and hub_offline()  # a Hub id: from the cache only when it cannot answer
@@ -97,6 +99,7 @@ def load_model(
             f"cannot load model '{spec}': the file looks corrupt ({type(err).__name__}: {err})"
         ) from err
     check_supported(model, spec)
+    use_grouped_sdpa(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
@@ -342,7 +345,9 @@ def return_freed_memory(threshold: int = HEAP_RETENTION_BYTES) -> bool:
 
 
 def prepare_for_training(model: PreTrainedModel) -> PreTrainedModel:
-    """Drop the GGUF quantization marker: the weights are already dequantized floats and can be trained."""
+    """Drop the GGUF quantization marker: the weights are already dequantized floats and can be trained. A
+    custom loader's model too gets the grouped-head attention of `load_model`'s (sparserl/grouped_sdpa.py)."""
+    use_grouped_sdpa(model)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
