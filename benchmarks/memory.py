@@ -4,6 +4,7 @@ scoring, update, checkpoint, export), and the reward worker processes' RSS read 
 
     python benchmarks/memory.py                                    # trainer.steps=2 trainer.eval_prompts=8, 1 thread
     python benchmarks/memory.py --out /tmp/mem.json kv.method=dense  # extra key=value overrides
+    python benchmarks/memory.py --split --out /tmp/mem.json       # and where the update's bytes go, by kind
 
 Prints one line per phase (entry RSS, peak RSS inside it, exit RSS, MiB) and the process's VmHWM at the end;
 with `--record` the numbers go into docs/results/rl_step.json under `memory` and the peak-memory goal.
@@ -12,6 +13,7 @@ with `--record` the numbers go into docs/results/rl_step.json under `memory` and
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import tempfile
@@ -137,11 +139,104 @@ def count_packing() -> dict[str, float]:
     return counts
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (malloc.h): the main heap's size and how much of it is in use or free."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+        )
+        + ("keepcost",)
+    ]
+
+
+def _heap() -> dict[str, int] | None:
+    """The main glibc heap: bytes it spans, in use, and free (held by the allocator, not returned); None where
+    the C library is not glibc >= 2.33."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    m = fn()
+    return {"heap_bytes": m.arena, "heap_in_use_bytes": m.uordblks, "heap_free_bytes": m.fordblks}
+
+
+def _storages(tensors) -> dict[int, int]:
+    """{storage address: bytes} of the distinct storages under `tensors`."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def split_update(trainer: Any, update: Any, probe: Probe) -> list[dict[str, Any]]:
+    """Wrap the learner's micro-steps: after each micro-batch's forward (its activations all alive, the update's
+    peak but for the backward's own tensors), the process's RSS split by kind. Returns the list it fills."""
+    import torch
+
+    rows: list[dict[str, Any]] = []
+    orig = update.minibatch_updates
+
+    def minibatch_updates(minibatches, grad_accum, optimizer, micro_step, *a, **k):
+        def measured(micro, finite):
+            module = trainer.policy.module
+            params = _storages([*module.parameters(), *module.buffers()])
+            saved: dict[int, int] = {}
+
+            def pack(t):
+                if t.untyped_storage().data_ptr() not in params:
+                    saved.update(_storages([t]))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = micro_step(micro, finite)
+            trained = [p for g in optimizer.param_groups for p in g["params"]]
+            state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+            rows.append({
+                "rows": len(micro),
+                "rss_bytes": _status().get("VmRSS", 0),
+                "runtime_bytes": int(probe.phases["imports"]["exit_rss"]),
+                "weights_bytes": sum(params.values()),
+                "grads_bytes": sum(_storages([p.grad for p in trained if p.grad is not None]).values()),
+                "optimizer_state_bytes": sum(_storages(state).values()),
+                "activations_bytes": sum(saved.values()),
+                **(_heap() or {}),
+            })  # fmt: skip
+            return out
+
+        return orig(minibatches, grad_accum, optimizer, measured, *a, **k)
+
+    update.minibatch_updates = minibatch_updates
+    return rows
+
+
+def split_summary(rows: list[dict[str, Any]], update_peak: float) -> dict[str, Any]:
+    """The micro-batch with the largest RSS after its forward, in MiB by kind: what the rest of the process holds
+    (`other`: Python objects, the tokenizer and data, the autograd graph, mapped-but-freed pages) is RSS minus
+    the kinds counted; `backward` is the update's peak over that RSS (its gradients of the activations)."""
+    top = max(rows, key=lambda r: r["rss_bytes"])
+    kinds = ["runtime", "weights", "grads", "optimizer_state", "activations", "heap_free"]
+    out = {k: mib(top.get(f"{k}_bytes", 0)) for k in kinds}
+    out["other"] = mib(top["rss_bytes"]) - sum(out.values())
+    out["rss_after_forward"] = mib(top["rss_bytes"])
+    out["backward"] = update_peak - out["rss_after_forward"]
+    out["update_peak"] = update_peak
+    return out
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides")
     p.add_argument("--out", default=None, help="also write the measurement here (JSON)")
     p.add_argument("--record", action="store_true", help="record into docs/results/rl_step.json")
+    p.add_argument("--split", action="store_true", help="split the update's bytes by kind (split_summary)")
     return p.parse_args()
 
 
@@ -176,6 +271,7 @@ def main() -> None:
         wrap(trainer.policy, "export", probe, "export")
         wrap(trainer, "_batch", probe, "score")  # inside rollout: dense old / reference log-probs
         wrap(trainer, "_score", probe, "score_fwd")  # one `score` call of the two
+        split_rows = split_update(trainer, update, probe) if args.split else None
         del loop, update
         t0 = time.perf_counter()
         with probe.phase("train"):
@@ -208,6 +304,10 @@ def main() -> None:
         "packing": packs,
         "machine": machine_info(),
     }
+    if split_rows:
+        result["update_split_mib"] = split_summary(split_rows, phases["update"]["peak_rss"])
+        result["update_micro_batches"] = split_rows
+        print("update, by kind (MiB):", {k: round(v) for k, v in result["update_split_mib"].items()})
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.record:
