@@ -33,7 +33,11 @@ from sparserl.errors import UserError
 from sparserl.seeds import SHUFFLE, derive_seed
 from sparserl.trainer.completions import SampleStats, sample_stats
 from sparserl.trainer.loss_scale import DynamicLossScale, attach
-from sparserl.trainer.recompute import enable_activation_checkpointing, recompute_submodules
+from sparserl.trainer.recompute import (
+    enable_activation_checkpointing,
+    fuse_gated_activations,
+    recompute_submodules,
+)
 
 # Loss metrics that add up over micro-batches (then divide by the mini-batch's denominator); the others are
 # per-micro-batch statistics, averaged weighted by size.
@@ -208,6 +212,7 @@ class Learner:
         self.sample_stats: SampleStats | None = None  # the last update's per-sample gap and rejection
         if cfg.optim.gradient_checkpointing:
             enable_activation_checkpointing(causal_lm(module))
+        fuse_gated_activations(causal_lm(module).model.layers)
         if cfg.optim.recompute_modules:
             recompute_submodules(causal_lm(module).model.layers, cfg.optim.recompute_modules)
         o = cfg.optim
