@@ -11,6 +11,7 @@ from torch import nn
 from sparserl.engine.scoring import completion_logprobs
 from sparserl.models import load_model
 from sparserl.trainer.recompute import fuse_gated_activations
+from tests.saved_tensors import kept_bytes
 
 PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]]
 COMPLETIONS = [[20, 21, 22], [23, 24, 25, 26, 27], [30, 31]]
@@ -23,20 +24,6 @@ def _pair() -> tuple[nn.Module, nn.Module]:
     fused = copy.deepcopy(plain)
     assert fuse_gated_activations(fused.model.layers)
     return plain, fused
-
-
-def _kept_bytes(model: nn.Module) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        completion_logprobs(model, PROMPTS, COMPLETIONS)
-    return sum(kept.values())
 
 
 def test_fused_mlps_give_autograds_numbers_bit_for_bit():
@@ -55,7 +42,7 @@ def test_fused_mlps_keep_one_intermediate_tensor_less_per_layer():
     cfg = plain.config
     # the silu(gate) autograd keeps: at least one float32 [tokens, intermediate] a layer over the completions
     least = cfg.num_hidden_layers * sum(len(c) for c in COMPLETIONS) * cfg.intermediate_size * 4
-    assert _kept_bytes(plain) - _kept_bytes(fused) >= least
+    assert kept_bytes(plain, PROMPTS, COMPLETIONS) - kept_bytes(fused, PROMPTS, COMPLETIONS) >= least
 
 
 def test_only_silu_gated_mlps_of_known_classes_are_fused_and_copies_bind_their_own():

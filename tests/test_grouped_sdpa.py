@@ -10,6 +10,7 @@ import torch
 from sparserl.engine.scoring import completion_logprobs
 from sparserl.grouped_sdpa import GROUPED_SDPA, use_grouped_sdpa
 from sparserl.models import load_model, tiny_model
+from tests.saved_tensors import kept_bytes
 
 PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [11, 12, 13]]
 COMPLETIONS = [[20, 21, 22, 23], [24, 25], [30, 31, 32]]  # a shared prompt, ragged rows: masks on every path
@@ -21,21 +22,6 @@ def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     plain = copy.deepcopy(grouped)
     plain.set_attn_implementation("sdpa")
     return grouped.train(), plain.train()
-
-
-def _kept_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct non-parameter storages autograd keeps for the backward of the completions' log-probs."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.untyped_storage().data_ptr() not in params:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        completion_logprobs(model, PROMPTS, COMPLETIONS)
-    return sum(kept.values())
 
 
 def test_load_model_switches_grouped_models_only():
@@ -65,7 +51,7 @@ def test_same_logprobs_and_gradients_as_transformers_sdpa():
 
 def test_backward_keeps_keys_and_values_once_per_kv_head():
     grouped, plain = _pair()
-    saved, repeated = _kept_bytes(grouped), _kept_bytes(plain)
+    saved, repeated = kept_bytes(grouped, PROMPTS, COMPLETIONS), kept_bytes(plain, PROMPTS, COMPLETIONS)
     cfg = grouped.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     # the plain pass keeps every layer's keys and values repeated to the query heads: (groups - 1) extra copies
