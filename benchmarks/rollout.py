@@ -46,6 +46,7 @@ from _common import (  # noqa: E402
 )
 
 from sparserl.engine import RolloutEngine  # noqa: E402
+from sparserl.grouped_sdpa import GROUPED_SDPA  # noqa: E402
 from sparserl.models import load_model  # noqa: E402
 from sparserl.signals import stoppable  # noqa: E402
 
@@ -283,6 +284,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     t0 = time.perf_counter()
     model, tokenizer = random_model(args.model) if args.random_weights else load_model(args.model)
+    if model.config._attn_implementation == GROUPED_SDPA:
+        # load_model's attention for teacher-forced passes: generate runs as a user runs it, on transformers' own
+        # sdpa (our engine has its own attention)
+        model.set_attn_implementation("sdpa")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too, for both engines
     model.to(args.device)
     load_s = time.perf_counter() - t0
