@@ -78,7 +78,7 @@ def use_grouped_sdpa(model: nn.Module) -> bool:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if getattr(config, "_attn_implementation", None) != "sdpa" or not heads or kv_heads == heads:
         return False
-    if not (_TORCH_HAS_GQA and hasattr(model, "set_attn_implementation") and _register()):
+    if not (_TORCH_HAS_GQA and hasattr(model, "set_attn_implementation") and _REGISTERED):
         return False
     model.set_attn_implementation(GROUPED_SDPA)
     return True
@@ -86,7 +86,8 @@ def use_grouped_sdpa(model: nn.Module) -> bool:
 
 def _register() -> bool:
     """Register `GROUPED_SDPA` with transformers (the attention function and sdpa's mask); False where this
-    transformers has no such registries."""
+    transformers has no such registries. Done on import: a process that receives a switched model (a Ray
+    learner rank, a rollout worker) runs it after importing sparserl, never having switched one itself."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -95,3 +96,6 @@ def _register() -> bool:
     AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
     AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
     return True
+
+
+_REGISTERED = _register()

@@ -60,3 +60,22 @@ def test_backward_keeps_keys_and_values_once_per_kv_head():
     rows_positions = sum(len(c) for c in COMPLETIONS)  # at least this many key positions per layer
     least = cfg.num_hidden_layers * 2 * (groups - 1) * cfg.num_key_value_heads * rows_positions * head_dim * 4
     assert repeated - saved >= least
+
+
+def test_a_switched_model_runs_in_a_process_that_never_switched_one(tmp_path):
+    """A Ray learner rank or rollout worker receives the model pickled: importing sparserl's trainer registers the
+    attention there (a fresh interpreter, no `use_grouped_sdpa` call)."""
+    import pickle
+    import subprocess
+    import sys
+
+    grouped, _ = load_model("tiny-llama")
+    (tmp_path / "model.pkl").write_bytes(pickle.dumps(grouped))
+    code = (
+        "import pickle, sys, torch, sparserl.trainer.learner_group\n"
+        f"m = pickle.loads(open({str(tmp_path / 'model.pkl')!r}, 'rb').read())\n"
+        "assert m.config._attn_implementation == 'sparserl_grouped_sdpa'\n"
+        "m(input_ids=torch.tensor([[5, 6, 7]]), attention_mask=torch.tensor([[1, 1, 1]]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
