@@ -231,6 +231,15 @@ def split_summary(rows: list[dict[str, Any]], update_peak: float) -> dict[str, A
     return out
 
 
+def print_phases(phases: dict[str, dict[str, float]]) -> None:
+    """One line per phase: calls, entry, peak and exit RSS (MiB)."""
+    print(f"{'phase':<12}{'calls':>6}{'entry MiB':>11}{'peak MiB':>10}{'exit MiB':>10}")
+    for k, v in phases.items():
+        print(
+            f"{k:<12}{v['calls']:>6}{v['entry_rss']:>11.0f}{v['peak_rss']:>10.0f}{v.get('exit_rss', 0):>10.0f}"
+        )
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides")
@@ -284,11 +293,7 @@ def main() -> None:
     phases = {
         k: {kk: (mib(vv) if kk != "calls" else vv) for kk, vv in v.items()} for k, v in probe.phases.items()
     }
-    print(f"{'phase':<12}{'calls':>6}{'entry MiB':>11}{'peak MiB':>10}{'exit MiB':>10}")
-    for k, v in phases.items():
-        print(
-            f"{k:<12}{v['calls']:>6}{v['entry_rss']:>11.0f}{v['peak_rss']:>10.0f}{v.get('exit_rss', 0):>10.0f}"
-        )
+    print_phases(phases)
     print(f"packing: {packs}")
     print(f"process peak (VmHWM): {mib(peak):.0f} MiB = {peak / 1e9:.2f} GB; reward workers' peak RSS (sum): "
           f"{mib(probe.children_peak):.0f} MiB; summary peak_rss_bytes: {summary.get('peak_rss_bytes')}")  # fmt: skip
