@@ -139,24 +139,13 @@ def count_packing() -> dict[str, float]:
     return counts
 
 
+MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
 class _MallInfo2(ctypes.Structure):
     """glibc's `struct mallinfo2` (malloc.h): the main heap's size and how much of it is in use or free."""
 
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-        )
-        + ("keepcost",)
-    ]
+    _fields_ = [(name, ctypes.c_size_t) for name in MALLINFO2_FIELDS.split()]
 
 
 def _heap() -> dict[str, int] | None:
@@ -185,9 +174,10 @@ def split_update(trainer: Any, update: Any, probe: Probe) -> list[dict[str, Any]
     orig = update.minibatch_updates
 
     def minibatch_updates(minibatches, grad_accum, optimizer, micro_step, *a, **k):
+        module = trainer.policy.module
+        params = _storages([*module.parameters(), *module.buffers()])  # the update moves values, not storages
+
         def measured(micro, finite):
-            module = trainer.policy.module
-            params = _storages([*module.parameters(), *module.buffers()])
             saved: dict[int, int] = {}
 
             def pack(t):

@@ -40,10 +40,8 @@ def grouped_sdpa_attention(
     plain = not (kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None)
     # transformers crops the keys of an unmasked causal pass (an empty static cache's prefill): its case, not ours
     cropped = attention_mask is None and key.shape[2] != q_len
-    if (
-        not (_TORCH_HAS_GQA and query.device.type == "cpu" and query.shape[1] != key.shape[1] and plain)
-        or cropped
-    ):
+    # a model is switched only where torch has enable_gqa (`use_grouped_sdpa`)
+    if not (query.device.type == "cpu" and query.shape[1] != key.shape[1] and plain) or cropped:
         return sdpa_attention_forward(
             module,
             query,

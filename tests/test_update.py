@@ -163,31 +163,22 @@ def test_recomputed_mlps_give_the_same_gradient_and_keep_less(
     import copy
 
     from sparserl.engine.decoder import causal_lm
-    from sparserl.engine.scoring import completion_logprobs
+    from tests.saved_tensors import kept_bytes
 
     plain = _captured_gradient(tmp_path, 2, monkeypatch)
     recomputed = _captured_gradient(tmp_path, 2, monkeypatch, "optim.recompute_modules=[mlp]")
     assert len(plain) == len(recomputed) > 0
     assert all(torch.equal(a, b) for a, b in zip(plain, recomputed, strict=True))
 
-    def kept_bytes(trainer) -> int:
-        kept: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        module = trainer.policy.module.train()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            completion_logprobs(module, [[5, 6, 7]] * 4, [[8, 9, 10, 11, 12]] * 4)
-        return sum(kept.values())
+    def kept(trainer) -> int:
+        return kept_bytes(trainer.policy.module.train(), [[5, 6, 7]] * 4, [[8, 9, 10, 11, 12]] * 4)
 
     cfgs = [
         tiny_cfg(tmp_path, *extra, name=f"kept{len(extra)}")
         for extra in ((), ("optim.recompute_modules=[mlp]",))
     ]
     full, lean = (make_trainer(c) for c in cfgs)
-    assert kept_bytes(lean) < kept_bytes(full)
+    assert kept(lean) < kept(full)
     replica = copy.deepcopy(lean.policy.module)
     mlp = causal_lm(replica).model.layers[0].mlp
     assert mlp.forward.__self__ is mlp
