@@ -178,7 +178,10 @@ def a2(args) -> None:
         write(JSON, state)
     a = R.RULES["a2"]
     estimators = ",".join(e if e != "sparse-rl" else "config" for e in a["estimators"] if e != "naive")
-    done = {name: run_bias("a2", name, a["batches"], estimators) for name in state["a2_samplers"]}
+    done = {name: read(RESULTS / "a2" / f"{name}.json", {}) for name in state["a2_samplers"]}
+    for name, kept in done.items():  # a sampler whose K = 12 part is committed resumes at its extension
+        if not kept.get("complete"):
+            done[name] = run_bias("a2", name, a["batches"], estimators)
     real = [k for k in state["a2_samplers"] if k != "dense" and k not in R.CONTROLS][:2]
     for name in real:
         if R.r2_extend(done[name]):
