@@ -80,13 +80,18 @@ def gram(vectors: dict[str, Tensor]) -> dict[tuple[str, str], Tensor]:
     return out
 
 
-def _gradient_values(u: dict[tuple[str, str], Tensor], x: str, naive: str, dense: str) -> dict[str, Tensor]:
-    """The statistics of estimator `x` from the pair means `u` (each [D]): c, B, and against `naive`, Gamma."""
+def _gradient_values(
+    u: dict[tuple[str, str], Tensor], x: str, naive: str, dense: str, clamp: bool = True
+) -> dict[str, Tensor]:
+    """The statistics of estimator `x` from the pair means `u` (each [D]): c, B, and against `naive`, Gamma.
+    `clamp`: cosines clamped to [-1, 1]; unclamped, a ratio of unbiased pair means may leave that range by
+    estimation noise (the gain c_x - c_naive then has no atom at 0 where both estimates pass 1)."""
     dd = u[dense, dense]
     sqrt = lambda t: t.clamp(min=0).sqrt()  # noqa: E731 - an unbiased squared norm can come out below 0
 
-    def cos(a: str) -> Tensor:  # estimated from pair means, a ratio can leave [-1, 1]: a cosine cannot
-        return (u[a, dense] / (sqrt(u[a, a]) * sqrt(dd))).clamp(-1.0, 1.0)
+    def cos(a: str) -> Tensor:
+        ratio = u[a, dense] / (sqrt(u[a, a]) * sqrt(dd))
+        return ratio.clamp(-1.0, 1.0) if clamp else ratio
 
     out = {
         "cosine": cos(x),
@@ -101,11 +106,11 @@ def _gradient_values(u: dict[tuple[str, str], Tensor], x: str, naive: str, dense
 
 
 def gradient_report(
-    vectors: dict[str, Tensor], naive: str, dense: str, draws: int = 2000, seed: int = 0
+    vectors: dict[str, Tensor], naive: str, dense: str, draws: int = 2000, seed: int = 0, clamp: bool = True
 ) -> dict[str, dict[str, dict]]:
     """Per estimator (not the dense reference): cosine c_X to the dense expected gradient, relative bias B_X,
     relative norm, and for X != naive Gamma_X = ||E(g_naive - g_X)|| / ||E g_dense||, c_X - c_naive and
-    c_X / c_naive - 1, each {value, low, high} (a 90% batch-bootstrap interval)."""
+    c_X / c_naive - 1, each {value, low, high} (a 90% batch-bootstrap interval); `clamp` as in _gradient_values."""
     batches = next(iter(vectors.values())).shape[0]
     blocks = gram(vectors)
     ones = torch.ones(1, batches, dtype=torch.float64)
@@ -116,7 +121,8 @@ def gradient_report(
     for x in vectors:
         if x == dense:
             continue
-        values, draws_of = _gradient_values(point, x, naive, dense), _gradient_values(boot, x, naive, dense)
+        values = _gradient_values(point, x, naive, dense, clamp)
+        draws_of = _gradient_values(boot, x, naive, dense, clamp)
         report[x] = {}
         for stat, v in values.items():
             low, high = interval(draws_of[stat])

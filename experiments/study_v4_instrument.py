@@ -1,0 +1,184 @@
+"""Study v4's instrument check, run because R3 failed (the temperature-1.3 control came out "inconclusive").
+
+Does the cosine statistic of `sparserl bias` cover a known truth, and how small a cosine gain c_X - c_naive does it
+resolve, under the noise of the real per-batch gradients? Each synthetic batch is a known expected gradient per
+estimator plus noise drawn with the committed batches' own covariance (the same normal weights on every estimator's
+deviations, so the coupling of a sparse sample and its dense twin is kept); all of it lives in the span of the real
+gradients, whose inner products are kept exactly. The rules are written into study_v4.json (`instrument_check`)
+before the simulation runs (`rules`), and judged by `run`.
+
+    python experiments/study_v4_instrument.py rules   # write the rules (commit before `run`)
+    python experiments/study_v4_instrument.py run     # about 0.05 CPU-hours
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+from study_v3 import read, write
+
+from sparserl.eval.bias_stats import gradient_report
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS, JSON = ROOT / "runs" / "study_v4" / "a2", ROOT / "docs" / "results" / "study_v4" / "study_v4.json"
+ESTIMATORS = ("naive", "config", "dense")  # config: the sparse-rl preset, the estimator R2 and R3 judge
+
+RULES = {
+    "why": "R3 failed: at temperature 1.3, Sparse-RL's cosine gain was 0.008 [0.000, 0.025]; both cosines' "
+    "intervals reach exactly 1.000 and the gain's lower bound is exactly 0.000. Check whether the statistic covers "
+    "a known truth and what gain it resolves, before any rerun judges anything.",
+    "model": "synthetic batches g_X,k = m_X + sum_j z_kj d_X,j / sqrt(K0 - 1), z ~ N(0, 1) shared by the "
+    "estimators, d_X,j the deviations of the K0 = 12 committed batches of a sampler (runs/study_v4/a2/NAME); truth "
+    "m_dense = the committed dense mean; m_X = r_X |m_dense| (c_X u + sqrt(1 - c_X^2) v_X), u the dense direction, "
+    "v_X the part of the committed mean of X orthogonal to u, r_X the committed relative norm of X",
+    "noise_sources": ["temp1.3", "rkv136"],
+    "grid": {"c_naive": [1.0, 0.99, 0.98, 0.95, 0.9, 0.95], "c_config": [1.0, 1.0, 1.0, 1.0, 1.0, 0.95]},
+    "batches": [12, 24],
+    "replicates": 300,
+    "draws": 2000,
+    "statistics": {
+        "clamped": "cosines clamped to [-1, 1] (the statistic R2 and R3 used)",
+        "unclamped": "the ratio of unbiased pair means, unclamped",
+    },
+    "I1_calibrated": "a statistic is calibrated if, at every grid point with a true gain of 0, the share of "
+    "replicates whose gain lower bound is > 0 is <= 0.10 (nominal 0.05), and c_naive's 90% interval holds the "
+    "truth in >= 0.80 of the replicates at every grid point",
+    "I2_clamp_defect": "the clamp is a defect if the unclamped statistic is calibrated and its power (share of "
+    "replicates with the gain's lower bound > 0) exceeds the clamped one's by >= 0.20 at some true gain > 0",
+    "I3_resolution": "per statistic, noise source and K: the smallest true gain of the grid detected in >= 0.80 "
+    "of the replicates",
+    "consequence": "whatever I1-I3 give, R3 is re-judged only on fresh batches: the temperature-1.3 control "
+    "extended to K = 24 (batches 13-24 are new prompts and samples), judged on batches 13-24 alone (K = 12) with "
+    "the statistic I1-I2 select (the unclamped one if I2 finds the clamp a defect, else the clamped one), R2's "
+    "thresholds unchanged; the pooled K = 24 is reported beside it. If no statistic is calibrated (I1), or the "
+    "selected one's resolution at K = 12 on the temp1.3 noise is coarser than every grid gain, R3 stays failed "
+    "and the study concludes nothing: the instrument cannot check itself at this scale.",
+}
+
+
+def span_coordinates(name: str, batches: int = 12) -> dict[str, torch.Tensor]:
+    """The committed per-batch gradients of one sampler in coordinates of their span ({estimator: [K0, R]}):
+    every inner product equals the real one (eigendecomposition of the joint Gram matrix)."""
+    files = sorted(glob.glob(str(RUNS / name / "batches" / "*.pt")))[:batches]
+    grads = [torch.load(f, weights_only=True)["grads"] for f in files]
+    rows = [g[e].double() for e in ESTIMATORS for g in grads]
+    gram = torch.stack([torch.stack([a @ b for b in rows]) for a in rows])
+    values, vectors = torch.linalg.eigh(gram)
+    keep = values > values.max() * 1e-12
+    coords = vectors[:, keep] * values[keep].sqrt()
+    return {e: coords[i * len(files) : (i + 1) * len(files)] for i, e in enumerate(ESTIMATORS)}
+
+
+def unbiased_norm(x: torch.Tensor) -> float:
+    """||E g|| from the mean of <g_k, g_l> over distinct batches."""
+    k = x.shape[0]
+    gram = x @ x.T
+    return math.sqrt(max(float((gram.sum() - gram.diagonal().sum()) / (k * (k - 1))), 0.0))
+
+
+def truths(coords: dict[str, torch.Tensor], cosines: dict[str, float]) -> dict[str, torch.Tensor]:
+    """The known expected gradient of each estimator: dense's committed mean, and for X its committed relative
+    norm at the chosen cosine, turned toward its own committed off-dense direction."""
+    dense = coords["dense"].mean(0)
+    u = dense / dense.norm()
+    out = {"dense": dense}
+    for e, c in cosines.items():
+        off = coords[e].mean(0) - (coords[e].mean(0) @ u) * u
+        v = off / off.norm()
+        r = unbiased_norm(coords[e]) / unbiased_norm(coords["dense"])
+        out[e] = r * dense.norm() * (c * u + math.sqrt(max(1.0 - c * c, 0.0)) * v)
+    return out
+
+
+def simulate(coords, truth, batches: int, replicates: int, draws: int, seed: int) -> dict:
+    """Per statistic: the share of replicates whose gain lower bound is > 0 (power or size), and whose c_naive and
+    gain intervals hold the truth."""
+    gen = torch.Generator().manual_seed(seed)
+    k0 = coords["dense"].shape[0]
+    dev = {e: coords[e] - coords[e].mean(0) for e in ESTIMATORS}
+    u = truth["dense"] / truth["dense"].norm()
+    true_c = {e: float(truth[e] @ u / truth[e].norm()) for e in ("naive", "config")}
+    true_gain = true_c["config"] - true_c["naive"]
+    tally = {
+        s: {"gain_low_above_0": 0, "c_naive_covered": 0, "gain_covered": 0} for s in ("clamped", "unclamped")
+    }
+    for rep in range(replicates):
+        z = torch.randn(batches, k0, generator=gen, dtype=torch.float64) / math.sqrt(k0 - 1)
+        vectors = {e: truth[e] + z @ dev[e] for e in ESTIMATORS}
+        for stat in tally:
+            r = gradient_report(vectors, "naive", "dense", draws, seed + rep, clamp=stat == "clamped")
+            gain, cn = r["config"]["cosine_gain"], r["naive"]["cosine"]
+            t = tally[stat]
+            t["gain_low_above_0"] += gain["low"] is not None and gain["low"] > 0
+            t["c_naive_covered"] += cn["low"] is not None and cn["low"] <= true_c["naive"] <= cn["high"]
+            t["gain_covered"] += gain["low"] is not None and gain["low"] <= true_gain <= gain["high"]
+    shares = {s: {k: v / replicates for k, v in t.items()} for s, t in tally.items()}
+    return {
+        "true_c_naive": true_c["naive"],
+        "true_c_config": true_c["config"],
+        "true_gain": true_gain,
+        **shares,
+    }
+
+
+def judge(points: list[dict], rules: dict) -> dict:
+    """I1-I3 from the simulated grid."""
+    out = {"calibrated": {}, "resolution": {}}
+    for stat in ("clamped", "unclamped"):
+        null = [p for p in points if abs(p["true_gain"]) < 1e-9]
+        out["calibrated"][stat] = all(p[stat]["gain_low_above_0"] <= 0.10 for p in null) and all(
+            p[stat]["c_naive_covered"] >= 0.80 for p in points
+        )
+        for p in points:
+            key = f"{stat}/{p['noise']}/K{p['batches']}"
+            if p["true_gain"] > 1e-9 and p[stat]["gain_low_above_0"] >= 0.80:
+                out["resolution"][key] = min(out["resolution"].get(key, 1.0), round(p["true_gain"], 4))
+            out["resolution"].setdefault(key, None)
+    out["clamp_defect"] = out["calibrated"]["unclamped"] and any(
+        p["unclamped"]["gain_low_above_0"] - p["clamped"]["gain_low_above_0"] >= 0.20
+        for p in points
+        if p["true_gain"] > 1e-9
+    )
+    out["selected_statistic"] = "unclamped" if out["clamp_defect"] else "clamped"
+    sel = out["selected_statistic"]
+    out["r3_rejudged_on_fresh_batches"] = (
+        out["calibrated"][sel] and out["resolution"][f"{sel}/temp1.3/K12"] is not None
+    )
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=["rules", "run"])
+    args = parser.parse_args()
+    state = read(JSON)
+    if args.stage == "rules":
+        state["instrument_check"] = {"rules": RULES}
+    else:
+        rules = state["instrument_check"]["rules"]
+        torch.set_num_threads(1)
+        points = []
+        for noise in rules["noise_sources"]:
+            coords = span_coordinates(noise)
+            for i, (cn, cc) in enumerate(
+                zip(rules["grid"]["c_naive"], rules["grid"]["c_config"], strict=True)
+            ):
+                truth = truths(coords, {"naive": cn, "config": cc})
+                for k in rules["batches"]:
+                    p = simulate(coords, truth, k, rules["replicates"], rules["draws"], seed=1000 * i + k)
+                    points.append({"noise": noise, "batches": k, **p})
+                    print(json.dumps(points[-1]), flush=True)
+        state["instrument_check"].update(points=points, judged=judge(points, rules))
+        state["instrument_check"]["command"] = "python experiments/study_v4_instrument.py run"
+    write(JSON, state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
