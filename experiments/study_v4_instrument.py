@@ -62,17 +62,21 @@ RULES = {
 }
 
 
-def span_coordinates(name: str, batches: int = 12) -> dict[str, torch.Tensor]:
-    """The committed per-batch gradients of one sampler in coordinates of their span ({estimator: [K0, R]}):
-    every inner product equals the real one (eigendecomposition of the joint Gram matrix)."""
-    files = sorted(glob.glob(str(RUNS / name / "batches" / "*.pt")))[:batches]
+def span_coordinates(
+    name: str, first: int = 0, last: int = 12, estimators=ESTIMATORS
+) -> dict[str, torch.Tensor]:
+    """Batches first..last-1 of one sampler's per-batch gradients in coordinates of their span ({estimator:
+    [K, R]}): every inner product equals the real one (eigendecomposition of the joint Gram matrix)."""
+    files = sorted(glob.glob(str(RUNS / name / "batches" / "*.pt")))[first:last]
+    if len(files) != last - first:
+        raise SystemExit(f"{RUNS / name} holds {len(files) + first} batches, not {last}")
     grads = [torch.load(f, weights_only=True)["grads"] for f in files]
-    rows = [g[e].double() for e in ESTIMATORS for g in grads]
+    rows = [g[e].double() for e in estimators for g in grads]
     gram = torch.stack([torch.stack([a @ b for b in rows]) for a in rows])
     values, vectors = torch.linalg.eigh(gram)
     keep = values > values.max() * 1e-12
     coords = vectors[:, keep] * values[keep].sqrt()
-    return {e: coords[i * len(files) : (i + 1) * len(files)] for i, e in enumerate(ESTIMATORS)}
+    return {e: coords[i * len(files) : (i + 1) * len(files)] for i, e in enumerate(estimators)}
 
 
 def unbiased_norm(x: torch.Tensor) -> float:
@@ -136,10 +140,12 @@ def judge(points: list[dict], rules: dict) -> dict:
             p[stat]["c_naive_covered"] >= 0.80 for p in points
         )
         for p in points:
+            detected = p["true_gain"] > 1e-9 and p[stat]["gain_low_above_0"] >= 0.80
             key = f"{stat}/{p['noise']}/K{p['batches']}"
-            if p["true_gain"] > 1e-9 and p[stat]["gain_low_above_0"] >= 0.80:
-                out["resolution"][key] = min(out["resolution"].get(key, 1.0), round(p["true_gain"], 4))
-            out["resolution"].setdefault(key, None)
+            gains = [
+                g for g in (out["resolution"].get(key), round(p["true_gain"], 4) if detected else None) if g
+            ]
+            out["resolution"][key] = min(gains, default=None)
     out["clamp_defect"] = out["calibrated"]["unclamped"] and any(
         p["unclamped"]["gain_low_above_0"] - p["clamped"]["gain_low_above_0"] >= 0.20
         for p in points
