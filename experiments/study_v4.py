@@ -243,7 +243,8 @@ def report(args) -> None:
     default = read(RESULTS / "bias_default.json", {})
     whole = default.get("process", {})
     minutes = whole["cpu_s"] / 60 if default.get("complete") and not whole.get("resumed", True) else None
-    judged = R.judge(a1, a2, minutes)
+    round2 = state.get("instrument_check", {}).get("round2", {}).get("verdicts", {}).get("config")
+    judged = R.judge(a1, a2, minutes, round2)
     judged["R5"] = judged_r5()
     ws = read(RESULTS / "warmstart.json", {}).get("goals", {}).get("warm start reproduced", {})
     names = list(R.GOALS)
@@ -251,7 +252,8 @@ def report(args) -> None:
     count = sum(judged[k]["status"] == "judged" for k in ("R1", "R2", "R3", "R4", "R5", "R6"))
     state["goals"] = {
         names[0]: {"value": r3["verdict"], "target": "corrections matter", "met": r3["passed"],
-                   "command": "python experiments/study_v4.py a2", **({} if r3["verdict"] else {"status": "not run yet"})},
+                   "command": "python experiments/study_v4_instrument.py round2" if round2 else
+                   "python experiments/study_v4.py a2", **({} if r3["verdict"] else {"status": "not run yet"})},
         names[1]: {"value": count, "target": 6, "met": count == 6, "command": "python experiments/study_v4.py report",
                    "unit": "rules of R1-R6 judged"},
         names[2]: {"value": minutes, "target": 15.0, "met": minutes <= 15.0 if minutes is not None else None,

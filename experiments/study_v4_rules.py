@@ -151,9 +151,12 @@ def r2_extend(report: dict) -> bool:
     return False
 
 
-def judge(a1: dict[str, dict], a2: dict[str, dict], default_bias_minutes: float | None) -> dict:
+def judge(a1: dict[str, dict], a2: dict[str, dict], default_bias_minutes: float | None, r3_round2: str | None = None
+          ) -> dict:  # fmt: skip
     """R1-R4 and R6 from the stage reports ({sampler: sparserl bias report}); a rule whose inputs are missing is
-    'not run' with the reason. R5 and the validity gate read the training stage, judged by its own report."""
+    'not run' with the reason. R5 and the validity gate read the training stage, judged by its own report.
+    `r3_round2`: the control's verdict on its fresh batches (study_v4_instrument.py round2), which replaces the
+    first round's once it exists."""
     from scipy.stats import spearmanr
 
     out: dict = {}
@@ -163,8 +166,8 @@ def judge(a1: dict[str, dict], a2: dict[str, dict], default_bias_minutes: float 
     verdicts = {k: {e: g["verdict"] for e, g in r.get("estimators", {}).items() if "verdict" in g}
                 for k, r in a2.items() if r.get("complete")}  # fmt: skip
     out["R2"] = {"status": "judged" if verdicts else "not run", "verdicts": verdicts}
-    control = verdicts.get(RULES["R3"]["sampler"], {}).get("config")
-    out["R3"] = {"status": "judged" if control else "not run", "verdict": control,
+    control = r3_round2 or verdicts.get(RULES["R3"]["sampler"], {}).get("config")
+    out["R3"] = {"status": "judged" if control else "not run", "verdict": control, "round": 2 if r3_round2 else 1,
                  "passed": control == "corrections matter" if control else None}  # fmt: skip
     gated = []
     for k, r in a2.items():
