@@ -91,6 +91,27 @@ def test_gradient_report_intervals_cover_the_known_values():
     assert verdict(rep["config"]["gamma"], rep["config"]["cosine_gain"]) == CORRECTIONS_MATTER
 
 
+def test_cosines_are_not_clamped_so_a_gain_near_1_stays_visible():
+    """Two estimators both nearly parallel to dense, the corrected one more so, with noise that pushes the
+    estimated cosines past 1: the unclamped gain keeps its sign in most bootstrap draws, while clamping both to 1
+    makes it exactly 0 there (its lower bound then 0.0, never > 0)."""
+    gen = torch.Generator().manual_seed(1)
+    dense, naive, fixed = (torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([0.97, 0.243, 0.0, 0.0]),
+                           torch.tensor([1.0, 0.0, 0.0, 0.0]))  # fmt: skip
+    K = 24
+    shared = torch.randn(K, 4, generator=gen, dtype=torch.float64)  # coupled samples share their noise
+    own = lambda: 0.1 * torch.randn(K, 4, generator=gen, dtype=torch.float64)  # noqa: E731
+    vectors = {
+        "naive": naive + shared + own(),
+        "config": fixed + shared + own(),
+        "dense": dense + shared + own(),
+    }
+    free = gradient_report(vectors, "naive", "dense", draws=2000, seed=0)
+    clamped = gradient_report(vectors, "naive", "dense", draws=2000, seed=0, clamp=True)
+    assert free["config"]["cosine"]["high"] > 1.0  # noise does push the estimate past 1
+    assert clamped["config"]["cosine_gain"]["low"] == 0.0 < free["config"]["cosine_gain"]["low"]
+
+
 def test_verdict_rule():
     assert verdict({"low": 0.12, "high": 0.3}, {"low": 0.01}) == CORRECTIONS_MATTER
     assert verdict({"low": 0.12, "high": 0.3}, {"low": -0.01}) == INCONCLUSIVE  # no gain in cosine

@@ -25,8 +25,8 @@ def _bias_epilog() -> str:
         "examples:\n"
         "  sparserl bias                                          # the embedded default (R-KV 80), K = 4\n"
         "  sparserl bias kv.method=dense rollout.sampler_temperature=1.3 --out bias-t13   # the positive control\n"
-        "  sparserl bias --config my.yaml --batches 12 --estimators config,seq-is,tis --out bias-12\n"
-        "  sparserl bias --out bias-12 --resume                  # continue after a stop"
+        "  sparserl bias --config my.yaml --batches 24 --estimators config,seq-is,tis --out bias-24\n"
+        "  sparserl bias --out bias-24 --resume                  # continue after a stop"
     )
 
 
@@ -35,7 +35,14 @@ def _bias_epilog() -> str:
     "Measure whether this config's sparse sampler biases the update, and whether its corrections remove it.",
     *CONFIG_ARGS,
     arg("--prompts", type=int, default=None, help="prompts per batch (default: rollout.prompts_per_step)"),
-    arg("--batches", "-K", type=int, default=4, help="coupled batches K (default 4; intervals need >= 2)"),
+    arg(
+        "--batches",
+        "-K",
+        type=int,
+        default=4,
+        help="coupled batches K (default 4, minutes; intervals need >= 2, and 24 or more to hold their 90%% coverage: "
+        "docs/bias.md)",
+    ),
     arg(
         "--estimators",
         default="config,seq-is",

@@ -81,11 +81,13 @@ def gram(vectors: dict[str, Tensor]) -> dict[tuple[str, str], Tensor]:
 
 
 def _gradient_values(
-    u: dict[tuple[str, str], Tensor], x: str, naive: str, dense: str, clamp: bool = True
+    u: dict[tuple[str, str], Tensor], x: str, naive: str, dense: str, clamp: bool = False
 ) -> dict[str, Tensor]:
     """The statistics of estimator `x` from the pair means `u` (each [D]): c, B, and against `naive`, Gamma.
-    `clamp`: cosines clamped to [-1, 1]; unclamped, a ratio of unbiased pair means may leave that range by
-    estimation noise (the gain c_x - c_naive then has no atom at 0 where both estimates pass 1)."""
+    A cosine is a ratio of unbiased pair means, which estimation noise can push past 1, as an unbiased variance
+    can come out below 0; it is not clamped to [-1, 1] (`clamp` only for comparison): where both estimates pass 1,
+    a clamped gain c_x - c_naive is exactly 0, which in a simulation with known truth cut the power to see a gain
+    of 0.05 at 12 batches from 0.76 to 0.13 and left the gain's interval holding the truth in 64-74% of draws."""
     dd = u[dense, dense]
     sqrt = lambda t: t.clamp(min=0).sqrt()  # noqa: E731 - an unbiased squared norm can come out below 0
 
@@ -106,7 +108,7 @@ def _gradient_values(
 
 
 def gradient_report(
-    vectors: dict[str, Tensor], naive: str, dense: str, draws: int = 2000, seed: int = 0, clamp: bool = True
+    vectors: dict[str, Tensor], naive: str, dense: str, draws: int = 2000, seed: int = 0, clamp: bool = False
 ) -> dict[str, dict[str, dict]]:
     """Per estimator (not the dense reference): cosine c_X to the dense expected gradient, relative bias B_X,
     relative norm, and for X != naive Gamma_X = ||E(g_naive - g_X)|| / ||E g_dense||, c_X - c_naive and
