@@ -21,7 +21,7 @@ from sparserl.cost import Rollout, estimate, load_shape
 from sparserl.cost.model import kv_position_bytes
 from sparserl.engine import EVICTION_METHODS, KVConfig
 from sparserl.engine.decoder import decode_attention
-from sparserl.engine.kv_quant import CHUNK, CODECS, QuantizedKVCache
+from sparserl.engine.kv_quant import CHUNK, CODECS, SLAB, QuantizedKVCache
 from sparserl.errors import UserError
 
 QUANTS = sorted(CODECS)
@@ -66,16 +66,54 @@ def filled_cache(
     return cache, torch.randn(rows, 4, 1, 8, generator=g)
 
 
+def read_query(quant: str, q: torch.Tensor, kv_heads: int, scale: float) -> torch.Tensor:
+    """The scaled query a cache's attention reads with: an int8 cache on the CPU quantizes it as it does keys
+    (int8 dot products), any other as given."""
+    n, hq, _, d = q.shape
+    grouped = q.view(n, kv_heads, hq // kv_heads, d) * scale
+    if quant == "int8":
+        codes, s = CODECS["int8"].encode(grouped)
+        grouped = codes.float() * s[..., None]
+    return grouped.view(n, hq, 1, d)
+
+
 @pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("span", [5, CHUNK + 37])
+@pytest.mark.parametrize("span", [5, CHUNK + 37, SLAB + 37])
 def test_chunked_attention_equals_attention_over_the_dequantized_cache(quant, span) -> None:
     cache, q = filled_cache(quant, span)
     valid = cache.valid(span)
     out, probs = cache.attend(0, q, valid, span, 0.3)
     k, v = cache.view(0, span)
-    ref_out, ref_probs = decode_attention(q, k, v, valid, 0.3)
+    ref_out, ref_probs = decode_attention(read_query(quant, q, 2, 0.3), k, v, valid, 1.0)
     assert (out - ref_out).abs().max() < ATTEND_TOL
     assert (probs - ref_probs).abs().max() < ATTEND_TOL
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_the_batched_reads_off_the_cpu_equal_products_with_the_dequantized_cache(quant) -> None:
+    """The path a GPU takes (every row and head together, CHUNK slots at a time), run here on the CPU."""
+    span = CHUNK + 37
+    cache, q = filled_cache(quant, span)
+    k, v = cache.view(0, span)
+    x = q.view(3, 2, 2, 8)
+    scores = cache._chunked(x, cache.k[0], span, keys=True) * cache.k_scale[0][:, :, None, :span]
+    assert (scores - x @ k.transpose(-1, -2)).abs().max() < ATTEND_TOL
+    w = torch.rand(3, 2, 2, span, generator=torch.Generator().manual_seed(1))
+    values = cache._chunked(w * cache.v_scale[0][:, :, None, :span], cache.v[0], span)
+    assert (values - w @ v).abs().max() < 10 * ATTEND_TOL  # a sum of 549 weighted values
+
+
+def test_the_int8_querys_rounding_moves_a_score_by_at_most_half_its_step_times_the_keys_l1_norm() -> None:
+    """|q . k - q_int8 . k| <= (scale_q / 2) sum_d |k_d|: what the int8 dot products add to the cache's own
+    rounding (measured in the scores the softmax reads)."""
+    cache, q = filled_cache("int8", 300, seed=4)
+    k, _ = cache.view(0, 300)
+    grouped = q.view(3, 2, 2, 8) * 0.3
+    _, q_scale = CODECS["int8"].encode(grouped)
+    exact = grouped @ k.transpose(-1, -2)
+    moved = (cache._int8_scores(0, grouped, 300) * cache.k_scale[0][:, :, None, :300] - exact).abs()
+    bound = q_scale[..., None] / 2 * k.abs().sum(-1)[:, :, None, :] + 1e-5
+    assert moved.max() > 0 and (moved <= bound).all()
 
 
 @pytest.mark.parametrize("quant", QUANTS)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,8 @@ from sparserl.engine.cache import KVCache, gather_slots
 from sparserl.engine.decoder import masked_probs
 
 KV_QUANTS = ("none", "int8", "fp8")
-CHUNK = 512  # slots dequantized at a time by a decode step: small enough to stay in a core's cache
+CHUNK = 512  # slots converted at a time for every row and head together (off the CPU)
+SLAB = 2048  # slots converted at a time for one row and head on the CPU: 512 KB of float32 at head_dim 64
 
 
 @dataclass(frozen=True)
@@ -164,23 +166,65 @@ class QuantizedKVCache(KVCache):
 
     def attend(self, layer: int, q: Tensor, valid: Tensor, span: int, scale: float) -> tuple[Tensor, Tensor]:
         """`decode_attention` over the quantized slots: q . (codes x scale) = (q . codes) x scale, and
-        p . (codes x scale) = (p x scale) . codes, so only codes are converted, CHUNK slots at a time (a copy of
-        the whole span in the compute dtype would read and write more memory than the dense cache holds)."""
+        p . (codes x scale) = (p x scale) . codes, so only codes are read, never a dequantized copy of the whole
+        span (which would read and write more memory than the dense cache holds). An int8 cache on the CPU is read
+        one row and head at a time (`_int8_scores`, `_per_head_values`); any other all at once, CHUNK slots at a
+        time (fp8's table lookups are slower per head)."""
         n, hq, _, d = q.shape
-        k, v, hkv = self.k[layer], self.v[layer], self.k[layer].shape[1]
+        hkv = self.k[layer].shape[1]
         qg = q.view(n, hkv, hq // hkv, d) * scale
-        scores = qg.new_empty(n, hkv, hq // hkv, span)
-        for s in range(0, span, CHUNK):
-            e = min(span, s + CHUNK)
-            scores[..., s:e] = torch.matmul(qg, self.codec.codes(k[:, :, s:e], qg.dtype).transpose(-1, -2))
+        per_head = q.device.type == "cpu" and self.codec.name == "int8"
+        if per_head:
+            scores = self._int8_scores(layer, qg, span)
+        else:
+            scores = self._chunked(qg, self.k[layer], span, keys=True)
         scores *= self.k_scale[layer][:, :, None, :span].to(scores.dtype)
         probs = masked_probs(scores, valid)
         weights = (probs * self.v_scale[layer][:, :, None, :span]).to(qg.dtype)
-        out = qg.new_zeros(n, hkv, hq // hkv, d)
+        if per_head:
+            out = self._per_head_values(layer, weights, span)
+        else:
+            out = self._chunked(weights, self.v[layer], span)
+        return out.view(n, hq, 1, d), probs
+
+    def _chunked(self, x: Tensor, data: Tensor, span: int, keys: bool = False) -> Tensor:
+        """x [n, Hkv, G, d] . codes^T (keys: [n, Hkv, G, span]) or x [n, Hkv, G, span] . codes (values), the
+        codes converted CHUNK slots at a time for every row and head together."""
+        out = x.new_empty(*x.shape[:3], span) if keys else x.new_zeros(*x.shape[:3], data.shape[-1])
         for s in range(0, span, CHUNK):
             e = min(span, s + CHUNK)
-            out += torch.matmul(weights[..., s:e], self.codec.codes(v[:, :, s:e], qg.dtype))
-        return out.view(n, hq, 1, d), probs
+            codes = self.codec.codes(data[:, :, s:e], x.dtype)
+            if keys:
+                out[..., s:e] = torch.matmul(x, codes.transpose(-1, -2))
+            else:
+                out += torch.matmul(x[..., s:e], codes)
+        return out
+
+    def _int8_scores(self, layer: int, qg: Tensor, span: int) -> Tensor:
+        """q . codes [n, Hkv, G, span] (the keys' scales not applied), one row and head at a time: the query
+        quantized as the keys are (one absmax scale per query vector) and multiplied in int32 by torch's int8
+        matmul, on this kind of CPU 5x faster than a float product over converted codes (the conversion costs
+        more than reading float32 keys would); exact given the quantized query (integer sums; tested), whose
+        rounding is part of the sampler's distribution, the one whose log-probs are recorded. (torch's CUDA int8
+        matmul needs at least 17 rows and multiples of 8: the GPU takes `_chunked`.)"""
+        k, (n, hkv, group, _) = self.k[layer], qg.shape
+        out = qg.new_empty(n, hkv, group, span)
+        q_codes, q_scale = self.codec.encode(qg)
+        for row, head in itertools.product(range(n), range(hkv)):
+            out[row, head] = torch._int_mm(k[row, head, :span], q_codes[row, head].t().contiguous()).t()
+        return out.mul_(q_scale[..., None])
+
+    def _per_head_values(self, layer: int, weights: Tensor, span: int) -> Tensor:
+        """weights [n, Hkv, G, span] . codes [n, Hkv, G, d], one row and head at a time, its codes converted SLAB
+        slots at a time (a slab's float copy stays in a core's cache; one product per slab, not per CHUNK)."""
+        v = self.v[layer]
+        out = weights.new_zeros(*weights.shape[:3], v.shape[-1])
+        for row, head in itertools.product(range(v.shape[0]), range(v.shape[1])):
+            acc = out[row, head]
+            for s in range(0, span, SLAB):
+                e = min(span, s + SLAB)
+                acc.addmm_(weights[row, head, :, s:e], self.codec.codes(v[row, head, s:e], weights.dtype))
+        return out
 
     def append(self, src: KVCache, rows: Tensor) -> None:
         """As `KVCache.append`; a full-precision source (a prefill) is quantized first."""
