@@ -68,6 +68,20 @@ def test_compiled_step_equals_the_eager_one_and_sees_weight_updates():
                 p.add_(0.05 * torch.randn_like(p))
 
 
+@needs_compiler
+@pytest.mark.slow  # ~90 s: the int8 reads loop over rows and heads, unrolled into the graph
+def test_compiled_int8_cache_equals_the_eager_one():
+    """kv.quant=int8 compiled: its int8 dot products (torch's int8 matmul, a row and head at a time) run in the
+    graph and give the eager step's samples."""
+    model, tok = tiny_model("llama", seed=0)
+    kv = KVConfig(quant="int8")
+    a = RolloutEngine(model, tok, kv=kv).generate(prompts_of(tok), n=2, max_new_tokens=20, seed=0)
+    b = RolloutEngine(model, tok, kv=kv, compile=True).generate(
+        prompts_of(tok), n=2, max_new_tokens=20, seed=0
+    )
+    assert same_samples(a, b, flips=1) < BATCH_TOL
+
+
 EVICTING = ("rkv", "snapkv", "h2o", "streaming_llm", "random")
 
 
