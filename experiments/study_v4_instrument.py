@@ -186,6 +186,7 @@ def round2(state: dict) -> None:
     import study_v4 as S
 
     rules = state["instrument_check"]["round2"]["rules"]
+    torch.set_num_threads(1)
     name, estimators = rules["sampler"], ESTIMATORS[:2] + ("seq-is", "smd", "dense")
     S.run_bias("a2", name, rules["last"], "config,seq-is,smd")
     coords = span_coordinates(name, rules["first"], rules["last"], estimators)
@@ -208,7 +209,8 @@ def main() -> int:
     elif args.stage == "round2-rules":
         state["instrument_check"]["round2"] = {"rules": ROUND2}
     elif args.stage == "round2":
-        return round2(state)
+        round2(state)
+        return 0
     else:
         rules = state["instrument_check"]["rules"]
         torch.set_num_threads(1)
