@@ -144,3 +144,29 @@ def test_r5_and_the_validity_gate_on_hand_made_runs():
     assert (
         gate["naive_mismatch_kept"]["value"] == pytest.approx(2 / 3) and gate["naive_mismatch_kept"]["passed"]
     )
+
+
+def point(noise: str, batches: int, gain: float, clamped: tuple, unclamped: tuple) -> dict:
+    """A simulated grid point: (share with the gain's lower bound > 0, share whose c_naive interval held the truth)
+    per statistic."""
+    shares = lambda s: {"gain_low_above_0": s[0], "c_naive_covered": s[1], "gain_covered": 0.9}  # noqa: E731
+    return {"noise": noise, "batches": batches, "true_gain": gain, "clamped": shares(clamped),
+            "unclamped": shares(unclamped)}  # fmt: skip
+
+
+def test_the_instrument_check_selects_the_unclamped_statistic_only_where_it_is_calibrated():
+    import study_v4_instrument as I
+
+    grid = [point("temp1.3", 12, 0.0, (0.0, 0.95), (0.03, 0.95)), point("temp1.3", 12, 0.05, (0.13, 0.94), (0.85, 0.93)),
+            point("temp1.3", 12, 0.1, (0.67, 0.9), (0.96, 0.9))]  # fmt: skip
+    judged = I.judge(grid, I.RULES)
+    assert judged["calibrated"] == {"clamped": True, "unclamped": True}
+    assert judged["clamp_defect"] and judged["selected_statistic"] == "unclamped"
+    assert judged["resolution"] == {"clamped/temp1.3/K12": None, "unclamped/temp1.3/K12": 0.05}
+    assert judged["r3_rejudged_on_fresh_batches"]
+    grid[1]["unclamped"]["c_naive_covered"] = 0.79  # one point under-covers: nothing is calibrated
+    judged = I.judge(grid, I.RULES)
+    assert not judged["calibrated"]["unclamped"] and not judged["clamp_defect"]
+    assert not judged["r3_rejudged_on_fresh_batches"]  # the clamped statistic resolves no gain at K = 12
+    grid[0]["unclamped"]["gain_low_above_0"] = 0.2  # a false gain in a fifth of the null replicates
+    assert not I.judge(grid, I.RULES)["calibrated"]["unclamped"]
