@@ -234,6 +234,7 @@ def test_bias_command_writes_report_plot_and_resumes(tmp_path, capsys):
     assert "verdict" in report["estimators"]["config"]
     printed = capsys.readouterr().out
     assert "reward ratio to dense twins" in printed and "config" in printed
+    assert "at 2 batches these intervals hold less than their 90%" in printed
     assert main(args) == 1  # the folder exists: --resume or another --out
     assert "--resume" in capsys.readouterr().err
     (out / "batches" / "0001.pt").unlink()  # a batch lost to a kill is measured again

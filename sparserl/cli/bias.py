@@ -122,6 +122,8 @@ def _fmt(v: dict | None, digits: int = 3) -> str:
 
 def print_report(report: dict, out: str) -> None:
     """The main numbers and one verdict line per estimator."""
+    from sparserl.eval.bias_stats import COVERING_BATCHES
+
     r = report["rollout"]
     print(f"sampler: {report['sampler']}")
     print(f"{report['prompts']} prompts in {report['batches_done']} batches; 90% intervals")
@@ -136,4 +138,7 @@ def print_report(report: dict, out: str) -> None:
         if "gamma" in g:
             line += f"  Gamma={_fmt(g['gamma'])}  -> {g['verdict']}"
         print(line)
+    if report.get("estimators") and report["batches_done"] < COVERING_BATCHES:
+        print(f"  (at {report['batches_done']} batches these intervals hold less than their 90%: verdicts are "
+              f"provisional; --batches {COVERING_BATCHES} --resume adds batches)")  # fmt: skip
     print(f"report: {out}/bias.json, plot: {out}/bias.png")
