@@ -163,7 +163,8 @@ def a1(args) -> None:
 
 def a2(args) -> None:
     """Stage A2: the gradients of naive, sparse-rl, seq-is and smd at K = 12 for the samplers R1's ranking picks
-    (fixed in study_v4.json when first chosen), then R2's extension to K = 24 for the top 2 real samplers."""
+    (fixed in study_v4.json when first chosen), then R2's extension to K = 24 for the top 2 real samplers (for
+    every real sampler once R3's second round passed: study_v4_instrument.py)."""
     ensure_warmstart(args)
     reports = {name: read(RESULTS / "a1" / f"{name}.json", {}) for name in R.SAMPLERS}
     missing = [k for k, r in reports.items() if not r.get("complete")]
@@ -182,9 +183,11 @@ def a2(args) -> None:
     for name, kept in done.items():  # a sampler whose K = 12 part is committed resumes at its extension
         if not kept.get("complete"):
             done[name] = run_bias("a2", name, a["batches"], estimators)
-    real = [k for k in state["a2_samplers"] if k != "dense" and k not in R.CONTROLS][:2]
-    for name in real:
-        if R.r2_extend(done[name]):
+    real = [k for k in state["a2_samplers"] if k != "dense" and k not in R.CONTROLS]
+    round2 = state.get("instrument_check", {}).get("round2", {}).get("verdicts", {}).get("config")
+    for name in real if round2 == "corrections matter" else real[:2]:
+        # R2's extension (the top 2); once R3's second round passed, every real sampler at K = 24 (its rule)
+        if round2 == "corrections matter" or R.r2_extend(done[name]):
             run_bias("a2", name, a["extended_batches"], estimators)
 
 
