@@ -3,7 +3,7 @@ sampler moves from the dense one.
 
     python benchmarks/kv_quant.py speed      # int8/fp8 vs float32 KV: a decode step at 8k positions, batch 16
     python benchmarks/kv_quant.py mismatch   # next-token KL and alpha to the dense sampler; R-KV bytes
-    python benchmarks/kv_quant.py conversion # one layer's codes converted vs a float32 product (why)
+    python benchmarks/kv_quant.py conversion # one layer's codes converted, a float32 product, the int8 read
     (both write docs/results/kv_quant.json, each its own section and goals)
 
 speed: the engine's decode step (`RolloutEngine._decode_step`, the packed weights of a rollout) over caches of
@@ -101,17 +101,24 @@ def speed(args) -> None:
 
 
 def conversion(args) -> None:
-    """Why the step is slower: one layer's keys at 8k positions x 16 rows, converted from codes to float32 (int8,
-    fp8) against a float32 matrix product of a decode step's queries with them (reading 4x the bytes)."""
+    """Why converting codes does not pay here: one layer's keys at 8k positions x 16 rows, converted from codes to
+    float32 (int8, fp8), against a float32 matrix product of a decode step's queries with them (reading 4x the
+    bytes), and against the int8 cache's own key read (the query quantized, int8 products a row and head at a
+    time, `QuantizedKVCache._int8_scores`)."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(args.rows, 3, args.positions, 64, generator=g)
     q = torch.randn(args.rows, 3, 3, 64, generator=g)
     codes = {name: CODECS[name].encode(keys)[0] for name in CODECS}
+    cache = QuantizedKVCache(1, args.rows, 3, 9, 64, args.positions, 8, torch.float32, torch.device("cpu"),
+                             quant="int8")  # fmt: skip
+    at = torch.arange(args.positions)[None].expand(args.rows, -1)
+    cache.fill(0, keys, keys, at, torch.full((args.rows,), args.positions))
     arms = {
         "int8 codes -> float32": lambda: CODECS["int8"].codes(codes["int8"], torch.float32),
         "fp8 codes -> float32": lambda: CODECS["fp8"].codes(codes["fp8"], torch.float32),
         "float32 q . k": lambda: torch.matmul(q, keys.transpose(-1, -2)),
+        "int8 q . int8 codes (the int8 cache's key read)": lambda: cache._int8_scores(0, q, args.positions),
     }
     times: dict[str, list[float]] = {a: [] for a in arms}
     for _ in range(args.repeats):
