@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from study_v3 import read, write
 
-from sparserl.eval.bias_stats import gradient_report, verdict
+from sparserl.eval.bias_stats import gradient_report, gram, pair_means, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS, JSON = ROOT / "runs" / "study_v4" / "a2", ROOT / "docs" / "results" / "study_v4" / "study_v4.json"
@@ -93,9 +93,9 @@ def span_coordinates(
     if len(files) != last - first:
         raise SystemExit(f"{RUNS / name} holds {len(files) + first} batches, not {last}")
     grads = [torch.load(f, weights_only=True)["grads"] for f in files]
-    rows = [g[e].double() for e in estimators for g in grads]
-    gram = torch.stack([torch.stack([a @ b for b in rows]) for a in rows])
-    values, vectors = torch.linalg.eigh(gram)
+    blocks = gram({e: torch.stack([g[e] for g in grads]) for e in estimators})
+    joint = torch.cat([torch.cat([blocks[a, b] for b in estimators], dim=1) for a in estimators])
+    values, vectors = torch.linalg.eigh(joint)
     keep = values > values.max() * 1e-12
     coords = vectors[:, keep] * values[keep].sqrt()
     return {e: coords[i * len(files) : (i + 1) * len(files)] for i, e in enumerate(estimators)}
@@ -103,9 +103,8 @@ def span_coordinates(
 
 def unbiased_norm(x: torch.Tensor) -> float:
     """||E g|| from the mean of <g_k, g_l> over distinct batches."""
-    k = x.shape[0]
-    gram = x @ x.T
-    return math.sqrt(max(float((gram.sum() - gram.diagonal().sum()) / (k * (k - 1))), 0.0))
+    squared = pair_means(x @ x.T, torch.ones(1, x.shape[0], dtype=torch.float64))
+    return math.sqrt(max(float(squared[0]), 0.0))
 
 
 def truths(coords: dict[str, torch.Tensor], cosines: dict[str, float]) -> dict[str, torch.Tensor]:
