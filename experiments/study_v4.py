@@ -184,10 +184,10 @@ def a2(args) -> None:
         if not kept.get("complete"):
             done[name] = run_bias("a2", name, a["batches"], estimators)
     real = [k for k in state["a2_samplers"] if k != "dense" and k not in R.CONTROLS]
-    round2 = state.get("instrument_check", {}).get("round2", {}).get("verdicts", {}).get("config")
-    for name in real if round2 == "corrections matter" else real[:2]:
+    passed = round2_verdict(state) == "corrections matter"
+    for name in real if passed else real[:2]:
         # R2's extension (the top 2); once R3's second round passed, every real sampler at K = 24 (its rule)
-        if round2 == "corrections matter" or R.r2_extend(done[name]):
+        if passed or R.r2_extend(done[name]):
             run_bias("a2", name, a["extended_batches"], estimators)
 
 
@@ -238,6 +238,11 @@ def bias_default(args) -> None:
     print(report["process"])
 
 
+def round2_verdict(state: dict) -> str | None:
+    """Sparse-RL's verdict on the temperature-1.3 control's fresh batches (R3's second round), once judged."""
+    return state.get("instrument_check", {}).get("round2", {}).get("verdicts", {}).get("config")
+
+
 def report(args) -> None:
     """The rules judged from the stage files so far, and the goals, into study_v4.json (its rules unchanged)."""
     state = read(JSON)
@@ -246,7 +251,7 @@ def report(args) -> None:
     default = read(RESULTS / "bias_default.json", {})
     whole = default.get("process", {})
     minutes = whole["cpu_s"] / 60 if default.get("complete") and not whole.get("resumed", True) else None
-    round2 = state.get("instrument_check", {}).get("round2", {}).get("verdicts", {}).get("config")
+    round2 = round2_verdict(state)
     judged = R.judge(a1, a2, minutes, round2)
     judged["R5"] = judged_r5()
     ws = read(RESULTS / "warmstart.json", {}).get("goals", {}).get("warm start reproduced", {})
