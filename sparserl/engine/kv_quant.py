@@ -205,9 +205,9 @@ class QuantizedKVCache(KVCache):
         quantized as the keys are (one absmax scale per query vector) and multiplied in int32 by torch's int8
         matmul: one layer's keys at 8k positions x 16 rows in 8 ms at one thread, against 15 ms for float32 keys
         and 55 ms to convert the codes alone (`python benchmarks/kv_quant.py conversion`); exact given the
-        quantized query (integer sums; tested), whose
-        rounding is part of the sampler's distribution, the one whose log-probs are recorded. (torch's CUDA int8
-        matmul needs at least 17 rows and multiples of 8: the GPU takes `_chunked`.)"""
+        quantized query (integer sums; tested), whose rounding is part of the sampler's distribution, the one
+        whose log-probs are recorded. (torch's CUDA int8 matmul needs at least 17 rows and multiples of 8: the
+        GPU takes `_chunked`.)"""
         k, (n, hkv, group, _) = self.k[layer], qg.shape
         out = qg.new_empty(n, hkv, group, span)
         q_codes, q_scale = self.codec.encode(qg)
