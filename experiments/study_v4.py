@@ -137,15 +137,19 @@ def ensure_warmstart(args) -> None:
         raise SystemExit("the retrained warm start's SFT losses differ from warmstart.json's: not used")
 
 
-def run_bias(stage: str, name: str, batches: int, estimators: str) -> dict:
+def run_bias(stage: str, name: str, batches: int, estimators: str, part: str | None = None) -> dict | None:
     """`sparserl bias` for one sampler of the dial on the probe rows (4 prompts x 8 per batch), in its own
-    resumable process; its report copied to docs/results/study_v4/STAGE/NAME.json."""
+    resumable process; its report copied to docs/results/study_v4/STAGE/NAME.json. With `part` (I/N) only that
+    share of the batches is measured (`sparserl bias --part`, beside the processes of the other parts) and
+    nothing is reported."""
     out, kept = RUNS / stage / name, RESULTS / stage / f"{name}.json"
     cmd = [sys.executable, "-m", "sparserl.cli", "bias", "--config", str(CONFIG), *R.SAMPLERS[name], *probe_rows(),
            "trainer.threads=1", "--prompts", "4", "--batches", str(batches), "--estimators", estimators,
-           "--out", str(out), "--resume", "--no-progress"]  # fmt: skip
+           "--out", str(out), "--resume", "--no-progress", *(["--part", part] if part else [])]  # fmt: skip
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
+    if part:
+        return None
     report = read(out / "bias.json")
     report["goals"] = {}  # a stage's part judges nothing by itself: `report` applies the rules
     write(kept, report)

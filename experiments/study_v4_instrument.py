@@ -16,7 +16,6 @@ before the simulation runs (`rules`), and judged by `run`.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import sys
@@ -89,9 +88,10 @@ def span_coordinates(
 ) -> dict[str, torch.Tensor]:
     """Batches first..last-1 of one sampler's per-batch gradients in coordinates of their span ({estimator:
     [K, R]}): every inner product equals the real one (eigendecomposition of the joint Gram matrix)."""
-    files = sorted(glob.glob(str(RUNS / name / "batches" / "*.pt")))[first:last]
-    if len(files) != last - first:
-        raise SystemExit(f"{RUNS / name} holds {len(files) + first} batches, not {last}")
+    files = [RUNS / name / "batches" / f"{k:04d}.pt" for k in range(first, last)]
+    missing = [f.stem for f in files if not f.is_file()]
+    if missing:
+        raise SystemExit(f"{RUNS / name} lacks batches {', '.join(missing)} of {first}-{last - 1}")
     grads = [torch.load(f, weights_only=True)["grads"] for f in files]
     blocks = gram({e: torch.stack([g[e] for g in grads]) for e in estimators})
     joint = torch.cat([torch.cat([blocks[a, b] for b in estimators], dim=1) for a in estimators])
@@ -180,19 +180,26 @@ def judge(points: list[dict], rules: dict) -> dict:
     return out
 
 
-def round2(state: dict) -> None:
-    """R3's second round: the control's fresh batches measured (resumable), then judged alone."""
+def round2(state: dict, part: str | None) -> None:
+    """R3's second round: the control's fresh batches measured (resumable; `part` I/N: one share of the 36
+    batches, in a process beside the others), then judged alone. The pooled K = 36 report is written only where
+    batches 1-12's gradients are on this machine too (runs/ is not committed)."""
     import study_v4 as S
 
     rules = state["instrument_check"]["round2"]["rules"]
     torch.set_num_threads(1)
     name, estimators = rules["sampler"], ESTIMATORS[:2] + ("seq-is", "smd", "dense")
-    S.run_bias("a2", name, rules["last"], "config,seq-is,smd")
+    if part:
+        S.run_bias("a2", name, rules["last"], "config,seq-is,smd", part)
+        return
+    pooled = all((RUNS / name / "batches" / f"{k:04d}.pt").is_file() for k in range(rules["first"]))
+    if pooled:
+        S.run_bias("a2", name, rules["last"], "config,seq-is,smd")
     coords = span_coordinates(name, rules["first"], rules["last"], estimators)
     report = gradient_report(coords, "naive", "dense", RULES["draws"], seed=0, clamp=False)
     verdicts = {x: verdict(r["gamma"], r["cosine_gain"]) for x, r in report.items() if "gamma" in r}
     state = read(JSON)  # run_bias took minutes to hours: read what is on disk now
-    state["instrument_check"]["round2"].update(estimators=report, verdicts=verdicts)
+    state["instrument_check"]["round2"].update(estimators=report, verdicts=verdicts, pooled_report=pooled)
     write(JSON, state)
     print(f"R3 round 2 on batches {rules['first'] + 1}-{rules['last']}: {verdicts}", flush=True)
     S.report(None)  # R3 (and the goals) from the round-2 verdict
@@ -201,6 +208,9 @@ def round2(state: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=["rules", "run", "round2-rules", "round2"])
+    parser.add_argument(
+        "--part", default=None, help="round2 only: measure share I/N of its batches (no verdict)"
+    )
     args = parser.parse_args()
     state = read(JSON)
     if args.stage == "rules":
@@ -208,7 +218,7 @@ def main() -> int:
     elif args.stage == "round2-rules":
         state["instrument_check"]["round2"] = {"rules": ROUND2}
     elif args.stage == "round2":
-        round2(state)
+        round2(state, args.part)
         return 0
     else:
         rules = state["instrument_check"]["rules"]

@@ -246,6 +246,28 @@ def test_bias_command_writes_report_plot_and_resumes(tmp_path, capsys):
     assert "settings.prompts" in capsys.readouterr().err
 
 
+def test_a_measurement_split_in_parts_reports_what_one_process_reports(tmp_path, capsys):
+    """--part I/N measures its contiguous share of the batches and no report; --resume then reports exactly what
+    one unsplit process reports (a batch depends only on its index)."""
+    common = ["bias", "model.spec=tiny-llama", "rollout.prompts_per_step=2", "rollout.n=4", "rollout.max_new_tokens=8",
+              "kv.budget=12", "kv.interval=4", "--batches", "3", "--no-progress"]  # fmt: skip
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main([*common, "--out", str(whole)]) == 0
+    for part in ("2/2", "1/2"):
+        assert main([*common, "--out", str(split), "--part", part]) == 0
+        assert not (split / "bias.json").exists()
+    assert sorted(p.name for p in (split / "batches").glob("*.pt")) == ["0000.pt", "0001.pt", "0002.pt"]
+    assert "once every part is done" in capsys.readouterr().out
+    assert main([*common, "--out", str(split), "--resume"]) == 0
+    a, b = (json.loads((d / "bias.json").read_text()) for d in (whole, split))
+    assert a["rollout"] == b["rollout"] and a["estimators"] == b["estimators"]
+    with pytest.raises(SystemExit):
+        main([*common, "--out", str(tmp_path / "x"), "--part", "3/2"])
+    assert "1 <= I <= N" in capsys.readouterr().err
+    assert main([*common, "--out", str(tmp_path / "x"), "--part", "1/4"]) == 2  # a config error
+    assert "more parts than --batches 3" in capsys.readouterr().err
+
+
 def test_resume_reads_a_setting_added_since_at_its_default(tmp_path):
     """A folder measured before a config field existed resumes while that field keeps its default, and refuses
     once the field is set otherwise (the saved run never had it)."""

@@ -170,3 +170,24 @@ def test_the_instrument_check_selects_the_unclamped_statistic_only_where_it_is_c
     assert not judged["r3_rejudged_on_fresh_batches"]  # the clamped statistic resolves no gain at K = 12
     grid[0]["unclamped"]["gain_low_above_0"] = 0.2  # a false gain in a fifth of the null replicates
     assert not I.judge(grid, I.RULES)["calibrated"]["unclamped"]
+
+
+def test_span_coordinates_take_batches_by_index_and_keep_every_inner_product(tmp_path, monkeypatch):
+    """Batches first..last-1 are read by their index (a split measurement may lack the others), and their
+    coordinates reproduce every inner product; a missing batch is named."""
+    import study_v4_instrument as I
+    import torch
+
+    monkeypatch.setattr(I, "RUNS", tmp_path)
+    folder = tmp_path / "s" / "batches"
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    grads = {k: {e: torch.randn(50, generator=gen, dtype=torch.float64) for e in "ab"} for k in (2, 3, 4)}
+    for k, g in grads.items():
+        torch.save({"grads": g}, folder / f"{k:04d}.pt")
+    coords = I.span_coordinates("s", 2, 5, ("a", "b"))
+    stacked = torch.cat([torch.stack([grads[k][e] for k in (2, 3, 4)]) for e in "ab"])
+    joint = torch.cat([coords["a"], coords["b"]])
+    assert torch.allclose(joint @ joint.T, stacked @ stacked.T, atol=1e-9)
+    with pytest.raises(SystemExit, match="lacks batches 0001"):
+        I.span_coordinates("s", 1, 5, ("a", "b"))

@@ -26,8 +26,18 @@ def _bias_epilog() -> str:
         "  sparserl bias                                          # the embedded default (R-KV 80), K = 4\n"
         "  sparserl bias kv.method=dense rollout.sampler_temperature=1.3 --out bias-t13   # the positive control\n"
         "  sparserl bias --config my.yaml --batches 24 --estimators config,seq-is,tis --out bias-24\n"
-        "  sparserl bias --out bias-24 --resume                  # continue after a stop"
+        "  sparserl bias --out bias-24 --resume                  # continue after a stop\n"
+        "  sparserl bias -K 24 --part 1/2 --out b & sparserl bias -K 24 --part 2/2 --out b; wait\n"
+        "  sparserl bias -K 24 --out b --resume                  # two processes, then the report"
     )
+
+
+def _part(text: str) -> tuple[int, int]:
+    """'I/N' (1 <= I <= N) as (I, N)."""
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and 1 <= int(i) <= int(n)):
+        raise argparse.ArgumentTypeError(f"--part {text!r}: expected I/N with 1 <= I <= N, e.g. 2/3")
+    return int(i), int(n)
 
 
 @command(
@@ -63,6 +73,15 @@ def _bias_epilog() -> str:
     arg(
         "--resume", action="store_true", help="continue the measurement in --out (its saved batches are kept)"
     ),
+    arg(
+        "--part",
+        type=_part,
+        default=None,
+        metavar="I/N",
+        help="measure only the I-th of N contiguous shares of the batches and write no report: one measurement "
+        "split over N processes or machines sharing --out (a batch depends only on its index); then --resume "
+        "without --part writes the report",
+    ),
     arg("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)"),
     epilog=_bias_epilog,
 )
@@ -83,13 +102,22 @@ def bias(args: argparse.Namespace) -> int:
         estimators=names if gradients else ["config"], gradients=gradients, micro_batch=args.micro_batch,
         sketch_dim=args.sketch_dim, draws=args.draws,
     )  # fmt: skip
-    if args.resume and args.out is None:
-        raise ConfigError("--resume needs --out (the folder of the measurement to continue)")
+    for flag in ("--resume", "--part") if args.out is None else ():
+        if getattr(args, flag[2:]):
+            raise ConfigError(f"{flag} needs --out (the folder of the measurement to continue or share)")
+    if args.part and args.part[1] > args.batches:
+        raise ConfigError(f"--part {args.part[0]}/{args.part[1]}: more parts than --batches {args.batches}")
     out = args.out or f"runs/bias-{cfg.kv.method}-{time.strftime('%Y%m%d-%H%M%S')}"
     command_line = shlex.join(["sparserl", "bias", *sys.argv[2:]])
     with _progress(not args.no_progress, args.batches) as progress:
-        report = measure(cfg, settings, out, resume=args.resume, progress=progress, command=command_line)
-    print_report(report, out)
+        report = measure(cfg, settings, out, args.resume, progress, command=command_line, part=args.part)
+    if report is None:
+        print(
+            f"part {args.part[0]}/{args.part[1]} saved in {out}/batches; once every part is done, the same "
+            f"command with --resume and without --part writes the report"
+        )
+    else:
+        print_report(report, out)
     return 0
 
 
@@ -107,7 +135,7 @@ def _progress(enabled: bool, total: int):
         with Progress(TextColumn("bias"), BarColumn(), TextColumn("{task.completed}/{task.total} batches"),
                       TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn()) as p:  # fmt: skip
             task = p.add_task("bias", total=total)
-            yield lambda done, n: p.update(task, completed=done)
+            yield lambda done, n: p.update(task, completed=done, total=n)
 
     return bar()
 

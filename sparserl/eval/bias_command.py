@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -68,7 +69,9 @@ def _check_out(out: Path, fingerprint: dict, resume: bool) -> None:
                 f"--resume: {out} was measured with --batches {old['settings']['batches']}; pass at least that many"
             )
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(fingerprint, indent=1))
+    tmp = saved.with_suffix(f".{os.getpid()}.tmp")  # written whole: the processes of a split read it at once
+    tmp.write_text(json.dumps(fingerprint, indent=1))
+    tmp.replace(saved)
 
 
 def _fingerprint(cfg: TrainConfig, s: BiasSettings) -> dict:
@@ -104,17 +107,29 @@ def _rows(run: BiasRun, want: int) -> list[int]:
     return rows
 
 
+def part_batches(batches: int, part: tuple[int, int] | None) -> range:
+    """The batch indices of part (i, n), 1-based: the i-th of n contiguous shares of the K batches (all of them
+    for None)."""
+    if part is None:
+        return range(batches)
+    i, n = part
+    return range((i - 1) * batches // n, i * batches // n)
+
+
 def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = False, progress: Any = None,
-            model_loader: Any = None, task: Any = None, command: str = "") -> dict:  # fmt: skip
+            model_loader: Any = None, task: Any = None, command: str = "",
+            part: tuple[int, int] | None = None) -> dict | None:  # fmt: skip
     """Run (or finish) the K batches into `out`, then write and return the report. `progress(done, total)` is
-    called after each batch."""
+    called after each batch. With `part` only that share of the batches is measured and nothing is reported (one
+    measurement split over processes or machines sharing `out`; a later call without it writes the report): a
+    batch depends only on its index (its prompts and seed), so the split changes no number."""
     if truncates(cfg.rollout.top_p, cfg.rollout.top_k):
         raise UserError(
             f"sparserl bias: rollout.top_p={cfg.rollout.top_p}, rollout.top_k={cfg.rollout.top_k}: the command "
             "scores pi_old with the full softmax and has no keep-sampling mask yet; measure with top_p=1, top_k=0"
         )
     out = Path(out)
-    _check_out(out, _fingerprint(cfg, s), resume)
+    _check_out(out, _fingerprint(cfg, s), resume or part is not None)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     run = BiasRun(cfg, model_loader, task)
@@ -124,7 +139,8 @@ def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = F
     (out / BATCHES_DIR).mkdir(exist_ok=True)
     from sparserl.rollout import step_seed
 
-    for k in range(s.batches):
+    indices = part_batches(s.batches, part)
+    for done, k in enumerate(indices, 1):
         path = out / BATCHES_DIR / f"{k:04d}.pt"
         if not path.is_file():
             t0 = time.process_time()
@@ -141,7 +157,9 @@ def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = F
             torch.save(record, tmp)
             tmp.replace(path)
         if progress is not None:
-            progress(k + 1, s.batches)
+            progress(done, len(indices))
+    if part is not None:
+        return None
     reduction = "exact" if sketch is None else f"count-sketch to {sketch.dim} buckets"
     report = summarize(out, s, cfg.trainer.seed, list(estimators), run.size, reduction)
     report = {"goals": {}, "command": command, "sampler": sampler_text(cfg), **report}
