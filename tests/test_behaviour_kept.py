@@ -18,7 +18,9 @@ CPU's feature flags, the torch and transformers versions); elsewhere the float s
 AVX512 capability gave actor/grad_norm 26.56385 against a pinned 26.56383 on another machine or library build), so
 there the metrics are compared to a relative 1e-4 (measured on a second AVX512 machine with the code the fixture
 was written by: at most 4.1e-5, actor/pg_loss near 0.09) and the weight digest is skipped. A fixture without
-`machine` is always compared so.
+`machine` is always compared so. The sequence-level chi-square exponentiates a sequence's summed log-ratio, so a
+rounding difference d in that sum moves it by about 2d(1 + chi2): it is compared to a relative 5e-4 (an AMD EPYC
+AVX512 machine gave 1.5e-4 on the distill arm's 1.48, every other metric within 8.4e-5).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ def machine() -> dict[str, str]:
     }
 
 
+EXPONENTIATED = {"rollout_corr/chi2_seq"}  # relative 5e-4 off the fixture's machine (docstring)
+
+
 def _is_timing(key: str) -> bool:
     return key == "time" or key.startswith("time/") or key.endswith("_s") or "per_s" in key
 
@@ -114,7 +119,8 @@ def test_runs_match_the_fixture(tmp_path: Path, arm: str) -> None:
             if same_cpu or not isinstance(a[k], float):
                 assert a[k] == b[k], (a["step"], k, a[k], b[k])
             else:
-                assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (a["step"], k, a[k], b[k])
+                rel = 5e-4 if k in EXPONENTIATED else 1e-4
+                assert math.isclose(a[k], b[k], rel_tol=rel, abs_tol=1e-6), (a["step"], k, a[k], b[k])
     if same_cpu:
         assert got["weights_sha256"] == want["weights_sha256"]
 
