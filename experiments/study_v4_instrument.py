@@ -199,7 +199,10 @@ def round2(state: dict, part: str | None) -> None:
     report = gradient_report(coords, "naive", "dense", RULES["draws"], seed=0, clamp=False)
     verdicts = {x: verdict(r["gamma"], r["cosine_gain"]) for x, r in report.items() if "gamma" in r}
     state = read(JSON)  # run_bias took minutes to hours: read what is on disk now
-    state["instrument_check"]["round2"].update(estimators=report, verdicts=verdicts, pooled_report=pooled)
+    rebuilt = read(S.WARMSTART / "rebuilt.json", None)  # the warm start retrained on this machine, if it was
+    state["instrument_check"]["round2"].update(
+        estimators=report, verdicts=verdicts, pooled_report=pooled, warmstart_rebuilt=rebuilt
+    )
     write(JSON, state)
     print(f"R3 round 2 on batches {rules['first'] + 1}-{rules['last']}: {verdicts}", flush=True)
     S.report(None)  # R3 (and the goals) from the round-2 verdict
