@@ -9,6 +9,7 @@ the same command after a kill.
     nohup python experiments/study_v4.py a1 > /tmp/study_v4_a1.log 2>&1 &   # ~2.5 CPU-h, one sampler at a time
     python experiments/study_v4.py pilot       # ~0.4 CPU-h: the dense pilot (learning rate, a training rollout's cost)
     python experiments/study_v4.py a2          # ~12 CPU-h (after A1: the samplers R1 picks)
+    python experiments/study_v4.py a2 --processes 2   # the same, each sampler in two one-thread processes
     python experiments/study_v4.py bias-default   # the 15-minute goal: sparserl bias on the embedded default
     python experiments/study_v4.py train       # ~13 CPU-h: stage B or B' (R4 picks; experiments/study_v4_train.py)
     python experiments/study_v4.py evaluate    # ~2.5 CPU-h: the held-out evaluations, one process per model
@@ -151,24 +152,34 @@ def ensure_warmstart(args) -> None:
     print(f"warm start rebuilt: SFT losses within {deviation:.2e} of the committed ones", flush=True)
 
 
-def run_bias(stage: str, name: str, batches: int, estimators: str, part: str | None = None) -> dict | None:
-    """`sparserl bias` for one sampler of the dial on the probe rows (4 prompts x 8 per batch), in its own
-    resumable process; its report copied to docs/results/study_v4/STAGE/NAME.json. With `part` (I/N) only that
-    share of the batches is measured (`sparserl bias --part`, beside the processes of the other parts) and
-    nothing is reported."""
+def run_bias(
+    stage: str, name: str, batches: int, estimators: str, parts=(), write_report: bool = True
+) -> dict | None:
+    """`sparserl bias` for one sampler of the dial on the probe rows (4 prompts x 8 per batch), resumable; its
+    report copied to docs/results/study_v4/STAGE/NAME.json. `parts` (I/N each): those shares of the batches
+    measured side by side, one one-thread process each (`sparserl bias --part`), before the report (if asked)."""
     out, kept = RUNS / stage / name, RESULTS / stage / f"{name}.json"
     cmd = [sys.executable, "-m", "sparserl.cli", "bias", "--config", str(CONFIG), *R.SAMPLERS[name], *probe_rows(),
            "trainer.threads=1", "--prompts", "4", "--batches", str(batches), "--estimators", estimators,
-           "--out", str(out), "--resume", "--no-progress", *(["--part", part] if part else [])]  # fmt: skip
-    print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    if part:
+           "--out", str(out), "--resume", "--no-progress"]  # fmt: skip
+    print(" ".join(cmd), *(f"[--part {p}]" for p in parts), flush=True)
+    processes = [subprocess.Popen([*cmd, "--part", p], cwd=ROOT) for p in parts]
+    if any([p.wait() for p in processes]):  # every part waited for before stopping
+        raise SystemExit(f"{stage} {name}: a part of the measurement failed (its error is above)")
+    if not write_report:
         return None
+    subprocess.run(cmd, check=True, cwd=ROOT)
     report = read(out / "bias.json")
     report["goals"] = {}  # a stage's part judges nothing by itself: `report` applies the rules
     write(kept, report)
     print(f"{stage} {name} done ({report['cpu_s']['total'] / 3600:.2f} CPU-h); commit: {COMMIT}", flush=True)
     return report
+
+
+def split(args) -> list[str]:
+    """The --processes option as `sparserl bias --part` shares (none for one process)."""
+    n = getattr(args, "processes", 1)
+    return [f"{i}/{n}" for i in range(1, n + 1)] if n > 1 else []
 
 
 def a1(args) -> None:
@@ -200,13 +211,13 @@ def a2(args) -> None:
     done = {name: read(RESULTS / "a2" / f"{name}.json", {}) for name in state["a2_samplers"]}
     for name, kept in done.items():  # a sampler whose K = 12 part is committed resumes at its extension
         if not kept.get("complete"):
-            done[name] = run_bias("a2", name, a["batches"], estimators)
+            done[name] = run_bias("a2", name, a["batches"], estimators, split(args))
     real = [k for k in state["a2_samplers"] if k != "dense" and k not in R.CONTROLS]
     passed = round2_verdict(state) == "corrections matter"
     for name in real if passed else real[:2]:
         # R2's extension (the top 2); once R3's second round passed, every real sampler at K = 24 (its rule)
         if passed or R.r2_extend(done[name]):
-            run_bias("a2", name, a["extended_batches"], estimators)
+            run_bias("a2", name, a["extended_batches"], estimators, split(args))
 
 
 def pilot(args) -> None:
@@ -305,6 +316,8 @@ def main() -> int:
     p.add_argument("model", nargs="*", help="eval-one only: NAME SPEC (the `evaluate` stage calls it)")
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-4)
+    p.add_argument("--processes", type=int, default=1, help="a2: measure each sampler in this many one-thread "
+                   "processes side by side (sparserl bias --part); the numbers do not change")  # fmt: skip
     args = p.parse_args()
     os.chdir(ROOT)  # the setting names its model relative to the repository root
     torch.set_num_threads(1)

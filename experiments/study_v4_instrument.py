@@ -190,7 +190,7 @@ def round2(state: dict, part: str | None) -> None:
     torch.set_num_threads(1)
     name, estimators = rules["sampler"], ESTIMATORS[:2] + ("seq-is", "smd", "dense")
     if part:
-        S.run_bias("a2", name, rules["last"], "config,seq-is,smd", part)
+        S.run_bias("a2", name, rules["last"], "config,seq-is,smd", [part], write_report=False)
         return
     pooled = all((RUNS / name / "batches" / f"{k:04d}.pt").is_file() for k in range(rules["first"]))
     if pooled:
