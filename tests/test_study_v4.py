@@ -191,3 +191,38 @@ def test_span_coordinates_take_batches_by_index_and_keep_every_inner_product(tmp
     assert torch.allclose(joint @ joint.T, stacked @ stacked.T, atol=1e-9)
     with pytest.raises(SystemExit, match="lacks batches 0001"):
         I.span_coordinates("s", 1, 5, ("a", "b"))
+
+
+def test_run_bias_runs_its_parts_side_by_side_then_reports(tmp_path, monkeypatch):
+    """a2 --processes 2: one `sparserl bias --part i/2` process per share, all waited for, then the unsplit
+    command writes the report that is copied (goals emptied); a failed part stops before any report."""
+    import study_v4 as S
+
+    monkeypatch.setattr(S, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(S, "RESULTS", tmp_path / "results")
+    started, reported = [], []
+
+    class Part:
+        def __init__(self, cmd, cwd):
+            started.append(cmd[cmd.index("--part") + 1])
+
+        def wait(self):
+            return int(fail and started[-1] == "2/2")
+
+    def run(cmd, check, cwd):
+        reported.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        S.write(out / "bias.json", {"goals": {"x": 1}, "cpu_s": {"total": 7.0}})
+
+    monkeypatch.setattr(S.subprocess, "Popen", Part)
+    monkeypatch.setattr(S.subprocess, "run", run)
+    fail = False
+    parts = S.split(type("Args", (), {"processes": 2})())
+    report = S.run_bias("a2", "rkv136", 24, "config", parts)
+    assert started == ["1/2", "2/2"] and "--part" not in reported[0]
+    assert report["goals"] == {} and S.read(tmp_path / "results" / "a2" / "rkv136.json") == report
+    fail, started[:] = True, []
+    with pytest.raises(SystemExit, match="a part of the measurement failed"):
+        S.run_bias("a2", "rkv128", 24, "config", parts)
+    assert started == ["1/2", "2/2"] and len(reported) == 1
