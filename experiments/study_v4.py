@@ -119,9 +119,8 @@ def warmstart(args) -> None:
     print(json.dumps(reproduced_goal(state)), "\ncommit:", COMMIT)
 
 
-REBUILT_LOSS_TOLERANCE = (
-    1e-3  # absolute, per SFT step, where the retraining machine rounds floats differently
-)
+# absolute, per SFT step, where the retraining machine rounds floats differently
+REBUILT_LOSS_TOLERANCE = 1e-3
 
 
 def ensure_warmstart(args) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from study_v3 import read, write
 
+from sparserl.eval.bias_command import batch_path
 from sparserl.eval.bias_stats import gradient_report, gram, pair_means, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ def span_coordinates(
 ) -> dict[str, torch.Tensor]:
     """Batches first..last-1 of one sampler's per-batch gradients in coordinates of their span ({estimator:
     [K, R]}): every inner product equals the real one (eigendecomposition of the joint Gram matrix)."""
-    files = [RUNS / name / "batches" / f"{k:04d}.pt" for k in range(first, last)]
+    files = [batch_path(RUNS / name, k) for k in range(first, last)]
     missing = [f.stem for f in files if not f.is_file()]
     if missing:
         raise SystemExit(f"{RUNS / name} lacks batches {', '.join(missing)} of {first}-{last - 1}")
@@ -192,7 +193,7 @@ def round2(state: dict, part: str | None) -> None:
     if part:
         S.run_bias("a2", name, rules["last"], "config,seq-is,smd", [part], write_report=False)
         return
-    pooled = all((RUNS / name / "batches" / f"{k:04d}.pt").is_file() for k in range(rules["first"]))
+    pooled = all(batch_path(RUNS / name, k).is_file() for k in range(rules["first"]))
     if pooled:
         S.run_bias("a2", name, rules["last"], "config,seq-is,smd")
     coords = span_coordinates(name, rules["first"], rules["last"], estimators)

@@ -178,13 +178,15 @@ def test_span_coordinates_take_batches_by_index_and_keep_every_inner_product(tmp
     import study_v4_instrument as I
     import torch
 
+    from sparserl.eval.bias_command import batch_path
+
     monkeypatch.setattr(I, "RUNS", tmp_path)
     folder = tmp_path / "s" / "batches"
     folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
     grads = {k: {e: torch.randn(50, generator=gen, dtype=torch.float64) for e in "ab"} for k in (2, 3, 4)}
     for k, g in grads.items():
-        torch.save({"grads": g}, folder / f"{k:04d}.pt")
+        torch.save({"grads": g}, batch_path(tmp_path / "s", k))
     coords = I.span_coordinates("s", 2, 5, ("a", "b"))
     stacked = torch.cat([torch.stack([grads[k][e] for k in (2, 3, 4)]) for e in "ab"])
     joint = torch.cat([coords["a"], coords["b"]])

@@ -102,8 +102,8 @@ def bias(args: argparse.Namespace) -> int:
         estimators=names if gradients else ["config"], gradients=gradients, micro_batch=args.micro_batch,
         sketch_dim=args.sketch_dim, draws=args.draws,
     )  # fmt: skip
-    for flag in ("--resume", "--part") if args.out is None else ():
-        if getattr(args, flag[2:]):
+    for flag, given in (("--resume", args.resume), ("--part", args.part)):
+        if given and args.out is None:
             raise ConfigError(f"{flag} needs --out (the folder of the measurement to continue or share)")
     if args.part and args.part[1] > args.batches:
         raise ConfigError(f"--part {args.part[0]}/{args.part[1]}: more parts than --batches {args.batches}")

@@ -107,6 +107,11 @@ def _rows(run: BiasRun, want: int) -> list[int]:
     return rows
 
 
+def batch_path(out: str | Path, k: int) -> Path:
+    """Where batch k (0-based) of the measurement in `out` is saved (what --resume and --part read)."""
+    return Path(out) / BATCHES_DIR / f"{k:04d}.pt"
+
+
 def part_batches(batches: int, part: tuple[int, int] | None) -> range:
     """The batch indices of part (i, n), 1-based: the i-th of n contiguous shares of the K batches (all of them
     for None)."""
@@ -141,7 +146,7 @@ def measure(cfg: TrainConfig, s: BiasSettings, out: str | Path, resume: bool = F
 
     indices = part_batches(s.batches, part)
     for done, k in enumerate(indices, 1):
-        path = out / BATCHES_DIR / f"{k:04d}.pt"
+        path = batch_path(out, k)
         if not path.is_file():
             t0 = time.process_time()
             c = run.sample(rows[k * s.prompts : (k + 1) * s.prompts], step_seed(cfg.trainer.seed, k))
