@@ -1,6 +1,7 @@
 """Study v4, stage B (or B') and its held-out evaluation, driven by experiments/study_v4.py:
 
     python experiments/study_v4.py train      # ~13 CPU-h: 3 arms x 4 seeds x 28 rollouts, one run at a time
+    python experiments/study_v4.py train --processes 2   # the same, two one-thread runs side by side
     python experiments/study_v4.py evaluate   # ~2.5 CPU-h: the warm start and the 12 trained models, one process each
     python experiments/study_v4.py report     # R5 and the validity gate, once every evaluation is in
 
@@ -15,6 +16,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import study_v4_r5 as B
@@ -47,26 +50,40 @@ def run_names(p: dict) -> list[str]:
 
 
 def train(args) -> None:
-    """Every arm and seed, one `sparserl train` at a time (resumed, or skipped when its copy is committed)."""
-    from study import train_arm
-
+    """Every arm and seed in seed-major order (resumed, or skipped when its copy is committed), `--processes`
+    one-thread runs side by side; a failed run lets the running ones finish and starts no other."""
     p = stage_plan()
     lr = read(RESULTS / "pilot.json")["lr"]
-    for name in run_names(p):
-        dest = RESULTS / "b" / f"{name}.jsonl"
-        if dest.is_file():
-            continue
-        arm, seed = name.rsplit("-s", 1)
-        overrides = [
-            *p["arms"][arm],
-            f"trainer.seed={seed}",
-            f"trainer.steps={p['rollouts']}",
-            f"optim.lr={lr}",
-        ]
-        run = train_arm(RUNS / "b", name, overrides, [], config=CONFIG)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(run / "metrics.jsonl", dest)
-        print(f"stage {p['stage']} {name} done; commit: {COMMIT}", flush=True)
+    pending = [n for n in run_names(p) if not (RESULTS / "b" / f"{n}.jsonl").is_file()]
+    failed = threading.Event()
+
+    def unless_failed(name: str) -> None:
+        if failed.is_set():
+            return
+        try:
+            train_one(p, lr, name)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(max(1, getattr(args, "processes", 1))) as pool:
+        runs = [pool.submit(unless_failed, name) for name in pending]
+    for run in runs:
+        if run.exception() is not None:
+            raise run.exception()
+
+
+def train_one(p: dict, lr: float, name: str) -> None:
+    """One arm and seed: `sparserl train` (resumed from its last checkpoint), its metrics copied for commit."""
+    from study import train_arm
+
+    arm, seed = name.rsplit("-s", 1)
+    overrides = [*p["arms"][arm], f"trainer.seed={seed}", f"trainer.steps={p['rollouts']}", f"optim.lr={lr}"]
+    run = train_arm(RUNS / "b", name, overrides, [], config=CONFIG)
+    dest = RESULTS / "b" / f"{name}.jsonl"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(run / "metrics.jsonl", dest)
+    print(f"stage {p['stage']} {name} done; commit: {COMMIT}", flush=True)
 
 
 def models(p: dict) -> dict[str, str]:

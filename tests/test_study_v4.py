@@ -228,3 +228,50 @@ def test_run_bias_runs_its_parts_side_by_side_then_reports(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match="a part of the measurement failed"):
         S.run_bias("a2", "rkv128", 24, "config", parts)
     assert started == ["1/2", "2/2"] and len(reported) == 1
+
+
+def test_train_runs_side_by_side_in_seed_major_order_and_a_failure_starts_no_other(tmp_path, monkeypatch):
+    """train --processes 2: at most two runs at once, each finished run's metrics copied; committed runs are
+    skipped; a failed run lets the running one finish and starts no other."""
+    import threading
+    import time
+
+    import study
+    import study_v4_train as T
+
+    plan = {"stage": "B", "seeds": [0, 1], "arms": {"a": ["x=1"], "b": []}, "rollouts": 3}
+    monkeypatch.setattr(T, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(T, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(T, "stage_plan", lambda: plan)
+    T.write(tmp_path / "results" / "pilot.json", {"lr": 1e-5})
+    lock, active, started = threading.Lock(), [0], []
+
+    def train_arm(out, name, overrides, extra, config):
+        with lock:
+            started.append((name, overrides))
+            active[0] += 1
+        time.sleep(0.05)
+        with lock:
+            active.append(active[0])
+            active[0] -= 1
+        if name == failing:
+            raise SystemExit(f"arm {name}: training exited with status 1")
+        (out / name).mkdir(parents=True)
+        (out / name / "metrics.jsonl").write_text(f"{name}\n")
+        return out / name
+
+    monkeypatch.setattr(study, "train_arm", train_arm)
+    failing = None
+    (tmp_path / "results" / "b").mkdir(parents=True)
+    (tmp_path / "results" / "b" / "b-s1.jsonl").write_text("committed\n")
+    T.train(type("Args", (), {"processes": 2})())
+    assert [n for n, _ in started] == ["a-s0", "b-s0", "a-s1"] and max(active[1:]) == 2
+    assert started[0][1] == ["x=1", "trainer.seed=0", "trainer.steps=3", "optim.lr=1e-05"]
+    assert (tmp_path / "results" / "b" / "a-s1.jsonl").read_text() == "a-s1\n"
+    for f in (tmp_path / "results" / "b").glob("[ab]-s0.jsonl"):
+        f.unlink()
+    (tmp_path / "results" / "b" / "a-s1.jsonl").unlink()
+    started[:], failing = [], "a-s0"
+    with pytest.raises(SystemExit, match="arm a-s0"):
+        T.train(type("Args", (), {"processes": 1})())
+    assert [n for n, _ in started] == ["a-s0"]
