@@ -116,19 +116,23 @@ def wrap(obj: Any, attr: str, probe: Probe, name: str) -> None:
 
 def count_packing() -> dict[str, float]:
     """Counts `Decoder.prepare` calls (one per `generate` / decoding run) and the packed-copy builds among them,
-    with the builds' CPU seconds: what the weights version saves is (prepares - builds) builds."""
+    with the builds' CPU seconds and the largest copy's bytes (its distinct storages: each projection [in, out]
+    with LoRA merged, and the head): what the weights version saves is (prepares - builds) builds."""
     from sparserl.engine import decoder, weights
 
-    counts = {"prepares": 0, "builds": 0, "build_cpu_s": 0.0}
+    counts = {"prepares": 0, "builds": 0, "build_cpu_s": 0.0, "copy_bytes": 0}
     build, prepare = weights.PackedProjections.build.__func__, decoder.Decoder.prepare
 
     def counted_build(cls, *a, **k):
         t0 = time.process_time()
+        packed = None
         try:
-            return build(cls, *a, **k)
+            packed = build(cls, *a, **k)
+            return packed
         finally:
             counts["builds"] += 1
             counts["build_cpu_s"] += time.process_time() - t0
+            counts["copy_bytes"] = max(counts["copy_bytes"], _copy_bytes(packed))
 
     def counted_prepare(self):
         counts["prepares"] += 1
@@ -137,6 +141,17 @@ def count_packing() -> dict[str, float]:
     weights.PackedProjections.build = classmethod(counted_build)
     decoder.Decoder.prepare = counted_prepare
     return counts
+
+
+def _copy_bytes(packed: Any) -> int:
+    """Bytes of a packed copy's own storages (a head it multiplies through the model's module is not a copy)."""
+    import torch
+
+    if packed is None:
+        return 0
+    parts = [*packed._qkv, *packed._out, *packed._gate_up, *packed._down, packed._lm_head]
+    tensors = [t for m in parts for t in getattr(m, "__dict__", {}).values() if isinstance(t, torch.Tensor)]
+    return sum(_storages(tensors).values())
 
 
 MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
@@ -295,6 +310,7 @@ def main() -> None:
         "phases_mib": phases,
         "train_wall_s": wall,
         "summary_peak_rss_bytes": summary.get("peak_rss_bytes"),
+        "rollout_peak_kv_bytes_mean": summary.get("peak_kv_bytes_mean"),
         "steps": trainer.state.step,
         "packing": packs,
         "machine": machine_info(),
