@@ -132,7 +132,7 @@ def count_packing() -> dict[str, float]:
         finally:
             counts["builds"] += 1
             counts["build_cpu_s"] += time.process_time() - t0
-            counts["copy_bytes"] = max(counts["copy_bytes"], _copy_bytes(packed))
+            counts["copy_bytes"] = max(counts["copy_bytes"], packed.nbytes() if packed else 0)
 
     def counted_prepare(self):
         counts["prepares"] += 1
@@ -141,17 +141,6 @@ def count_packing() -> dict[str, float]:
     weights.PackedProjections.build = classmethod(counted_build)
     decoder.Decoder.prepare = counted_prepare
     return counts
-
-
-def _copy_bytes(packed: Any) -> int:
-    """Bytes of a packed copy's own storages (a head it multiplies through the model's module is not a copy)."""
-    import torch
-
-    if packed is None:
-        return 0
-    parts = [*packed._qkv, *packed._out, *packed._gate_up, *packed._down, packed._lm_head]
-    tensors = [t for m in parts for t in getattr(m, "__dict__", {}).values() if isinstance(t, torch.Tensor)]
-    return sum(_storages(tensors).values())
 
 
 MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"

@@ -32,10 +32,7 @@ QUESTIONS = ("What is 12 + 7? Answer in one sentence.", "Name three colours of t
 
 @pytest.fixture(scope="module")
 def smollm2():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # deterministic and fast enough; the CPU may be shared
-    yield load_model("smollm2-135m")
-    torch.set_num_threads(threads)
+    return load_model("smollm2-135m")  # at one thread, as every module fixture (conftest)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

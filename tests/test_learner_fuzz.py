@@ -227,17 +227,6 @@ def run_ranks(rank: int, world: int, jobs: list, out_dir: str) -> None:
         torch.save(results, Path(out_dir) / "results.pt")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_for_the_module():
-    """The one learner of `group_runs` (a module fixture, set up before conftest's per-test one thread) at one
-    thread, as each rank is: at 2 threads its own sums change order too, which moved a weight of the gspo case
-    (seed 2) by 3.9e-6 after one Adam step, on CI and on this project's AMD EPYC alike."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def group_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every group case in both modes, in one pair of processes (starting them is most of the cost), beside

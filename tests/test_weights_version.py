@@ -136,3 +136,14 @@ def test_no_stale_copy_after_an_optimizer_step(
     # the check can fail: without the learner's bump the engine samples from the previous weights
     monkeypatch.setattr(update, "bump_weights_version", lambda module: None)
     assert _stale_gap(tmp_path, *extra, name="not_bumped") > 1e-3
+
+
+def test_packed_copy_counts_its_own_bytes() -> None:
+    """`nbytes` is the packed matrices' bytes: every projection and the head, each [in, out], once."""
+    model, _ = tiny_model("llama")
+    layers = model.model.layers
+    packed = packing.PackedProjections.build(layers, model.lm_head, torch.float32)
+    linears = [m for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    want = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in linears)
+    want += model.lm_head.weight.numel()
+    assert packed.nbytes() == 4 * want

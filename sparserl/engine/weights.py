@@ -142,6 +142,12 @@ class PackedProjections:
     def logits(self, x: Tensor) -> Tensor:
         return self._lm_head(x)
 
+    def nbytes(self) -> int:
+        """Bytes of the packed copy's own storages (each counted once): what packing adds to the model's."""
+        matrices = [*self._qkv, *self._out, *self._gate_up, *self._down, self._lm_head]
+        tensors = [t for m in matrices for t in (m.weight_t, m.bias) if t is not None]
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
 
 # the attribute on an LM head that `keep_head_float32` sets: its matmul runs in float32 (model.fp32_lm_head)
 FLOAT32_HEAD_ATTR = "sparserl_float32_head"
