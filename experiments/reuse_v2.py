@@ -81,7 +81,7 @@ def lower_bound(diffs: list[float]) -> float:
 def length_goals(runs: dict, n: int) -> dict:
     pairs = paired_runs(runs, "spec", n)
     base = {"command": EXPERIMENT.command, "seeds": len(pairs)}
-    unmeasured = {"value": None, "met": False, "reason": "not run yet", **base}
+    unmeasured = {"value": None, "met": None, "status": "not run yet", **base}  # judged once every seed ran
     speed = {"target": SPEED_TARGETS[n], **unmeasured}
     quality = {"target": -MARGIN, **unmeasured}
     if len(pairs) == len(EXPERIMENT.seeds):
