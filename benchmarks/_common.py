@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-# issue 18's GPU goal: measured by `benchmarks/rollout.py --device cuda`, listed by benchmarks/rl_step.py
+# the GPU rollout goal: measured by `benchmarks/rollout.py --device cuda`, listed by benchmarks/rl_step.py
 GPU_GOAL_TARGET = 2.0  # the dense engine's tokens/s over generate's
 GPU_GOAL = (
     f"On a GPU: the dense engine >= {GPU_GOAL_TARGET:g}x transformers' generate tokens/s at batch 64 and 2k-token "

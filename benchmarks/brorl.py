@@ -70,7 +70,7 @@ def agreement(a: list, b: list) -> dict[str, float]:
 
 
 def goals(payload: dict) -> dict[str, dict]:
-    """The three BroRL goals of issue 36 from the measured medians."""
+    """The reuse experiment's three BroRL goals from the measured medians."""
     shared, copied, n = payload["shared"], payload["copied"], payload["n"]
     bpp, groups = shared["kv_bytes_per_position"], payload["prompts"]
     bound = (

@@ -45,7 +45,7 @@ from sparserl.signals import stoppable
 GOALS = {
     16: 1.3,
     64: 1.3,
-}  # the most a compiled step may cost, in weight-matmul times, per batch size (issue 40)
+}  # the most a compiled step may cost, in weight-matmul times, per batch size
 RKV = KVConfig(method="rkv", budget=80, interval=16, window=8)  # configs/default.yaml's
 # decode steps of a run of each measured configuration (trainer.steps x rollout.max_new_tokens, batch)
 RUNS = {

@@ -1,4 +1,4 @@
-"""The Sparrow frontier table (issue 39 item 2): per block_topk budget x length bin up to 8k positions, alpha's P5
+"""The Sparrow frontier table: per block_topk budget x length bin up to 8k positions, alpha's P5
 with its 90% interval and the decode speed against dense at that length, so that whether speed and tail can both
 hold at a length is read off one table.
 

@@ -12,7 +12,7 @@ the call. Runs alternate (ours, HF, ours, HF, ...) so that a busy machine slows 
     python benchmarks/rollout.py --quick        # a smoke run in about a minute, prints only
     python benchmarks/rollout.py --group 8 --contexts 512:128 --out /tmp/group.json   # GRPO groups of 8
     python benchmarks/rollout.py --device cuda --batch 64 --contexts 256:2048 --repeats 3 \
-        --out docs/results/rollout_gpu.json         # the GPU goal (issue 18); on a GPU machine
+        --out docs/results/rollout_gpu.json         # the GPU rollout goal; on a GPU machine
 
 On a GPU the timings end with a synchronize and the peak is also the GPU's allocated high-water mark.
 `--random-weights` builds the model from the config beside `--model` (a Hugging Face folder) with random weights:
@@ -161,7 +161,7 @@ def random_model(folder: str):
 
 
 def gpu_goal(results: list[dict], device: str, compiled: bool) -> dict:
-    """Issue 18's GPU goal, from a GPU run of the default (eager) engine at batch 64 and 2k-token generations
+    """The GPU rollout goal, from a GPU run of the default (eager) engine at batch 64 and 2k-token generations
     (benchmarks/rl_step.py copies it)."""
     rows = [r for r in results if r["batch"] == 64 and r["new_tokens"] >= 2048]
     if not device.startswith("cuda") or not rows or compiled:

@@ -1,4 +1,4 @@
-"""The rollout layer's scheduling under one KV memory cap (issue 17), SmolLM2-135M, EOS ignored.
+"""The rollout layer's scheduling under one KV memory cap, SmolLM2-135M, EOS ignored.
 
 (a) Memory wall -> throughput: 4k-token generations of one prompt under `--cap-a`. Dense continuous batching,
     R-KV continuous batching and static batching (dense, every sequence charged prompt + 4096 positions up front)

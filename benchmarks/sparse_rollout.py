@@ -43,7 +43,7 @@ from _common import (  # noqa: E402
 
 from sparserl.engine import EVICTION_METHODS, KVConfig  # noqa: E402
 
-BENCH_METHODS = ("dense", *EVICTION_METHODS)  # block-sparse attention has its own benchmark (issue 15)
+BENCH_METHODS = ("dense", *EVICTION_METHODS)  # block-sparse attention has its own benchmark (sparrow.py)
 from sparserl.models import encode_prompt, load_model  # noqa: E402
 from sparserl.signals import stoppable  # noqa: E402
 

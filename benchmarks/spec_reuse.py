@@ -26,7 +26,7 @@ from _common import update_result
 from sparserl.signals import stoppable
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "results" / "reuse.json"  # issue 36's results file, section "spec_acceptance"
+OUT = ROOT / "docs" / "results" / "reuse.json"  # the reuse experiment's results, section "spec_acceptance"
 COMMAND = "python benchmarks/spec_reuse.py"
 LRS = (0.0, 1e-5, 1e-4, 1e-3)
 PROMPTS = 8

@@ -1,4 +1,4 @@
-"""Issue 39's DistillSparse v2 experiment: does distilling the dense policy into the sparse path (an adapter on
+"""The DistillSparse v2 experiment: does distilling the dense policy into the sparse path (an adapter on
 the sparse path only, no reward term) raise alpha's tail at an aggressive block_topk schedule, let a tau = 0.86
 recalibration read fewer positions, and leave the dense policy's accuracy where it was?
 

@@ -1,4 +1,4 @@
-"""Issue 39 item 3: does alpha's tail stay put during RL, with the power to say so? Sparrow calibrates once per
+"""P5 stability v2: does alpha's tail stay put during RL, with the power to say so? Sparrow calibrates once per
 model because P5 hardly moves across RL iterations; v1 (experiments/p5_stability.py) read that from one prompt x 4
 samples of another task, whose seed-to-seed range (0.04-0.07) was the whole margin.
 

@@ -1,4 +1,4 @@
-"""Issue 36's experiment: rollouts that reuse work against plain GRPO on prompts that return, SmolLM2-135M, 32
+"""The reuse experiment: rollouts that reuse work against plain GRPO on prompts that return, SmolLM2-135M, 32
 sums of 1-2 digit numbers for 6 epochs (experiments/reuse.yaml), 3 seeds each: plain GRPO (4 samples a prompt), SPEC-RL
 (the same with rollout.spec), tree rollouts at the same 4 leaves a prompt (2 roots, one fork point each, one
 child). Reward curves, rollout time per step, held-out accuracy (each model in its own process).

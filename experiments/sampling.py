@@ -1,4 +1,4 @@
-"""Issue 37's experiment: GRPO, DARS, VCRL, DAPO's dynamic sampling and uniqueness-aware advantages at an equal
+"""The sampling experiment: GRPO, DARS, VCRL, DAPO's dynamic sampling and uniqueness-aware advantages at an equal
 rollout budget (drawn tokens), SmolLM2-135M on sums of 1-3 digit numbers, 3 seeds each.
 
     python experiments/sampling.py            # everything not done yet: train, evaluate, report (resumable)

@@ -1,4 +1,4 @@
-"""Issue 35's SAPO experiment: two nodes (independent trainers, each its own policy and seed) on one local Ray
+"""The SAPO experiment: two nodes (independent trainers, each its own policy and seed) on one local Ray
 cluster, SmolLM2-135M arithmetic (experiments/sapo.yaml: 1-2 digit sums, 4 samples a prompt), each training on 4
 local + 4 shared groups a step against 8 local + 0 shared, the same seeds. Reward curves and each node's held-out accuracy (each model in
 its own process). Needs both cores: the two nodes of a pair run side by side, at one thread each.
@@ -6,7 +6,7 @@ its own process). Needs both cores: the two nodes of a pair run side by side, at
     python experiments/sapo.py            # everything not done yet (resumable per node); ~3.6 CPU-hours
     python experiments/sapo.py report
 
-No goal of issue 35 is judged here (its goals are the Ray benchmarks'); the comparison is reported paired by
+No goal is judged here (the SAPO experiment's goals are the Ray benchmarks'); the comparison is reported paired by
 seed, with the rules written in docs/results/sapo.json before any run.
 """
 

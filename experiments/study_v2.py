@@ -1,4 +1,4 @@
-"""Study v2 (issue 19): do the Sparse-RL and Sparrow claims hold where sparsity bites? Long-context recall
+"""Study v2: do the Sparse-RL and Sparrow claims hold where sparsity bites? Long-context recall
 (long_arithmetic, experiments/study_v2.yaml: the answer needs two values stated at the start of a ~360-token
 prompt, behind distractors), both sparse families, several seeds.
 

@@ -1,4 +1,4 @@
-"""Study v2's record, recomputed (issue 38 item 1): every contrast of docs/results/study_v2 paired by seed beside
+"""Study v2's record, recomputed: every contrast of docs/results/study_v2 paired by seed beside
 the unpaired one, the masking share of the Sparse-RL corrections, the retained-token saving beside the allocation
 figure, and the P5 each Sparrow schedule measured. Reads only committed parts (parts/heldout, parts/curves,
 parts/calibration.json, scoping.json); writes docs/results/study_v2/paired.json. Seconds, no model.

@@ -1,4 +1,4 @@
-"""Study v2 (issue 19), the stages before training: the setting (experiments/study_v2.yaml), the warm start
+"""Study v2, the stages before training: the setting (experiments/study_v2.yaml), the warm start
 that gives the base model a reward to learn from, and the scoping run that fixes the KV budget.
 
 - `probe`: the dense reward of a model on a variant of the setting (config overrides).

@@ -1,4 +1,4 @@
-"""Study v3 (issue 38): the Sparse-RL claims where eviction hits the reasoning. Long worked sums (arithmetic, 12
+"""Study v3: the Sparse-RL claims where eviction hits the reasoning. Long worked sums (arithmetic, 12
 operands, '+'; experiments/study_v3.yaml), an R-KV budget a little above the prompt chosen by a rule fixed in
 advance, dense / naive R-KV / Sparse-RL R-KV x seeds 0-3, statistics paired by seed. The task's answers, the
 restate regex and every decision rule: experiments/study_v3_rules.py. Every stage is resumable (re-run the same
@@ -34,7 +34,7 @@ from study_v2_setup import eviction_kv, mismatch, weight_checksum
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "experiments" / "study_v3.yaml"
 RESULTS = ROOT / "docs" / "results" / "study_v3"
-RUNS = ROOT / "runs" / "study_v3"  # kept: never deleted (issue 38)
+RUNS = ROOT / "runs" / "study_v3"  # kept: never deleted
 WARMSTART = RUNS / "warmstart"
 JSON = RESULTS / "study_v3.json"
 BASE_MODEL = "smollm2-135m"

@@ -1,4 +1,4 @@
-"""Study v3's report (issue 38): applies the rules fixed in docs/results/study_v3/study_v3.json (set by
+"""Study v3's report: applies the rules fixed in docs/results/study_v3/study_v3.json (set by
 study_v3_rules.py) to the committed parts only (runs/<arm>-s<seed>.jsonl, heldout/<model>.json, scoping.json), and
 rewrites the goals and results of study_v3.json. Each goal stays "not met" with its reason until measured; when
 the budget rule stopped the study before any arm trained, every goal is "met": null, "not run: stopped by rule"."""

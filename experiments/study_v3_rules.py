@@ -1,4 +1,4 @@
-"""Study v3 (issue 38), the parts that need no model: the worked answers in their two styles, the restate
+"""Study v3, the parts that need no model: the worked answers in their two styles, the restate
 regex, the disjoint row sets, and every decision rule fixed before the runs (the budget rule, the warm start's
 stop and fallback ladder, the pilot's lr rule, the validity gate, the collapse rule, the paired contrasts with
 Holm, the non-inferiority of claim 2 and its seed-paired bootstrap). experiments/study_v3.py writes RULES into

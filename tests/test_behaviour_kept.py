@@ -1,13 +1,13 @@
 """Behaviour kept across refactors: short tiny-model runs give the metrics and final weights pinned in
 tests/fixtures/behaviour_kept.json, which was written by the code before the seams redesign
 (`python tests/test_behaviour_kept.py --write`, run with that code first on the import path). The distill arm was
-re-pinned by DistillSparse v2 (issue 39), whose objective changed on purpose, and again when block-sparse groups
-came to hold their prompt's whole pages once (issue 36: its peak KV bytes 0.55x, the same samples, the update's
-metrics moved by float rounding, at most 2.3e-5 absolute, on a perplexity near 40). The three evicting arms
-(default, cap_partial, epochs_kl_lora) were re-pinned when evicting groups came to hold their cut prompt once
-(issue 36, engine/evicting_prefix.py): the same samples, peak KV bytes 0.74x, under the 1 MiB cap more rows
-resident (rollout/occupancy), the update's metrics moved by float rounding (at most 1.9e-4 absolute, on a
-largest importance ratio near 7.4 and a perplexity near 531). Issue 59 added rollout/peak_dense_kv_bytes,
+re-pinned by DistillSparse v2, whose objective changed on purpose, and again when block-sparse groups came to
+hold their prompt's whole pages once (for the reuse experiment: its peak KV bytes 0.55x, the same samples, the
+update's metrics moved by float rounding, at most 2.3e-5 absolute, on a perplexity near 40). The three evicting arms
+(default, cap_partial, epochs_kl_lora) were re-pinned when evicting groups came to hold their cut prompt once (for
+the reuse experiment, engine/evicting_prefix.py): the same samples, peak KV bytes 0.74x, under the 1 MiB cap more
+rows resident (rollout/occupancy), the update's metrics moved by float rounding (at most 1.9e-4 absolute, on a
+largest importance ratio near 7.4 and a perplexity near 531). The first-run fixes added rollout/peak_dense_kv_bytes,
 kv/naive_kv_bytes and rollout/entropy_estimate and made kv/dense_kv_bytes (and kv/saved_fraction with it) the
 dense engine's own allocation; only those keys were re-pinned. The mismatch metrics of verl and NeMo-RL and the IS
 ratio's spread before and after the corrections (rollout_corr/pearson_corr, token_mult_prob_error, gen_kl_error,

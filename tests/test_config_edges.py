@@ -1,4 +1,4 @@
-"""The class, not the instances (issue 41, item 7): every config field and every flag of eval, rollout,
+"""The class, not the instances: every config field and every flag of eval, rollout,
 calibrate, cost and plot, given its type's edge values (negative, zero, huge, NaN/inf, empty, wrong type, a
 missing file, a directory, a file that is not UTF-8), either validates or is refused with a UserError (one line,
 no traceback) naming the field or flag. Config fields are checked through load_config and the model checks

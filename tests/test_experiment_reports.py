@@ -1,4 +1,4 @@
-"""The reports of issue 35's and 36's experiments (experiments/sapo.py, reuse.py) on hand-made runs: the paired
+"""The reports of the SAPO and reuse experiments (experiments/sapo.py, reuse.py) on hand-made runs: the paired
 comparisons and goals follow the rules written before the runs."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the first run tells a new user (issue 59): the KV memory saved against the dense engine's own allocation,
+"""What the first run tells a new user: the KV memory saved against the dense engine's own allocation,
 loss presets that keep the rollout method, the console's header and step line, the entropy estimate."""
 
 from __future__ import annotations

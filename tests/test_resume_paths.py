@@ -1,5 +1,5 @@
 """A run started with relative task.data, trainer.eval_data and task.reward=file.py:f on the command line stores
-them resolved (issue 41, item 3): it resumes from another working directory, and `sparserl eval RUN_DIR` reads
+them resolved: it resumes from another working directory, and `sparserl eval RUN_DIR` reads
 its data from there too."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The review's fixes (issue 34, item 6): truncated sampling refused in training, APRIL train_all without
+"""A code review's fixes: truncated sampling refused in training, APRIL train_all without
 corrections warned about, a horizon-shaped lr schedule kept on resume, multi-byte stop strings, per-token
 clamping before sequence-level rejection, RoPE in float32 unchanged by the rotation's dtype logic."""
 

@@ -1,4 +1,4 @@
-"""Issue 37's experiment report (experiments/sampling.py) on hand-made parts: pass@k curves, AUC and the goals'
+"""The sampling experiment's report (experiments/sampling.py) on hand-made parts: pass@k curves, AUC and the goals'
 decision rules, so a committed result can only come from the rules written before the runs."""
 
 from __future__ import annotations
