@@ -36,6 +36,7 @@ from sparserl.trainer.loss_scale import DynamicLossScale, attach
 from sparserl.trainer.recompute import (
     enable_activation_checkpointing,
     fuse_gated_activations,
+    recompute_cheap_saves,
     recompute_submodules,
 )
 
@@ -213,6 +214,8 @@ class Learner:
         if cfg.optim.gradient_checkpointing:
             enable_activation_checkpointing(causal_lm(module))
         fuse_gated_activations(causal_lm(module).model.layers)
+        if not cfg.optim.gradient_checkpointing:
+            recompute_cheap_saves(causal_lm(module).model.layers)
         if cfg.optim.recompute_modules:
             recompute_submodules(causal_lm(module).model.layers, cfg.optim.recompute_modules)
         o = cfg.optim
