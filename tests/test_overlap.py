@@ -86,6 +86,26 @@ def test_every_batch_after_the_first_is_drawn_one_version_behind(tmp_path: Path,
     trainer.close()
 
 
+def test_the_samplers_packed_copy_is_freed_once_its_rollout_is_drawn(tmp_path: Path) -> None:
+    """Overlapped, the replica's packed weights would otherwise sit through the update (513 MiB on SmolLM2)."""
+    from sparserl.engine import weights as packing
+
+    trainer = make_trainer(tiny_cfg(tmp_path, *OVERLAP))
+    checked, learn = [], trainer.learn
+
+    def spy(step, batch):
+        ahead = trainer.steps.ahead
+        if ahead is not None:
+            ahead.future.result()  # the next rollout drawn, while this step would update
+            checked.append(packing._unwrap(trainer.steps.replica) in packing._PACKED)
+        return learn(step, batch)
+
+    trainer.learn = spy
+    trainer.train()
+    assert checked == [False] * 3
+    trainer.close()
+
+
 def test_a_batch_too_stale_is_drawn_again_never_trained() -> None:
     drawn = []
 

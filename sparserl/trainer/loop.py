@@ -23,7 +23,6 @@ from sparserl.algo.reward_shaping import overlong_penalty
 from sparserl.config import TrainConfig
 from sparserl.engine.padding import right_pad
 from sparserl.engine.rollout import RolloutEngine
-from sparserl.engine.weights import drop_packed
 from sparserl.rollout import step_seed
 from sparserl.rollout.build import check_rollout
 from sparserl.rollout.records import SampleRecord
@@ -165,7 +164,6 @@ class Trainer:
             cfg.trainer.seed, step - 1
         )  # step - 1: the policy that trains on it
         got = self.steps.take(step, self._rollout_states)  # drawn now, or ahead while step - 1 updated
-        drop_packed(self.policy.module)  # scoring and the update never read it, and the update makes it stale
         spent = self.state.counters.get(TOKENS_SPENT, 0.0) + got.sampling["generated_tokens"]
         self.state.counters[TOKENS_SPENT] = spent
         samples = [s for g in got.groups for s in g.samples]

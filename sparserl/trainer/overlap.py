@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from sparserl.distributed.weights import load_named, trainable_state
-from sparserl.engine.weights import bump_weights_version
+from sparserl.engine.weights import bump_weights_version, drop_packed
 from sparserl.trainer.checkpoint import Part
 
 SAMPLER_PART = "sampler"  # checkpoint part: the replica's weights and version, while overlapping
@@ -88,7 +88,7 @@ class StepRollouts:
         if got is None:
             if version - self.held > self.max_staleness:  # the sampler lags too far: catch it up first
                 self._refresh(version)
-            got = self.draw(step, self.held)
+            got = self._drawn(step, self.held)
         if self.overlapped and step < self.last_step:
             self._refresh(version)
             self.ahead = Ahead(
@@ -96,9 +96,16 @@ class StepRollouts:
             )
         return got
 
+    def _drawn(self, step: int, version: int) -> Any:
+        """The rollout; then the sampler's packed copy of its weights is freed: scoring and the update never read
+        it, and the next rollout draws with newer weights (overlapped, it would sit through the update)."""
+        got = self.draw(step, version)
+        drop_packed(self.replica if self.overlapped else self.learner)
+        return got
+
     def _draw_ahead(self, step: int, version: int) -> Any:
         """On the sampler's thread: the rollout, then what `beside` adds to it while the learner updates."""
-        got = self.draw(step, version)
+        got = self._drawn(step, version)
         if self.beside is not None:
             self.beside(got)
         return got
