@@ -87,22 +87,24 @@ def test_every_batch_after_the_first_is_drawn_one_version_behind(tmp_path: Path,
 
 
 def test_the_samplers_packed_copy_is_freed_once_its_rollout_is_drawn(tmp_path: Path) -> None:
-    """Overlapped, the replica's packed weights would otherwise sit through the update (513 MiB on SmolLM2)."""
+    """Overlapped, neither the replica's packed weights nor the learner's (the held-out evaluation's) sit through
+    the update (513 MiB each on SmolLM2)."""
     from sparserl.engine import weights as packing
 
-    trainer = make_trainer(tiny_cfg(tmp_path, *OVERLAP))
+    trainer = make_trainer(tiny_cfg(tmp_path, *OVERLAP, "trainer.eval_prompts=2"))
     checked, learn = [], trainer.learn
+    modules = [packing._unwrap(m) for m in (trainer.steps.replica, trainer.policy.module)]
 
     def spy(step, batch):
         ahead = trainer.steps.ahead
         if ahead is not None:
             ahead.future.result()  # the next rollout drawn, while this step would update
-            checked.append(packing._unwrap(trainer.steps.replica) in packing._PACKED)
+            checked.append([m in packing._PACKED for m in modules])
         return learn(step, batch)
 
     trainer.learn = spy
     trainer.train()
-    assert checked == [False] * 3
+    assert checked == [[False, False]] * 3
     trainer.close()
 
 

@@ -88,7 +88,10 @@ class StepRollouts:
         if got is None:
             if version - self.held > self.max_staleness:  # the sampler lags too far: catch it up first
                 self._refresh(version)
-            got = self._drawn(step, self.held)
+            got = self.draw(step, self.held)
+        # the learner's packed copy (in step, the rollout's; overlapped, the held-out evaluation's): scoring and
+        # the update never read it, and the update makes it stale
+        drop_packed(self.learner)
         if self.overlapped and step < self.last_step:
             self._refresh(version)
             self.ahead = Ahead(
@@ -96,16 +99,12 @@ class StepRollouts:
             )
         return got
 
-    def _drawn(self, step: int, version: int) -> Any:
-        """The rollout; then the sampler's packed copy of its weights is freed: scoring and the update never read
-        it, and the next rollout draws with newer weights (overlapped, it would sit through the update)."""
-        got = self.draw(step, version)
-        drop_packed(self.replica if self.overlapped else self.learner)
-        return got
-
     def _draw_ahead(self, step: int, version: int) -> Any:
-        """On the sampler's thread: the rollout, then what `beside` adds to it while the learner updates."""
-        got = self._drawn(step, version)
+        """On the sampler's thread: the rollout, then what `beside` adds to it while the learner updates. The
+        replica's packed copy of its weights is freed in between: the next rollout draws newer weights, and it
+        would otherwise sit through the update."""
+        got = self.draw(step, version)
+        drop_packed(self.replica)
         if self.beside is not None:
             self.beside(got)
         return got
