@@ -173,22 +173,13 @@ def split_update(trainer: Any, update: Any, probe: Probe) -> list[dict[str, Any]
     """Wrap the learner's micro-steps: after each micro-batch's forward (its activations all alive, the update's
     peak but for the backward's own tensors), the process's RSS split by kind. Returns the list it fills.
     Inside a decoder layer the learner's own pack hook (trainer/recompute.py) is innermost and hides the saves
-    from ours: it is wrapped to count what it keeps."""
+    from ours: it shows them to `observing_kept`."""
     import torch
 
-    from sparserl.trainer.recompute import RecomputedSaves
+    from sparserl.trainer.recompute import observing_kept
 
     rows: list[dict[str, Any]] = []
     orig = update.minibatch_updates
-    layer_pack, counting = RecomputedSaves._pack, []
-
-    def counted_layer_pack(self, t):
-        packed = layer_pack(self, t)
-        if counting and isinstance(packed, torch.Tensor):
-            counting[-1](packed)
-        return packed
-
-    RecomputedSaves._pack = counted_layer_pack
 
     def minibatch_updates(minibatches, grad_accum, optimizer, micro_step, *a, **k):
         module = trainer.policy.module
@@ -202,10 +193,8 @@ def split_update(trainer: Any, update: Any, probe: Probe) -> list[dict[str, Any]
                     saved.update(_storages([t]))
                 return t
 
-            counting.append(pack)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observing_kept(pack):
                 out = micro_step(micro, finite)
-            counting.pop()
             trained = [p for g in optimizer.param_groups for p in g["params"]]
             state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
             rows.append({

@@ -15,6 +15,7 @@ from torch import nn
 from sparserl.engine.scoring import completion_logprobs
 from sparserl.models import load_model
 from sparserl.trainer.recompute import fuse_gated_activations, recompute_cheap_saves
+from tests.saved_tensors import kept_bytes
 
 PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]]
 COMPLETIONS = [[20, 21, 22], [23, 24, 25, 26, 27], [30, 31]]
@@ -91,3 +92,15 @@ def test_outside_training_the_class_forwards_run_and_copies_bind_their_own():
     assert torch.equal(got, want)
     assert layers[0]._recomputed_saves.recomputed == 0
     assert recompute_cheap_saves(nn.ModuleList([nn.Linear(2, 2)])) == 0
+
+
+def test_the_forward_keeps_the_product_and_the_norm_outputs_less_and_nothing_else():
+    plain, recomputing, layers = _pair(lora=True)
+    cfg = plain.config
+    less = kept_bytes(plain, PROMPTS, COMPLETIONS) - kept_bytes(recomputing, PROMPTS, COMPLETIONS)
+    # at least the MLP product over the completions, one float32 [tokens, intermediate] a layer; at most it and
+    # the two norm outputs over every prompt and completion token
+    least = len(layers) * sum(len(c) for c in COMPLETIONS) * cfg.intermediate_size * 4
+    tokens = sum(len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True))
+    most = len(layers) * tokens * (cfg.intermediate_size + 2 * cfg.hidden_size) * 4
+    assert least <= less <= most

@@ -125,6 +125,10 @@ class RecomputedSaves:
     whole regions by rerunning them; here only elementwise steps rerun, never a matmul (default run: the
     update's kept activations 784 -> 548 MiB)."""
 
+    # sees every tensor the layers keep as it is: an outer pack hook does not (the innermost one runs alone);
+    # set by `observing_kept` for memory accounting (benchmarks/memory.py, tests)
+    observer: Callable[[Tensor], None] | None = None
+
     def __init__(self) -> None:
         self._recipes: dict[int, tuple[weakref.ref, Callable[[], Tensor]]] = {}
         self.recomputed = 0  # recipes rerun by backwards so far
@@ -137,6 +141,8 @@ class RecomputedSaves:
         entry = self._recipes.get(t.untyped_storage().data_ptr())
         base = entry[0]() if entry is not None else None
         if base is None or base.dtype != t.dtype:
+            if RecomputedSaves.observer is not None:
+                RecomputedSaves.observer(t)
             return t
         return entry[1], t.size(), t.stride(), t.storage_offset()
 
@@ -156,6 +162,17 @@ class RecomputedSaves:
                 yield
         finally:
             self._recipes.clear()
+
+
+@contextmanager
+def observing_kept(observer: Callable[[Tensor], None]) -> Iterator[None]:
+    """`observer` called with every tensor the decoder layers keep for the backward as it is (their own pack
+    hook hides them from any outer one), inside."""
+    RecomputedSaves.observer = observer
+    try:
+        yield
+    finally:
+        RecomputedSaves.observer = None
 
 
 def _recomputing_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
