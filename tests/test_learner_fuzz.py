@@ -201,11 +201,17 @@ GROUP_CASES = [  # short mini-batches leave micro-batches empty: a rank in locks
 MODES = {"copies": ("distributed.learners=2",), "fsdp": ("distributed.learners=2", "distributed.fsdp=true")}
 
 
-def free_port() -> int:
-    """A TCP port free now on this machine, for one process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free now on this machine, one per process group's rendezvous (all bound at once:
+    one at a time, the OS may hand the same port out twice, and a group would find it still taken)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def run_ranks(rank: int, world: int, jobs: list, out_dir: str) -> None:
@@ -244,9 +250,10 @@ def group_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 learner.optimizer.state_dict(),
                 learner.scheduler.state_dict(),
             )
-            jobs.append((free_port(), cfg, ranks_module, state, drawn.batch))
+            jobs.append((cfg, ranks_module, state, drawn.batch))
             skips = expected_skips(learner, case.size, drawn.bad_rows)
             local.append((mode, learner.update(1, drawn.batch), dict(module.named_parameters()), skips))
+    jobs = [(port, *job) for port, job in zip(free_ports(len(jobs)), jobs, strict=True)]
     out = tmp_path_factory.mktemp("ranks")
     mp.spawn(run_ranks, args=(2, jobs, str(out)), nprocs=2, join=True)
     ranks = torch.load(out / "results.pt", weights_only=False)
