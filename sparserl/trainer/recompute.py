@@ -123,7 +123,7 @@ class RecomputedSaves:
     kernels on the same inputs: the same numbers bit for bit. Entries hold a weak reference, so a storage freed
     and reused by another tensor is never mistaken for the output. torch's own checkpointing does this for
     whole regions by rerunning them; here only elementwise steps rerun, never a matmul (default run: the
-    update's kept activations 784 -> 548 MiB)."""
+    update's kept activations 820 -> 573 MiB, docs/engine.md)."""
 
     # sees every tensor the layers keep as it is: an outer pack hook does not (the innermost one runs alone);
     # set by `observing_kept` for memory accounting (benchmarks/memory.py, tests)
