@@ -96,10 +96,10 @@ def test_the_batched_reads_off_the_cpu_equal_products_with_the_dequantized_cache
     cache, q = filled_cache(quant, span)
     k, v = cache.view(0, span)
     x = q.view(3, 2, 2, 8)
-    scores = cache._chunked(x, cache.k[0], span, keys=True) * cache.k_scale[0][:, :, None, :span]
+    scores = cache._chunked_scores(x, cache.k[0], span) * cache.k_scale[0][:, :, None, :span]
     assert (scores - x @ k.transpose(-1, -2)).abs().max() < ATTEND_TOL
     w = torch.rand(3, 2, 2, span, generator=torch.Generator().manual_seed(1))
-    values = cache._chunked(w * cache.v_scale[0][:, :, None, :span], cache.v[0], span)
+    values = cache._chunked_values(w * cache.v_scale[0][:, :, None, :span], cache.v[0], span)
     assert (values - w @ v).abs().max() < 10 * ATTEND_TOL  # a sum of 549 weighted values
 
 

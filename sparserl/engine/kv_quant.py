@@ -177,27 +177,31 @@ class QuantizedKVCache(KVCache):
         if per_head:
             scores = self._int8_scores(layer, qg, span)
         else:
-            scores = self._chunked(qg, self.k[layer], span, keys=True)
+            scores = self._chunked_scores(qg, self.k[layer], span)
         scores *= self.k_scale[layer][:, :, None, :span].to(scores.dtype)
         probs = masked_probs(scores, valid)
         weights = (probs * self.v_scale[layer][:, :, None, :span]).to(qg.dtype)
         if per_head:
             out = self._per_head_values(layer, weights, span)
         else:
-            out = self._chunked(weights, self.v[layer], span)
+            out = self._chunked_values(weights, self.v[layer], span)
         return out.view(n, hq, 1, d), probs
 
-    def _chunked(self, x: Tensor, data: Tensor, span: int, keys: bool = False) -> Tensor:
-        """x [n, Hkv, G, d] . codes^T (keys: [n, Hkv, G, span]) or x [n, Hkv, G, span] . codes (values), the
-        codes converted CHUNK slots at a time for every row and head together."""
-        out = x.new_empty(*x.shape[:3], span) if keys else x.new_zeros(*x.shape[:3], data.shape[-1])
+    def _chunked_scores(self, q: Tensor, codes: Tensor, span: int) -> Tensor:
+        """q [n, Hkv, G, d] . codes^T -> [n, Hkv, G, span], the codes converted CHUNK slots at a time for every row
+        and head together."""
+        out = q.new_empty(*q.shape[:3], span)
         for s in range(0, span, CHUNK):
             e = min(span, s + CHUNK)
-            codes = self.codec.codes(data[:, :, s:e], x.dtype)
-            if keys:
-                out[..., s:e] = torch.matmul(x, codes.transpose(-1, -2))
-            else:
-                out += torch.matmul(x[..., s:e], codes)
+            out[..., s:e] = torch.matmul(q, self.codec.codes(codes[:, :, s:e], q.dtype).transpose(-1, -2))
+        return out
+
+    def _chunked_values(self, weights: Tensor, codes: Tensor, span: int) -> Tensor:
+        """weights [n, Hkv, G, span] . codes -> [n, Hkv, G, d], converted as `_chunked_scores`."""
+        out = weights.new_zeros(*weights.shape[:3], codes.shape[-1])
+        for s in range(0, span, CHUNK):
+            e = min(span, s + CHUNK)
+            out += torch.matmul(weights[..., s:e], self.codec.codes(codes[:, :, s:e], weights.dtype))
         return out
 
     def _int8_scores(self, layer: int, qg: Tensor, span: int) -> Tensor:
@@ -207,7 +211,7 @@ class QuantizedKVCache(KVCache):
         and 55 ms to convert the codes alone (`python benchmarks/kv_quant.py conversion`); exact given the
         quantized query (integer sums; tested), whose rounding is part of the sampler's distribution, the one
         whose log-probs are recorded. (torch's CUDA int8 matmul needs at least 17 rows and multiples of 8: the
-        GPU takes `_chunked`.)"""
+        GPU takes `_chunked_scores`.)"""
         k, (n, hkv, group, _) = self.k[layer], qg.shape
         out = qg.new_empty(n, hkv, group, span)
         q_codes, q_scale = self.codec.encode(qg)
