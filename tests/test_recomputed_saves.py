@@ -1,5 +1,6 @@
-"""The learner's norm outputs and MLP product are recomputed in the backward, not kept (trainer/recompute.py
-`recompute_cheap_saves`): autograd's numbers bit for bit, those tensors freed after the forward."""
+"""`optim.recompute_modules` 'layernorm' and 'mlp_act': the learner's norm outputs and MLP product are recomputed
+in the backward, not kept (trainer/recompute.py `recompute_cheap_saves`): autograd's numbers bit for bit, those
+tensors freed after the forward."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.saved_tensors import kept_bytes
 
 PROMPTS = [[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]]
 COMPLETIONS = [[20, 21, 22], [23, 24, 25, 26, 27], [30, 31]]
+BOTH = ("layernorm", "mlp_act")
 
 
 def _lora(model: nn.Module) -> nn.Module:
@@ -42,7 +44,7 @@ def _pair(lora: bool) -> tuple[nn.Module, nn.Module, nn.ModuleList]:
     fuse_gated_activations(layers)
     recomputing = copy.deepcopy(model)
     inner = (recomputing.base_model.model if lora else recomputing).model.layers
-    assert recompute_cheap_saves(inner) == len(inner)
+    assert recompute_cheap_saves(inner, BOTH) == len(inner)
     return model, recomputing, inner
 
 
@@ -91,7 +93,7 @@ def test_outside_training_the_class_forwards_run_and_copies_bind_their_own():
         want, _ = completion_logprobs(plain, PROMPTS, COMPLETIONS)
     assert torch.equal(got, want)
     assert layers[0]._recomputed_saves.recomputed == 0
-    assert recompute_cheap_saves(nn.ModuleList([nn.Linear(2, 2)])) == 0
+    assert recompute_cheap_saves(nn.ModuleList([nn.Linear(2, 2)]), BOTH) == 0
 
 
 def test_the_forward_keeps_the_product_and_the_norm_outputs_less_and_nothing_else():
@@ -104,3 +106,23 @@ def test_the_forward_keeps_the_product_and_the_norm_outputs_less_and_nothing_els
     tokens = sum(len(p) + len(c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True))
     most = len(layers) * tokens * (cfg.intermediate_size + 2 * cfg.hidden_size) * 4
     assert least <= less <= most
+
+
+def test_only_the_named_saves_are_recomputed_and_only_when_asked(tmp_path):
+    from sparserl.engine.decoder import causal_lm
+    from tests.test_trainer import make_trainer, tiny_cfg
+
+    def bound(name: str, *extra: str) -> list[bool]:
+        trainer = make_trainer(tiny_cfg(tmp_path, *extra, name=name))
+        layer = causal_lm(trainer.policy.module).model.layers[0]
+        got = [
+            "forward" in vars(layer),
+            "forward" in vars(layer.input_layernorm),
+            getattr(layer.mlp, "_recomputed_saves", None) is not None,
+        ]
+        trainer.close()
+        return got
+
+    assert bound("default") == [False, False, False]  # the default keeps them: speed first
+    assert bound("act", "optim.recompute_modules=[mlp_act]") == [True, False, True]
+    assert bound("both", "optim.recompute_modules=[layernorm,mlp_act]") == [True, True, True]

@@ -26,8 +26,9 @@ from sparserl.tasks.config import GENERATED_TASKS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SCHEDULES = ("constant", "linear", "cosine")
-# a decoder layer's sub-modules that optim.recompute_modules may name (trainer/recompute.py): the feed-forward block
-RECOMPUTE_MODULES = ("mlp",)
+# what optim.recompute_modules may name (trainer/recompute.py): the feed-forward block, rerun whole; the norms'
+# outputs and the MLP's activation product, rebuilt elementwise
+RECOMPUTE_MODULES = ("mlp", "layernorm", "mlp_act")
 DEFAULT_PRESET = "sparse-rl"
 
 
@@ -139,7 +140,10 @@ class OptimConfig:
             "help": "Sub-modules of every decoder layer whose activations the backward recomputes instead of "
             "keeping (selective recompute: Megatron's and verl's Megatron backend's recompute_modules). 'mlp': the "
             "feed-forward block, most of the update's activations, for one more MLP forward; a group's prompt "
-            "stays shared, unlike gradient_checkpointing. Empty: none."
+            "stays shared, unlike gradient_checkpointing. 'layernorm': both norms' outputs, and 'mlp_act': the "
+            "gated MLP's product silu(gate) * up (Megatron's moe_act for a dense MLP), rebuilt from tensors kept "
+            "anyway, elementwise, bit for bit (the default run: both, 193 MiB less at the peak for 7-10% more "
+            "update CPU time). Empty: none."
         },
     )
 

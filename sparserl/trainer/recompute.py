@@ -6,10 +6,13 @@ keeping them. Unlike whole-layer gradient checkpointing (transformers' own, `opt
 never reruns attention, so a group's shared prompt KV (engine/scoring.py) stays usable: recomputing an attention
 block would append its keys and values to that cache a second time.
 
+Elementwise recompute (`optim.recompute_modules` 'layernorm', 'mlp_act'): the outputs of cheap elementwise steps
+that the next projections keep for their weights' gradients (the norms' outputs, the MLP's product) recomputed
+in the backward from tensors kept anyway (`RecomputedSaves`): the same numbers bit for bit, a few elementwise
+passes more in the backward (default run: 193 MiB less at the peak, the update's CPU time +7-10%).
+
 Always on: a SiLU-gated MLP's `silu(gate) * up` keeps gate and up for the backward, not silu(gate) as well
-(`fuse_gated_activations`), and the outputs of cheap elementwise steps that the next projections keep for their
-weights' gradients (the norms' outputs, the MLP's product) are recomputed in the backward from tensors kept
-anyway (`RecomputedSaves`): the same numbers bit for bit, a few elementwise passes more in the backward."""
+(`fuse_gated_activations`): the same numbers bit for bit, one elementwise pass more in the backward."""
 
 from __future__ import annotations
 
@@ -115,6 +118,23 @@ def fuse_gated_activations(layers: nn.ModuleList) -> bool:
     return True
 
 
+class _Recipe:
+    """A recipe and its result once run: every save of one output (a norm's output feeds q, k and v, each a base
+    matmul and a LoRA) reruns it once. Held by those saves only, so the result lives from the first of their
+    backwards to the last, a layer's worth."""
+
+    __slots__ = ("fn", "value")
+
+    def __init__(self, fn: Callable[[], Tensor]) -> None:
+        self.fn, self.value = fn, None
+
+    def run(self) -> Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                self.value = self.fn()
+        return self.value
+
+
 class RecomputedSaves:
     """Saved tensors that the backward recomputes instead of keeping: a module registers an output with a
     recipe that rebuilds it from tensors autograd keeps anyway (a norm's input, the MLP's gate and up); while
@@ -122,20 +142,20 @@ class RecomputedSaves:
     LoRA's matmul keeps) by the recipe, and the unpack hook reruns it in the backward. The recipe runs the same
     kernels on the same inputs: the same numbers bit for bit. Entries hold a weak reference, so a storage freed
     and reused by another tensor is never mistaken for the output. torch's own checkpointing does this for
-    whole regions by rerunning them; here only elementwise steps rerun, never a matmul (default run: the
-    update's kept activations 820 -> 573 MiB, docs/engine.md)."""
+    whole regions by rerunning them; here only elementwise steps rerun, never a matmul (the default config with
+    'layernorm' and 'mlp_act': the update's kept activations 820 -> 573 MiB, docs/engine.md)."""
 
     # sees every tensor the layers keep as it is: an outer pack hook does not (the innermost one runs alone);
     # set by `observing_kept` for memory accounting (benchmarks/memory.py, tests)
     observer: Callable[[Tensor], None] | None = None
 
     def __init__(self) -> None:
-        self._recipes: dict[int, tuple[weakref.ref, Callable[[], Tensor]]] = {}
+        self._recipes: dict[int, tuple[weakref.ref, _Recipe]] = {}
         self.recomputed = 0  # recipes rerun by backwards so far
 
     def register(self, out: Tensor, recipe: Callable[[], Tensor]) -> None:
         if out.is_contiguous() and out.storage_offset() == 0:  # what `_unpack` rebuilds views of
-            self._recipes[out.untyped_storage().data_ptr()] = (weakref.ref(out), recipe)
+            self._recipes[out.untyped_storage().data_ptr()] = (weakref.ref(out), _Recipe(recipe))
 
     def _pack(self, t: Tensor) -> Any:
         entry = self._recipes.get(t.untyped_storage().data_ptr())
@@ -150,9 +170,9 @@ class RecomputedSaves:
         if isinstance(packed, Tensor):
             return packed
         recipe, size, stride, offset = packed
-        self.recomputed += 1
-        with torch.no_grad():
-            return recipe().as_strided(size, stride, offset)
+        if recipe.value is None:
+            self.recomputed += 1
+        return recipe.run().as_strided(size, stride, offset)
 
     @contextmanager
     def saving(self) -> Iterator[None]:
@@ -195,22 +215,28 @@ def _recomputing_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> An
 
 # the norms of the supported architectures whose forward is elementwise and deterministic (RMSNorm)
 RECOMPUTED_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# optim.recompute_modules names whose recompute reruns elementwise steps only (Megatron's 'layernorm'; 'mlp_act'
+# as its 'moe_act' for a dense gated MLP), against sub-modules rerun whole (`recompute_submodules`)
+ELEMENTWISE_RECOMPUTE = ("layernorm", "mlp_act")
 
 
-def recompute_cheap_saves(layers: nn.ModuleList) -> int:
-    """Every decoder layer's norm outputs (`RECOMPUTED_NORMS`) and, once `fuse_gated_activations` bound it, its
-    MLP product recomputed in the backward (`RecomputedSaves`). Not with whole-layer checkpointing, whose own
-    pack hook must stay innermost. Returns the number of layers set up (0 when none fits)."""
+def recompute_cheap_saves(layers: nn.ModuleList, names: Sequence[str]) -> int:
+    """`names` of ELEMENTWISE_RECOMPUTE recomputed in the backward (`RecomputedSaves`) in every decoder layer whose
+    norms are `RECOMPUTED_NORMS`: 'layernorm', both norms' outputs; 'mlp_act', the MLP's product, once
+    `fuse_gated_activations` bound it. Not with whole-layer checkpointing, whose own pack hook must stay innermost.
+    Returns the number of layers set up (0 when none fits)."""
     done = 0
     for layer in layers:
         norms = [getattr(layer, n, None) for n in ("input_layernorm", "post_attention_layernorm")]
         if not all(type(n).__name__ in RECOMPUTED_NORMS for n in norms):
             continue
         saves = RecomputedSaves()
-        for module in (*norms, layer.mlp):
-            module._recomputed_saves = saves
-        for norm in norms:
-            norm.forward = types.MethodType(_recomputing_norm_forward, norm)
+        if "layernorm" in names:
+            for norm in norms:
+                norm._recomputed_saves = saves
+                norm.forward = types.MethodType(_recomputing_norm_forward, norm)
+        if "mlp_act" in names:
+            layer.mlp._recomputed_saves = saves
         layer._recomputed_saves = saves
         layer.forward = types.MethodType(_recomputing_layer_forward, layer)
         done += 1

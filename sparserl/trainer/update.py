@@ -34,6 +34,7 @@ from sparserl.seeds import SHUFFLE, derive_seed
 from sparserl.trainer.completions import SampleStats, sample_stats
 from sparserl.trainer.loss_scale import DynamicLossScale, attach
 from sparserl.trainer.recompute import (
+    ELEMENTWISE_RECOMPUTE,
     enable_activation_checkpointing,
     fuse_gated_activations,
     recompute_cheap_saves,
@@ -213,11 +214,13 @@ class Learner:
         self.sample_stats: SampleStats | None = None  # the last update's per-sample gap and rejection
         if cfg.optim.gradient_checkpointing:
             enable_activation_checkpointing(causal_lm(module))
-        fuse_gated_activations(causal_lm(module).model.layers)
-        if not cfg.optim.gradient_checkpointing:
-            recompute_cheap_saves(causal_lm(module).model.layers)
-        if cfg.optim.recompute_modules:
-            recompute_submodules(causal_lm(module).model.layers, cfg.optim.recompute_modules)
+        layers = causal_lm(module).model.layers
+        fuse_gated_activations(layers)
+        cheap = [m for m in cfg.optim.recompute_modules if m in ELEMENTWISE_RECOMPUTE]
+        if cheap:
+            recompute_cheap_saves(layers, cheap)
+        if whole := [m for m in cfg.optim.recompute_modules if m not in ELEMENTWISE_RECOMPUTE]:
+            recompute_submodules(layers, whole)
         o = cfg.optim
         decay = [p for p in params if p.dim() >= 2]
         no_decay = [p for p in params if p.dim() < 2]  # norms and biases are not decayed
