@@ -169,7 +169,8 @@ VERL_KEYS = [
     ("actor_rollout_ref.model.enable_gradient_checkpointing", eq(TRAINING, "optim.gradient_checkpointing")),
     ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_modules", eq(TRAINING,
         "optim.recompute_modules=[mlp]",
-        "Megatron's selective recompute (recompute_granularity=selective); 'mlp' only")),
+        "Megatron's selective recompute (recompute_granularity=selective): 'mlp', 'layernorm', and 'mlp_act' "
+        "(Megatron's 'moe_act' for a dense gated MLP)")),
     ("algorithm.adv_estimator=grpo", eq(LOSS, "algo.adv_estimator=grpo")),
     ("algorithm.adv_estimator=rloo", eq(LOSS, "algo.adv_estimator=rloo")),
     ("algorithm.adv_estimator=reinforce_plus_plus", eq(LOSS,

@@ -142,7 +142,7 @@ class OptimConfig:
             "feed-forward block, most of the update's activations, for one more MLP forward; a group's prompt "
             "stays shared, unlike gradient_checkpointing. 'layernorm': both norms' outputs, and 'mlp_act': the "
             "gated MLP's product silu(gate) * up (Megatron's moe_act for a dense MLP), rebuilt from tensors kept "
-            "anyway, elementwise, bit for bit (the default run: both, 193 MiB less at the peak for 7-10% more "
+            "anyway, elementwise, bit for bit (the default run: both, 193 MiB less at the peak for 7% more "
             "update CPU time). Empty: none."
         },
     )

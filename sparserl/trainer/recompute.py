@@ -9,7 +9,7 @@ block would append its keys and values to that cache a second time.
 Elementwise recompute (`optim.recompute_modules` 'layernorm', 'mlp_act'): the outputs of cheap elementwise steps
 that the next projections keep for their weights' gradients (the norms' outputs, the MLP's product) recomputed
 in the backward from tensors kept anyway (`RecomputedSaves`): the same numbers bit for bit, a few elementwise
-passes more in the backward (default run: 193 MiB less at the peak, the update's CPU time +7-10%).
+passes more in the backward (default run: 193 MiB less at the peak, the update's CPU time +7%).
 
 Always on: a SiLU-gated MLP's `silu(gate) * up` keeps gate and up for the backward, not silu(gate) as well
 (`fuse_gated_activations`): the same numbers bit for bit, one elementwise pass more in the backward."""
