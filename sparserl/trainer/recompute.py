@@ -30,11 +30,16 @@ from torch.utils.checkpoint import checkpoint
 from sparserl.config import ConfigError
 
 
+def _trains_with_grad(module: nn.Module) -> bool:
+    """Whether `module` runs the learner's forward, the only one these bound forwards change (the sampler and the
+    scoring passes run without grad)."""
+    return module.training and torch.is_grad_enabled()
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The module's class forward, under a non-reentrant checkpoint while it trains with grad (as is otherwise:
-    the sampler and the scoring passes run without grad)."""
+    """The module's class forward, under a non-reentrant checkpoint while it trains with grad."""
     forward = type(self).forward
-    if not (self.training and torch.is_grad_enabled()):
+    if not _trains_with_grad(self):
         return forward(self, *args, **kwargs)
     return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
 
@@ -65,6 +70,11 @@ def enable_activation_checkpointing(lm: Any) -> None:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """The gated MLP's product, as `_SiluMul` computes it and as the recompute of 'mlp_act' reruns it."""
+    return F.silu(gate) * up
+
+
 class _SiluMul(torch.autograd.Function):
     """`silu(gate) * up` keeping gate and up for the backward, where autograd's silu-then-multiply keeps
     silu(gate) too (one more [tokens, intermediate] tensor a layer: 10% of the default update's activations). The
@@ -73,7 +83,7 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:  # type: ignore[override]
         ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+        return _silu_mul(gate, up)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
@@ -87,13 +97,13 @@ def _gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     """A SiLU-gated MLP's forward (Llama, Mistral, Qwen2/3: down(silu(gate(x)) * up(x))) through `_SiluMul`
     while it trains with grad; its class forward otherwise. The product, which down_proj's LoRA (or weight)
     keeps for its gradient, is recomputed from gate and up in the backward when the layer recomputes saves."""
-    if not (self.training and torch.is_grad_enabled()):
+    if not _trains_with_grad(self):
         return type(self).forward(self, x)
     gate, up = self.gate_proj(x), self.up_proj(x)
     product = _SiluMul.apply(gate, up)
     saves = getattr(self, "_recomputed_saves", None)
     if saves is not None:
-        saves.register(product, lambda: F.silu(gate) * up)
+        saves.register(product, lambda: _silu_mul(gate, up))
     return self.down_proj(product)
 
 
@@ -200,14 +210,14 @@ def _recomputing_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     (kept anyway: the norm's own backward needs it)."""
     out = type(self).forward(self, x)
     saves = getattr(self, "_recomputed_saves", None)
-    if saves is not None and self.training and torch.is_grad_enabled():
+    if saves is not None and _trains_with_grad(self):
         saves.register(out, lambda: type(self).forward(self, x))
     return out
 
 
 def _recomputing_layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The decoder layer's class forward, inside its `RecomputedSaves.saving()` while it trains with grad."""
-    if not (self.training and torch.is_grad_enabled()):
+    if not _trains_with_grad(self):
         return type(self).forward(self, *args, **kwargs)
     with self._recomputed_saves.saving():
         return type(self).forward(self, *args, **kwargs)
