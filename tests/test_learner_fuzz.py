@@ -17,7 +17,9 @@ and the trainer's group are tests/test_learner_group.py's), so that the fuzz sta
 from __future__ import annotations
 
 import copy
+import faulthandler
 import functools
+import gc
 import math
 import socket
 import tempfile
@@ -218,6 +220,7 @@ def run_ranks(rank: int, world: int, jobs: list, out_dir: str) -> None:
     """One rank's process: each job is one `LearnerRank` joining its own process group (as a Ray actor does,
     from the trainer's state), one update, the weights from rank 0, the group left."""
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a crash in C++ prints where each thread was
     results = []
     for port, *shared in jobs:
         cfg, module, state, batch = copy.deepcopy(shared)  # spawn's arguments share memory between the ranks
@@ -229,6 +232,11 @@ def run_ranks(rank: int, world: int, jobs: list, out_dir: str) -> None:
         got = ranked.weights_and_schedule()
         results.append((metrics, got[0] if got is not None else None))
         dist.destroy_process_group()
+        # The group's objects (gloo's, FSDP's mesh) are freed now, while the interpreter is whole: left to the
+        # interpreter's exit, 2 exits in 14 aborted here ("terminate called without an active exception", after
+        # the last job), 0 in 24 with this collection.
+        del ranked, module
+        gc.collect()
     if rank == 0:
         torch.save(results, Path(out_dir) / "results.pt")
 
