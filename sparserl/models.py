@@ -323,20 +323,20 @@ def check_supported(model: PreTrainedModel, name: str = "model") -> None:
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-HEAP_RETENTION_BYTES = 128 * 1024
 
 
-def return_freed_memory(threshold: int = HEAP_RETENTION_BYTES) -> bool:
+def return_freed_memory(threshold: int) -> bool:
     """Make glibc serve every allocation of `threshold` bytes or more with its own mapping, returned to the
-    system when freed (a fixed `M_MMAP_THRESHOLD`; process-wide, for allocations made from now on). Why: by
-    default glibc raises that threshold up to 32 MiB as large blocks are freed, so a training step's
-    activations (1-30 MB tensors) land in the heap, and what they leave free there, fragmented, stays resident:
-    the default `sparserl train` held 1.5 GB more at its peak (benchmarks/memory.py). False where the C library
-    is not glibc (nothing changed)."""
+    system when freed (a fixed `M_MMAP_THRESHOLD`; process-wide, for allocations made from now on; 0: nothing
+    set, glibc's own threshold). Why: by default glibc raises that threshold up to 32 MiB as large blocks are
+    freed, so a training step's activations land in the heap, and what they leave free there, fragmented, stays
+    resident: the default `sparserl train` held 1.5 GB more at its peak (benchmarks/memory.py). The price: each
+    such allocation is page-faulted afresh (`trainer.malloc_mmap_threshold`, benchmarks/mmap_threshold.py).
+    False where nothing was set or the C library is not glibc."""
     import ctypes
     import sys
 
-    if not sys.platform.startswith("linux"):
+    if not threshold or not sys.platform.startswith("linux"):
         return False
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))

@@ -37,7 +37,8 @@ class BiasRun:
 
         self.cfg = cfg
         torch.manual_seed(cfg.trainer.seed)
-        self.policy = Policy(cfg.model, model_loader, seed=cfg.trainer.seed, distill=cfg.distill)
+        self.policy = Policy(cfg.model, model_loader, seed=cfg.trainer.seed, distill=cfg.distill,
+                             mmap_threshold=cfg.trainer.malloc_mmap_threshold)  # fmt: skip
         self.view = TaskView(
             task if task is not None else make_task(cfg.task, "train"), self.policy.tokenizer
         )

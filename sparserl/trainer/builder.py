@@ -97,7 +97,8 @@ def build_run(
     seed = cfg.trainer.seed
     torch.manual_seed(seed)
     t.task, t.eval_task = training_tasks(cfg, task, eval_task, reward_fn)
-    t.policy = Policy(cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed, distill=cfg.distill)
+    t.policy = Policy(cfg.model, model_loader, need_ref=cfg.algo.kl_coef > 0, seed=seed, distill=cfg.distill,
+                      mmap_threshold=cfg.trainer.malloc_mmap_threshold)  # fmt: skip
     t.tokenizer = t.policy.tokenizer
     check_acceptance(cfg, t.policy.module.get_input_embeddings().weight.shape[0])
 

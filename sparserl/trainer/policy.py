@@ -86,12 +86,14 @@ class Policy:
         need_ref: bool = False,
         seed: int = 0,
         distill: DistillConfig | None = None,
+        mmap_threshold: int = 0,
     ):
         from sparserl.device import resolve_device
         from sparserl.models import prepare_for_training, return_freed_memory
 
         device = resolve_device(cfg.device, "model.device")  # before the load: a bad device fails at once
-        return_freed_memory()  # a training step's freed activations go back to the system, not stay resident
+        # trainer.malloc_mmap_threshold: a training step's freed activations go back to the system (0: glibc's own)
+        return_freed_memory(mmap_threshold)
         model, tokenizer = (loader or default_loader)(cfg)
         # a custom loader's model too: master weights are float32; LoRA layers follow their base onto the device
         model.to(dtype=getattr(torch, cfg.weights_dtype), device=device)

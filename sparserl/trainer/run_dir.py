@@ -30,6 +30,7 @@ RESUMABLE_KEYS = (
     "trainer.eval_sparse",
     "trainer.eval_temperature",
     "trainer.threads",
+    "trainer.malloc_mmap_threshold",  # where freed memory goes, not what is computed
     "model.device",  # where the run computes, like trainer.threads: log-probs differ only by rounding
     "trainer.log_acceptance",
     "trainer.acceptance_",
