@@ -184,7 +184,7 @@ class _ScriptedLengths(GroupSource):
 
 
 def goals(a: dict, b: dict) -> dict:
-    """One entry per goal of the issue, each with the command that measured its part."""
+    """One entry per scheduler goal, each with the command that measured its part."""
     g = {}
     if a:
         ratio = a["rkv_continuous"]["tokens_per_cpu_s"] / a["dense_continuous"]["tokens_per_cpu_s"]

@@ -1,5 +1,5 @@
 """The Sparrow benchmark's report (benchmarks/sparrow.py): measured ratios against dense and the cost model's,
-the issue's goals from them, where the schedule was calibrated, and the console table."""
+the block-sparse goals from them, where the schedule was calibrated, and the console table."""
 
 from __future__ import annotations
 

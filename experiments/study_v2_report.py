@@ -1,5 +1,5 @@
 """Study v2's report: per-arm curves and held-out accuracies as mean +- standard deviation over the
-seeds done, the issue's four goals, docs/results/study_v2/study_v2.json and study_v2.png. Reads only finished
+seeds done, the study's four goals, docs/results/study_v2/study_v2.json and study_v2.png. Reads only finished
 parts (docs/results/study_v2/parts/; a run's curves are copied there from runs/study_v2/<arm>-seed<s>/metrics.jsonl
 once it is done), so it can run at any time.
 

@@ -33,7 +33,7 @@ WARMSTART_LORA = RUNS / "warmstart-lora"  # its LoRA alone (a few MB): the start
 BASE_MODEL = "smollm2-135m"
 BUDGETS = (64, 96, 128, 192)
 METHODS = ("rkv", "snapkv")
-SAVED_MIN = 0.5  # the memory condition on a chosen budget
+SAVED_MIN = 0.5  # the study's memory condition on a chosen budget
 OFF_BY = 0.5  # a token whose sampler and dense log-probs differ by more than this counts as mismatched
 
 # The design of the training stage (experiments/study_v2.py run)

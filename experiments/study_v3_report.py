@@ -51,7 +51,7 @@ def not_met(reason: str) -> dict:
 
 
 def goals(budget: int | None, saving: float | None) -> dict:
-    """Every goal of the issue from the parts done; the unmeasured ones with why."""
+    """Every goal of the study from the parts done; the unmeasured ones with why."""
     out = {k: {"target": t, **not_met("not measured yet")} for k, t in R.GOALS.items()}
     start, rkv = accuracy("start", "dense"), f"rkv{budget}"
     acc = {a: per_seed(a, "dense") for a in ("dense", "naive-sparse-rkv", "sparse-rl-rkv")}

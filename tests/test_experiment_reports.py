@@ -64,7 +64,7 @@ def test_reuse_v2_goals_follow_their_rules():
 
 
 def test_sapo_report_adds_its_section_to_ray_json(tmp_path, monkeypatch):
-    """The SAPO section lands in the issue's results file beside the Ray benchmarks' sections and goals, with
+    """The SAPO section lands in the Ray results file beside the Ray benchmarks' sections and goals, with
     each arm's means over the seeds it was evaluated on."""
     ray = tmp_path / "ray.json"
     ray.write_text('{"goals": {"push": {"met": true}}, "pushes": {"fp32": 1.0}}')

@@ -103,8 +103,8 @@ class CalibrationSettings:
 
 def budget_grid(low: int, high: int, ratio: float, multiple: int) -> list[int]:
     """Candidate budgets from `low` to `high` (both kept, rounded up to multiples of `multiple`, block_topk's
-    page size), each the last times `ratio` rounded to the nearest multiple (the issue asks for 1.25-1.5x
-    steps); a last step shorter than sqrt(ratio) is merged into `high`."""
+    page size), each the last times `ratio` rounded to the nearest multiple (steps of 1.25-1.5x
+    make a useful grid); a last step shorter than sqrt(ratio) is merged into `high`."""
     if not 1 < ratio <= 4 or multiple < 1 or not 0 < low <= high:
         raise UserError(f"budget grid {low}:{high}:{ratio}: need 0 < low <= high and 1 < ratio <= 4")
     grid, top = [-(-low // multiple) * multiple], -(-high // multiple) * multiple
