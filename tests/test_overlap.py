@@ -93,13 +93,13 @@ def test_the_samplers_packed_copy_is_freed_once_its_rollout_is_drawn(tmp_path: P
 
     trainer = make_trainer(tiny_cfg(tmp_path, *OVERLAP, "trainer.eval_prompts=2"))
     checked, learn = [], trainer.learn
-    modules = [packing._unwrap(m) for m in (trainer.steps.replica, trainer.policy.module)]
+    modules = [trainer.steps.replica, trainer.policy.module]
 
     def spy(step, batch):
         ahead = trainer.steps.ahead
         if ahead is not None:
             ahead.future.result()  # the next rollout drawn, while this step would update
-            checked.append([m in packing._PACKED for m in modules])
+            checked.append([packing.holds_packed(m) for m in modules])
         return learn(step, batch)
 
     trainer.learn = spy

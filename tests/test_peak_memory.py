@@ -33,9 +33,9 @@ def test_the_packed_copy_is_dropped_after_the_rollout(tmp_path: Path) -> None:
     trainer = make_trainer(tiny_cfg(tmp_path, "trainer.eval_prompts=2", "trainer.steps=1"))
     lm = trainer.policy.module
     trainer.evaluate(0)
-    assert packing._PACKED.get(lm) is not None  # kept for the rollout at the same version
+    assert packing.holds_packed(lm)  # kept for the rollout at the same version
     trainer.rollout(1)
-    assert packing._PACKED.get(lm) is None
+    assert not packing.holds_packed(lm)
     trainer.close()
 
 

@@ -278,3 +278,8 @@ def packed_projections(
 def drop_packed(model: nn.Module) -> None:
     """Free `model`'s cached packed copy (its memory) now; the next call repacks."""
     _PACKED.pop(_unwrap(model), None)
+
+
+def holds_packed(model: nn.Module) -> bool:
+    """Whether a packed copy of `model`'s weights is cached (and holds its memory) now."""
+    return _unwrap(model) in _PACKED
