@@ -236,9 +236,9 @@ class TrainerConfig:
             "glibc): every allocation this large or larger gets its own mapping, returned to the system when "
             "freed. The default 128 KiB keeps the resident peak low (freed activations do not stay resident in "
             "a fragmented heap) but every such tensor is page-faulted afresh: the default train's update takes "
-            "about 1.25x the CPU seconds of glibc's own threshold and peaks about 0.85 GB lower "
-            "(docs/engine.md, Where the bytes go). 0: glibc's own, growing threshold (the faster choice when "
-            "memory is plentiful)."
+            "about 1.3x the CPU seconds it takes at glibc's own threshold, for a peak 0.7-0.9 GB lower "
+            "(docs/engine.md, What returning freed memory costs). 0: glibc's own, growing threshold (the "
+            "faster choice when memory is plentiful)."
         },
     )
     reuse_learner_logprobs: bool = field(
