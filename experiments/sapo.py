@@ -45,7 +45,7 @@ RULES = {
     "experiments/reuse.py's runs; a shared node decodes half of them) + 12 evaluations x ~1.5 CPU-min = ~3.6 "
     "CPU-hours, ~1.8 hours of wall time on both cores. Revised before any run: the first design (experiments/"
     "sampling.yaml's 1-3 digit sums, 8 samples a prompt, 30 steps, 64 x 16 held-out samples) was estimated at 12 "
-    "CPU-min a run, but a step of it takes ~115 CPU-s (issue 37's runs): ~12 CPU-hours",
+    "CPU-min a run, but a step of it takes ~115 CPU-s (measured in the sampling runs): ~12 CPU-hours",
 }
 
 

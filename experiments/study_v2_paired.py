@@ -140,7 +140,7 @@ def main() -> int:
         "goals_note": "study v2's goals and verdicts as recorded in study_v2.json, unchanged; the paired tests "
         "below are a re-analysis reported beside them, not new verdicts",
         "what": "study v2's contrasts paired by seed beside the unpaired ones, masking share, retained-token "
-        "saving, P5 per Sparrow schedule (issue 38 item 1); computed from committed parts only",
+        "saving, P5 per Sparrow schedule (study v3's first item); computed from committed parts only",
         "command": "python experiments/study_v2_paired.py",
         "note": "held-out accuracy: 128 prompts x 4 samples per model; one model per arm and seed (0, 1, 2); "
         "no equivalence margin was fixed before study v2, so no contrast supports 'no difference'",

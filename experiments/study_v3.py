@@ -122,7 +122,7 @@ def setup(args) -> None:
         k: {"target": t, "value": None, "met": False, "reason": "not measured yet"}
         for k, t in R.GOALS.items()
     }
-    write(JSON, {"goals": goals, "experiment": "Study v3 (issue 38): Sparse-RL claims 1-3 with eviction in the answer",
+    write(JSON, {"goals": goals, "experiment": "Study v3: Sparse-RL claims 1-3 with eviction in the answer",
                  "rules": R.RULES, "row_sets": R.ROW_SETS, "ladder": R.LADDER, "restate_regex": R.RESTATE_RE.pattern,
                  "arms": ARMS, "curve_keys": CURVE_KEYS, "cpu_hours_estimate": CPU_HOURS,
                  "disjointness": disjointness(cfg, R.RULES["warmstart"]["cap"] * args.sft_batch, 64),
