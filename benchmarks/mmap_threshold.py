@@ -92,14 +92,14 @@ def main() -> None:
             runs[str(a)].append(json.loads(lines[-1][len(MARK) :]))
             print(a, runs[str(a)][-1], flush=True)
 
-    def median(arm: str, key: str, pick=lambda v: v) -> float:
-        return statistics.median(pick(r[key]) for r in runs[arm])
+    def median(arm: str, key: str, second_update: bool = False) -> float:
+        """The arm's median of `key`; of the second update's value (the process's allocations settled)."""
+        return statistics.median(r[key][-1] if second_update else r[key] for r in runs[arm])
 
-    last = lambda v: v[-1]  # noqa: E731 - the second update: the process's allocations settled
     medians = {
         a: {
-            "update_cpu_s": median(a, "update_cpu_s", last),
-            "update_minor_faults": median(a, "update_minor_faults", last),
+            "update_cpu_s": median(a, "update_cpu_s", second_update=True),
+            "update_minor_faults": median(a, "update_minor_faults", second_update=True),
             "rollout_and_score_cpu_s": median(a, "rollout_and_score_cpu_s"),
             "peak_rss_mib": median(a, "peak_rss_mib"),
         }
