@@ -296,3 +296,51 @@ def timed_rollout(
         "load_avg_1min_before": load,
         "load_avg_5min_after": os.getloadavg()[1],
     }
+
+
+class OneBatchUpdates:
+    """The default config's first rollout at one thread (its update skipped) and the learner's state before that
+    update, so that the learner can update on the same batch again and again from the same start: what an
+    update costs under a setting, the rollout apart. `overrides` are added to the default config; a context
+    manager (the trainer closed at its end)."""
+
+    def __init__(self, overrides: Sequence[str]):
+        import copy
+        import tempfile
+
+        from sparserl.config import load_config
+        from sparserl.trainer import Trainer
+
+        torch.set_num_threads(1)
+        self._tmp = tempfile.TemporaryDirectory()
+        cfg = load_config(None, [*overrides, "trainer.steps=1", "trainer.threads=1", "trainer.eval_prompts=0",
+                                 f"trainer.output_dir={self._tmp.name}", "logging.progress=false",
+                                 "logging.tensorboard=false"])  # fmt: skip
+        self.trainer, drawn = Trainer(cfg), []
+        self.trainer.learn = lambda step, batch: drawn.append(batch) or {}
+        c0 = time.process_time()
+        self.trainer.train()  # one rollout and its scoring, the update skipped
+        self.rollout_and_score_cpu_s = time.process_time() - c0
+        self.batch = drawn[0]
+        learner = self.trainer.learner
+        self._start = (
+            {k: v.clone() for k, v in self.trainer.policy.weights().items()},
+            copy.deepcopy(learner.optimizer.state_dict()),
+            copy.deepcopy(learner.scheduler.state_dict()),
+        )
+
+    def update(self) -> dict[str, float]:
+        """The learner's update on the batch from the starting weights, optimizer and schedule: its metrics."""
+        weights, optimizer, scheduler = self._start
+        learner = self.trainer.learner
+        self.trainer.policy.load_weights({k: v.clone() for k, v in weights.items()})
+        learner.optimizer.load_state_dict(optimizer)
+        learner.scheduler.load_state_dict(scheduler)
+        return learner.update(1, self.batch)
+
+    def __enter__(self) -> OneBatchUpdates:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.trainer.close()
+        self._tmp.cleanup()

@@ -22,53 +22,28 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine_info, update_result  # noqa: E402
+from _common import RESULTS, OneBatchUpdates, machine_info, update_result  # noqa: E402
 
 MARK = "ARM "
 
 
 def one_arm(threshold: int) -> dict:
     """This process's measurements under `threshold` (set by the policy's load, as in a run)."""
-    import copy
     import resource
-    import tempfile
-
-    import torch
-
-    from sparserl.config import load_config
-    from sparserl.trainer import Trainer
 
     def faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    torch.set_num_threads(1)
     out: dict = {"threshold": threshold, "update_cpu_s": [], "update_minor_faults": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, [f"trainer.malloc_mmap_threshold={threshold}", "trainer.steps=1", "trainer.threads=1",
-                                 "trainer.eval_prompts=0", f"trainer.output_dir={tmp}", "logging.progress=false",
-                                 "logging.tensorboard=false"])  # fmt: skip
-        trainer, drawn = Trainer(cfg), []
-        trainer.learn = lambda step, batch: drawn.append(batch) or {}
-        c0 = time.process_time()
-        trainer.train()  # one rollout and its scoring, the update skipped
-        out["rollout_and_score_cpu_s"] = time.process_time() - c0
-        learner = trainer.learner
-        start = (
-            {k: v.clone() for k, v in trainer.policy.weights().items()},
-            copy.deepcopy(learner.optimizer.state_dict()),
-            copy.deepcopy(learner.scheduler.state_dict()),
-        )
+    with OneBatchUpdates([f"trainer.malloc_mmap_threshold={threshold}"]) as runs:
+        out["rollout_and_score_cpu_s"] = runs.rollout_and_score_cpu_s
         for _ in range(2):
-            trainer.policy.load_weights({k: v.clone() for k, v in start[0].items()})
-            learner.optimizer.load_state_dict(start[1])
-            learner.scheduler.load_state_dict(start[2])
             f0, c0 = faults(), time.process_time()
-            metrics = learner.update(1, drawn[0])
+            metrics = runs.update()
             out["update_cpu_s"].append(time.process_time() - c0)
             out["update_minor_faults"].append(faults() - f0)
         out["pg_loss"] = metrics.get("actor/pg_loss")
         out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        trainer.close()
     return out
 
 

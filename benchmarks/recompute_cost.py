@@ -12,15 +12,13 @@ Writes docs/results/memory.json section `recompute_cost` (or `recompute_cost_<na
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, machine_info, update_result  # noqa: E402
+from _common import RESULTS, OneBatchUpdates, machine_info, update_result  # noqa: E402
 
 
 def main() -> None:
@@ -28,30 +26,12 @@ def main() -> None:
     p.add_argument("--names", default="layernorm,mlp_act", help="the optim.recompute_modules names measured")
     p.add_argument("--pairs", type=int, default=3)
     args = p.parse_args()
-    import torch
-
-    from sparserl.config import load_config
     from sparserl.engine.decoder import causal_lm
-    from sparserl.trainer import Trainer
 
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, [f"optim.recompute_modules=[{args.names}]", "trainer.steps=1", "trainer.threads=1",
-                                 "trainer.eval_prompts=0", f"trainer.output_dir={tmp}", "logging.progress=false",
-                                 "logging.tensorboard=false"])  # fmt: skip
-        trainer, drawn = Trainer(cfg), []
-        trainer.learn = lambda step, batch: drawn.append(batch) or {}
-        trainer.train()  # one rollout, its update skipped
-        layers = causal_lm(trainer.policy.module).model.layers
+    with OneBatchUpdates([f"optim.recompute_modules=[{args.names}]"]) as updates:
+        layers = causal_lm(updates.trainer.policy.module).model.layers
         mods = [m for layer in layers for m in (layer, layer.input_layernorm, layer.post_attention_layernorm)]
         bound = [(m, vars(m)["forward"]) for m in mods if "forward" in vars(m)]
-        learner = trainer.learner
-        weights = {k: v.clone() for k, v in trainer.policy.weights().items()}
-        start = (
-            weights,
-            copy.deepcopy(learner.optimizer.state_dict()),
-            copy.deepcopy(learner.scheduler.state_dict()),
-        )
         runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
         for _ in range(args.pairs):
             for arm in runs:
@@ -60,15 +40,11 @@ def main() -> None:
                         vars(module).pop("forward", None)
                     else:
                         module.forward = forward
-                trainer.policy.load_weights({k: v.clone() for k, v in start[0].items()})
-                learner.optimizer.load_state_dict(start[1])
-                learner.scheduler.load_state_dict(start[2])
                 t0, c0 = time.perf_counter(), time.process_time()
-                metrics = learner.update(1, drawn[0])
+                metrics = updates.update()
                 runs[arm].append({"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
                                   "pg_loss": metrics.get("actor/pg_loss")})  # fmt: skip
                 print(arm, runs[arm][-1], flush=True)
-        trainer.close()
     median = {arm: statistics.median(r["cpu_s"] for r in rs) for arm, rs in runs.items()}
     same = len({r["pg_loss"] for rs in runs.values() for r in rs}) == 1
     payload = {"names": args.names, "runs": runs, "median_cpu_s": median, "on_over_off": median["on"] / median["off"],
