@@ -1,8 +1,9 @@
 """Tree rollouts that fork their parent's state against independent chains at 4 leaves a prompt, SmolLM2-135M:
-rollout CPU seconds per leaf and peak KV bytes per leaf, with the children forked (engine/forks.py) and, for
-comparison, re-prefilled from their prompt and prefix (the tree before forks).
+rollout CPU seconds per leaf and peak KV bytes per leaf, with the children forked (engine/forks.py) as their
+parent finishes, in its run (the local backend `grows_runs`); for comparison, re-prefilled from their prompt and
+prefix instead, and forked but decoded in a run of their own after the roots' (a backend that keeps rounds).
 
-    python benchmarks/tree_fork.py     # -> docs/results/reuse.json, section "tree_fork" (~0.2 CPU-hours)
+    python benchmarks/tree_fork.py     # -> docs/results/reuse.json, section "tree_fork" (~0.3 CPU-hours)
 
 The reuse experiment's tree: 2 roots a prompt, 1 fork point, 1 child (4 leaves), against 4 independent samples;
 4 prompts of the default task, dense rollouts (algo.preset=dense), temperature 1, one thread, at 64 and 256 new
@@ -24,15 +25,15 @@ from sparserl.signals import stoppable
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "results" / "reuse.json"
 TREE = ["rollout.n=2", "rollout.tree.enable=true", "rollout.tree.forks=1", "rollout.tree.children=1"]
-ARMS = {"tree": TREE, "tree-reprefill": TREE, "chains": ["rollout.n=4"]}
+ARMS = {"tree": TREE, "tree-reprefill": TREE, "tree-rounds": TREE, "chains": ["rollout.n=4"]}
 LENGTHS = (64, 256)
 SPEED_TARGET = 0.8  # tree seconds per leaf over chains'
 
 
 def collect(name: str, length: int, seed: int, out: Path) -> dict:
     """One step of arm `name` at `length` new tokens: leaves, CPU seconds, peak KV bytes, tokens generated and
-    the decode steps that generated them (a tree's rounds decode one after the other: each step reads every
-    weight once however few rows it runs)."""
+    the decode steps that generated them (a child decodes after its parent ends, in its run or in a second
+    one: each step reads every weight once however few rows it runs)."""
     from sparserl.config import load_config
     from sparserl.trainer import Trainer
 
@@ -53,6 +54,8 @@ def collect(name: str, length: int, seed: int, out: Path) -> dict:
                 return run(requests, *a, **k)
 
             backend.run = without_forks
+        if name == "tree-rounds":  # the children wait for the roots' run to end, then run in one of their own
+            backend.grows_runs = False
         c0 = time.process_time()
         got = trainer.rollouts.collect_step(trainer.source, 4, 0, trainer.state.engine_seed)
         cpu = time.process_time() - c0
@@ -75,18 +78,6 @@ def cost_split(runs: dict[str, list[dict]]) -> dict:
     resid = (y - x @ torch.tensor([[a], [b], [c]], dtype=torch.float64)).abs().max().item()
     return {"per_decode_step_s": a, "per_generated_token_s": b, "constant_s": c, "max_abs_residual_s": resid,
             "runs": len(rows)}  # fmt: skip
-
-
-def one_flight(med: dict[str, dict], split: dict) -> dict[str, float]:
-    """An estimate, from the split, of the tree's seconds per leaf over the chains' had its children decoded in
-    the roots' flight (the chains' decode steps, the tree's tokens): the tree's measured seconds less its extra
-    steps at the fitted cost of a step."""
-    out = {}
-    for n in LENGTHS:
-        tree, chains = med[f"tree@{n}"], med[f"chains@{n}"]
-        extra = (tree["decode_steps"] - chains["decode_steps"]) * split["per_decode_step_s"]
-        out[f"{n}"] = (tree["cpu_s"] - extra) / tree["leaves"] / chains["cpu_s_per_leaf"]
-    return out
 
 
 @stoppable("benchmarks/tree_fork.py", "the measurement; re-run it", exits=True)
@@ -119,9 +110,7 @@ def main() -> dict:
         }
         goals[f"Trees at 4 leaves, {n} new tokens: peak KV per leaf below independent chains'"] = {
             "value": round(kv, 3), "target": 1.0, "met": kv < 1.0, "command": cmd}  # fmt: skip
-    split = cost_split(runs)
-    split["one_flight_estimate"] = one_flight(med, split)
-    payload = {"medians": med, "runs": runs, "arms": ARMS, "cost_split": split, "command": cmd,
+    payload = {"medians": med, "runs": runs, "arms": ARMS, "cost_split": cost_split(runs), "command": cmd,
                "machine": machine_info()}  # fmt: skip
     update_result(OUT, "tree_fork", payload, goals)
     for k, v in med.items():

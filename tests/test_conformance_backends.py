@@ -1,8 +1,8 @@
 """Conformance of every registered rollout backend (`BACKENDS`): each is built as a run builds it (the Trainer's
 `make_backend`), then checked against the seam's contract: a stale weights version refused, every request
 answered by exactly one segment with finite sampler log-probs, and each capability the class declares honoured
-(partial stop, scoring, recording, deterministic streams). A new backend is tested by registering it; `NEEDS`
-says what one takes beyond `rollout.backend=<name>` on one machine."""
+(partial stop, scoring, recording, deterministic streams, runs that grow). A new backend is tested by
+registering it; `NEEDS` says what one takes beyond `rollout.backend=<name>` on one machine."""
 
 from __future__ import annotations
 
@@ -169,6 +169,31 @@ def test_a_stopped_run_returns_its_unfinished_samples_and_they_resume(trainer):
     whole = [s.tokens + r.tokens for s, r in zip(stopped, resumed, strict=True)]
     assert whole == [s.tokens for s in straight]
     assert [s.finish for s in resumed] == [s.finish for s in straight]
+
+
+@parametrise
+def test_requests_returned_as_samples_finish_join_the_run(trainer):
+    """A backend declaring `grows_runs`: the requests `on_segment` returns (one per finished sample: a new
+    stream continuing its first two tokens, as a tree's child) are answered once each in the same run, their
+    indices continuing the list's, with the tokens they draw in a run of their own."""
+    backend = trainer.rollouts.backend
+    if not backend.grows_runs:
+        pytest.skip(f"{backend.name!r} does not declare grows_runs")
+    reqs, joined, segments = requests(trainer, SHORT), [], []
+
+    def on_segment(seg: Segment) -> list[Request] | None:
+        segments.append(seg)
+        if seg.index >= len(reqs):
+            return None
+        r = reqs[seg.index]
+        joined.append(Request(r.prompt, r.key + 1000, r.seed, r.max_new_tokens, seg.tokens[:2]))
+        return joined[-1:]
+
+    backend.run(reqs, Sampling(), backend.version, SEED, on_segment)
+    assert sorted(s.index for s in segments) == list(range(2 * len(reqs))), "a request lost or answered twice"
+    got = {s.index: s.tokens for s in segments}
+    alone, _ = run(backend, joined)
+    assert [got[len(reqs) + j] for j in range(len(joined))] == [s.tokens for s in alone]
 
 
 @parametrise

@@ -122,9 +122,11 @@ def plain(p: GroupPlan) -> Any:
 
 @dataclass
 class Step:
-    """What one step asked of the source and got: each round's plans, the groups `select` was given and chose."""
+    """What one step asked of the source and got: each round's plans (those `grow` made while the round ran
+    included), the groups `select` was given and chose."""
 
     rounds: list[list[Any]] = field(default_factory=list)
+    grown: int = 0  # plans made by `grow`, in flight
     plans: list[GroupPlan] = field(default_factory=list)
     scored: list[GroupRecord] = field(default_factory=list)
     chosen: list[GroupRecord] = field(default_factory=list)
@@ -134,7 +136,7 @@ class Step:
 def run_step(trainer: Trainer, source: GroupSource, version: int) -> Step:
     """One step of `source` through the trainer's rollout layer at policy `version`, its calls recorded."""
     step = Step()
-    plan, refill, select = source.plan, source.refill, source.select
+    plan, refill, select, grow = source.plan, source.refill, source.select, source.grow
 
     def planned(plans: list[GroupPlan]) -> list[GroupPlan]:
         if plans:
@@ -142,19 +144,27 @@ def run_step(trainer: Trainer, source: GroupSource, version: int) -> Step:
             step.plans += plans
         return plans
 
+    def grown(group: GroupRecord, sample: Any) -> GroupPlan | None:
+        p = grow(group, sample)
+        if p is not None:
+            step.rounds[-1].append(plain(p))
+            step.plans.append(p)
+            step.grown += 1
+        return p
+
     def selected(scored: list[GroupRecord], k: int) -> list[GroupRecord]:
         step.scored, step.chosen = list(scored), select(scored, k)
         return step.chosen
 
     source.plan = lambda k, v: planned(plan(k, v))
     source.refill = lambda scored, k, v: planned(refill(scored, k, v))
-    source.select = selected
+    source.select, source.grow = selected, grown
     try:
         trainer.push_weights(version)
         seed = step_seed(trainer.cfg.trainer.seed, version)
         step.got = trainer.rollouts.collect_step(source, K, version, seed)
     finally:
-        del source.plan, source.refill, source.select
+        del source.plan, source.refill, source.select, source.grow
     return step
 
 
@@ -213,7 +223,9 @@ def test_select_returns_a_subset_of_the_scored_groups(kind, name, ran):
 @each_class
 def test_the_rounds_a_class_declares_are_the_rounds_it_takes(kind, name, ran, tmp_path):
     """A source that does not refill runs one round; one that needs its rounds (`needs_its_rounds`) runs exactly
-    the extra rounds its classes declare, and a round cap below them is refused; none passes the cap."""
+    the extra rounds its classes declare on a backend that keeps rounds (fewer where its samples joined the
+    running run: `grow` on a backend that `grows_runs`), and a round cap below them is refused; none passes the
+    cap."""
     trainer, steps = ran(kind, name)
     cfg, source = trainer.cfg, trainer.source
     chain = chosen_sources(cfg)
@@ -224,7 +236,14 @@ def test_the_rounds_a_class_declares_are_the_rounds_it_takes(kind, name, ran, tm
         assert 1 <= rounds <= 1 + cfg.sampling.max_extra_rounds
         assert step.got.sampling["rounds"] == rounds
         assert source.refills or rounds == 1, "a source that does not declare refills asked for another round"
-        assert not strict or rounds == 1 + need, f"{rounds - 1} extra rounds, {need} declared"
+        assert not strict or rounds == 1 + need or step.grown, f"{rounds - 1} extra rounds, {need} declared"
+    if strict and any(step.grown for step in steps):  # the same on a backend that keeps rounds
+        kept = build(tmp_path, kind, name, run="rounds")
+        kept.rollouts.backend.grows_runs = False
+        step = run_step(kept, kept.source, 0)
+        assert len(step.rounds) == 1 + need and not step.grown, (
+            f"{len(step.rounds) - 1} rounds, {need} declared"
+        )
     if strict:
         capped = refusal(tmp_path, kind, name, f"sampling.max_extra_rounds={need - 1}")
         assert f"sampling.max_extra_rounds >= {need}" in capped

@@ -91,3 +91,62 @@ def test_a_snapshot_holds_only_the_slots_its_row_held():
     snap = run.snapshots.kept[0][0]
     assert snap.cache.rows == 1 and snap.cache.capacity == int(snap.cache.length[0]) <= 14 + 3 - 1
     assert torch.isfinite(snap.logits).all()
+
+
+def decode_growing(e, requests: list[Request], children_of) -> tuple:
+    """A run that admits what `children_of(run, i)` returns as sample i finishes (DecodeRun.extend), as the
+    scheduler does for a tree's children; returns the run and the ids each finished sample added."""
+    added = {}
+    with e.decoding():
+        run = e.start_run(requests, Sampling())
+        run.admit(list(range(len(requests))))
+        while run.running:
+            for i in run.step():
+                added[i] = run.extend(more) if (more := children_of(run, i)) else []
+                run.admit(added[i])
+    return run, added
+
+
+@pytest.mark.parametrize("name", sorted(KVS))
+def test_a_fork_joining_its_parents_run_draws_what_it_draws_in_a_run_of_its_own(name):
+    """Children forked from their parent's state as it finishes, in the parent's run beside the samples still
+    decoding (two more per prompt reading it held once where the cache shares prompts), draw on the parent's
+    stream the parent's tokens again, and on their own stream what they draw in a run of their own; the readers
+    draw what they draw without the children."""
+    e = engine(KVS[name])
+    prompts = random_prompts([11, 23], 4)
+    parents = [Request(p, key=j, seed=5, max_new_tokens=24, snapshots=2) for j, p in enumerate(prompts * 2)]
+    readers = [Request(p, key=50 + j, seed=5, max_new_tokens=30) for j, p in enumerate(prompts * 2)]
+
+    def children_of(run, i):
+        tokens = run.completion(i)[0]
+        return [Request(parents[i].prompt, key, parents[i].seed, 24, tokens[: s.position], fork=s)
+                for s in run.snapshots.kept.get(i, ()) for key in (parents[i].key, 100 + i)]  # fmt: skip
+
+    run, added = decode_growing(e, parents + readers, children_of)
+    assert sorted(added) == list(range(8 + 8 * 2))  # every child joined and finished in the run
+    by_themselves = decode(e, readers)
+    assert [run.completion(4 + j)[0] for j in range(4)] == [by_themselves.completion(j)[0] for j in range(4)]
+    for i in range(len(parents)):
+        tokens, logps = run.completion(i)
+        for same, own in zip(added[i][::2], added[i][1::2], strict=True):
+            t = len(run.requests[same].prefix)
+            assert run.completion(same)[0] == tokens[t:], (name, i, t)
+            assert (run.completion(same)[1] - logps[t:]).abs().max() < LOGP_TOL
+            alone = decode(e, [run.requests[own]])
+            assert run.completion(own)[0] == alone.completion(0)[0], (name, i, t)
+            assert (run.completion(own)[1] - alone.completion(0)[1]).abs().max() < LOGP_TOL
+
+
+def test_a_longer_request_joining_a_run_draws_what_it_draws_alone():
+    """A request with more new tokens than the run's joins it (its draws and every sample's records widened)
+    and draws what it draws in a run of its own; the samples already there are unchanged."""
+    e = engine(KVConfig())
+    prompts = random_prompts([9, 14, 20], 6)
+    base = [Request(p, key=j, seed=3, max_new_tokens=12) for j, p in enumerate(prompts)]
+    longer = Request(prompts[1], key=50, seed=4, max_new_tokens=40, prefix=[5, 6])
+    run, added = decode_growing(e, base, lambda run, i: [longer] if i == 0 else None)
+    (j,) = added[0]
+    assert run.completion(j)[0] == decode(e, [longer]).completion(0)[0] and len(run.requests) == 4
+    plain = decode(e, base)
+    assert [run.completion(i)[0] for i in range(3)] == [plain.completion(i)[0] for i in range(3)]

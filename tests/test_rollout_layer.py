@@ -117,6 +117,34 @@ def test_dense_cache_grows_with_its_longest_row_and_preempts_at_the_cap():
     assert run.finish[0] == "length" and len(run.completion(0)[0]) < 300
 
 
+@pytest.mark.parametrize(
+    "kv", [None, KVConfig(method="rkv", budget=16, window=4, interval=4)], ids=["dense", "rkv"]
+)
+def test_a_request_joining_a_full_run_is_charged_alone_against_the_cap(kv):
+    """The cap check charges a sequence as an empty run would hold it (`bytes_alone`: on a fresh run, what
+    admitting it alone charges), so a request added to a running run (a tree's child) whose rows are about to
+    outgrow their block is not refused as too large for the cap: the running rows are preempted instead."""
+    e = engine(kv)
+    reqs = requests(
+        [200, 200, 7, 7, 7], n=2
+    )  # a group of two long rows, then a group of three sharing a prompt
+    with e.decoding():
+        fresh = e.start_run(reqs, Sampling(), kv_memory_cap=10**9)
+        assert [fresh.bytes_alone(i) for i in range(5)] == [fresh.bytes_after_admit([i]) for i in range(5)]
+        cap = 300 * fresh.bytes_per_position
+        run = e.start_run(reqs[:2], Sampling(), kv_memory_cap=cap)
+        run.admit([0, 1])
+        while int(run.cache.length.max()) < run.cache.capacity:
+            run.step()
+        (child,) = run.extend([Request(reqs[0].prompt, 99, 7, 10, prefix=[5, 6])])
+    assert cap >= run.bytes_alone(child)
+    if kv is None:  # dense rows about to outgrow their block: beside them, the child is over the cap
+        assert run.bytes_after_admit([child]) > cap
+    children = {0: [Request(reqs[0].prompt, 99, 7, 10)], 1: [Request(reqs[0].prompt, 100, 7, 10)]}
+    grown, _, _ = Scheduler(e, cap).run(reqs[:2], Sampling(), lambda run, i: children.pop(i, None))
+    assert grown.finish == ["length"] * 4
+
+
 def test_a_cap_too_small_for_one_sequence_names_both_sizes():
     e = engine()
     with pytest.raises(

@@ -94,6 +94,7 @@ def test_trees_grow_by_their_closed_form_and_share_prefixes():
             assert child.tokens[: child.reused_prefix] == parent.tokens[: child.reused_prefix]
             assert child.sampler_logps[: child.reused_prefix] == parent.sampler_logps[: child.reused_prefix]
             assert child.prefix_origin == "forked" and child.reused_prefix in fork_points(parent, 2)
+    assert got.sampling["rounds"] == 3  # a backend that does not grow its runs: one run per forking round
     drawn = got.sampling["generated_tokens"]
     assert drawn == sum(len(s.tokens) - s.reused_prefix for g in got.groups for s in g.samples) < 2 * 63 * 6
 
@@ -122,7 +123,8 @@ def test_tree_rounds_need_rounds_of_the_step():
 @pytest.mark.parametrize("kv", [["kv.method=dense", "algo.preset=dense"], []], ids=["dense", "rkv"])
 def test_children_start_from_their_parents_state_without_a_prefill(tmp_path, kv):
     """Two forking rounds on the local backend: every child starts from the state its parent kept at the fork
-    point (no prefill after the roots'), and on a dense cache its tokens are those a re-prefilled child draws."""
+    point (no prefill after the roots'), in its parent's run (one round: the local backend grows its runs),
+    and on a dense cache its tokens are those a re-prefilled child draws."""
     extra = ("rollout.tree.enable=true", "rollout.n=2", "rollout.tree.forks=2", "rollout.tree.children=1",
              "rollout.tree.rounds=2", "sampling.max_extra_rounds=2", *kv)  # fmt: skip
     trainer = make_trainer(tiny_cfg(tmp_path, *extra))
@@ -133,6 +135,12 @@ def test_children_start_from_their_parents_state_without_a_prefill(tmp_path, kv)
     children = [s for g in got.groups for s in g.samples if s.prefix_origin == "forked"]
     assert len(children) > 2 * 2 * 2 and all(c.fork_of is not None for c in children)  # both rounds forked
     assert prefilled == [2]  # the two prompts, once, for the roots
+    assert got.sampling["rounds"] == 1 and got.metrics["admissions"] == len(children) + 2 * 2
+    for g in got.groups:  # every root and every child of a root forked at min(2, its own tokens) points
+        roots = {s.key: s for s in g.samples[:2]}
+        first = [s for s in g.samples if s.fork_of is not None and s.fork_of[1] in roots]
+        own = sum(min(2, len(s.tokens) - s.reused_prefix) for s in [*roots.values(), *first])
+        assert len(g.samples) == 2 + own
     if kv:  # dense: a child prefilled from its prompt and prefix draws the same tokens
         from sparserl.engine.decoding import Request, Sampling
 
@@ -146,3 +154,30 @@ def test_children_start_from_their_parents_state_without_a_prefill(tmp_path, kv)
         assert [run.requests[i].prefix + run.completion(i)[0] for i in range(len(reqs))] == [
             c.tokens for c in children
         ]
+
+
+def test_a_tree_draws_the_same_paths_in_its_parents_run_under_a_cap_or_in_rounds(tmp_path):
+    """Every path draws the same tokens whether its children join the parents' run (the local backend), under a
+    KV memory cap that preempts (none refused as too large for the cap), or run in rounds of their own (a
+    backend that keeps rounds): a child's stream is its parent's key, fork point and number, not its place."""
+    extra = (
+        "rollout.tree.enable=true",
+        "rollout.n=2",
+        "rollout.tree.forks=2",
+        "rollout.tree.children=1",
+        "rollout.tree.rounds=2",
+        "sampling.max_extra_rounds=2",
+        "kv.method=dense",
+        "algo.preset=dense",
+        "rollout.max_new_tokens=160",
+    )  # fmt: skip  (rows outgrow a block of 128 positions: the cap preempts)
+    paths, rounds, preempted = {}, {}, {}
+    for arm, cap in (("run", "none"), ("capped", "300KiB"), ("rounds", "none")):
+        trainer = make_trainer(tiny_cfg(tmp_path / arm, *extra, f"rollout.kv_memory_cap={cap}"))
+        trainer.rollouts.backend.grows_runs = arm != "rounds"
+        got = trainer.rollouts.collect_step(trainer.source, 2, 0, 5)
+        paths[arm] = {s.key: s.tokens for g in got.groups for s in g.samples}
+        rounds[arm], preempted[arm] = got.sampling["rounds"], got.metrics["preemptions"]
+        trainer.close()
+    assert rounds == {"run": 1, "capped": 1, "rounds": 3} and preempted["capped"] > 0
+    assert paths["capped"] == paths["run"] == paths["rounds"] and len(paths["run"]) > 2 * 2 * 3

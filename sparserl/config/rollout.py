@@ -195,22 +195,27 @@ class SpecConfig:
 @dataclass
 class TreeConfig:
     """Tree rollouts (TreeRL's EPTree, the language-model analogue of BranchGRPO): the group's rollout.n samples
-    are roots; each round, every path of the last round forks at its most uncertain tokens."""
+    are roots; every finished path fewer than `rounds` forks deep forks at its most uncertain tokens."""
 
     enable: bool = field(
         default=False,
         metadata={
-            "help": "Grow each group as a tree: rollout.n roots, then `rounds` rounds in which every path drawn "
-            "in the last round forks at its `forks` most uncertain tokens (highest -log p of the sampled token), "
+            "help": "Grow each group as a tree: rollout.n roots; every path, once finished and while fewer than "
+            "`rounds` forks deep, forks at its `forks` most uncertain tokens (highest -log p of the sampled token), "
             "`children` children each, which keep the path up to there (the parent's sampler log-probs) and "
-            "draw on from that token on their own streams. All paths are leaves of one group; train them with "
-            "GRPO over the leaves or algo.adv_transforms=[tree] (TreeRL's process reward)."
+            "draw on from that token on their own streams: in the parent's run on the local backend, in the "
+            "step's next round on Ray. All paths are leaves of one group; train them with GRPO over the leaves "
+            "or algo.adv_transforms=[tree] (TreeRL's process reward)."
         },
     )
     rounds: int = field(
-        default=1, metadata={"help": "L: forking rounds (each one of sampling.max_extra_rounds)."}
+        default=1,
+        metadata={
+            "help": "L: fork depth, the forks on a root-to-leaf path (on a backend that keeps rounds, as Ray does, "
+            "each one of sampling.max_extra_rounds; the local backend forks in the running run)."
+        },
     )
-    forks: int = field(default=2, metadata={"help": "T: fork points per path per round."})
+    forks: int = field(default=2, metadata={"help": "T: fork points per path."})
     children: int = field(default=2, metadata={"help": "N: children per fork point."})
 
     def __post_init__(self) -> None:

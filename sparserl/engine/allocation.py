@@ -36,23 +36,30 @@ def row_bucket(rows: int) -> int:
     return size
 
 
+def owns_row(request: Request) -> bool:
+    """Whether a request holds its whole input in its own row whatever others start from: it keeps fork states
+    (a snapshot is a whole row) or starts from one (engine/forks.py)."""
+    return bool(request.snapshots) or request.fork is not None
+
+
 def own_positions(request: Request, shared: Collection[tuple[int, ...]], align: int = 1) -> int:
     """Positions a request's own row holds at its end: prompt + max_new_tokens, less the part of its first input
     (prompt + given completion tokens) held once when two or more requests start from it (`shared`; whole
-    `align`-position pages of it under block-sparse reads)."""
+    `align`-position pages of it under block-sparse reads) and it does not own its row."""
     first = tuple(request.prompt) + tuple(request.prefix)
     whole = len(request.prompt) + request.max_new_tokens
-    return whole - held_once(len(first), align) * (first in shared)
+    return whole - held_once(len(first), align) * (first in shared and not owns_row(request))
 
 
 def dense_kv_allocation(
     requests: Sequence[Request], bytes_per_position: int, compiled: bool = False, cap: int | None = None
 ) -> int:
     """KV bytes the dense engine allocates for `requests` admitted together: every row as many positions as the
-    longest row needs (`own_positions`), plus each input that several requests start from held once (a GRPO
-    group's prompt, `SharedPrefixCache`). A compiled step holds copies instead, its capacity in whole blocks and
-    its rows padded to a `row_bucket`. Under a KV memory `cap` the dense engine never holds more than the cap."""
-    first = [tuple(r.prompt) + tuple(r.prefix) for r in requests]
+    longest row needs (`own_positions`), plus each input that several requests not owning their rows start from
+    held once (a GRPO group's prompt, `SharedPrefixCache`). A compiled step holds copies instead, its capacity in
+    whole blocks and its rows padded to a `row_bucket`. Under a KV memory `cap` the dense engine never holds more
+    than the cap."""
+    first = [tuple(r.prompt) + tuple(r.prefix) for r in requests if not owns_row(r)]
     shared = set() if compiled else shared_inputs(first)
     capacity, rows = max(own_positions(r, shared) for r in requests), len(requests)
     if compiled:

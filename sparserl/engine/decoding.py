@@ -13,21 +13,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sparserl.engine.allocation import (
     COMPILED_MIN_ROWS,
     dense_kv_allocation,
-    in_blocks,
     own_positions,
+    owns_row,
     row_bucket,
     running_cache,
 )
 from sparserl.engine.cache import KVCache
 from sparserl.engine.forks import Snapshot, SnapshotKeeper, admit_forked
 from sparserl.engine.position_stats import PositionStats
+from sparserl.engine.run_memory import RunMemory
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
-from sparserl.engine.shared_prefix import held_once, shared_inputs
+from sparserl.engine.shared_prefix import shared_inputs
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
@@ -61,8 +63,14 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
 
 
-class DecodeRun:
-    """The running batch of one engine over a fixed list of requests (sample id = index in that list).
+def _draws(requests: list[Request], steps: int, like: Tensor) -> Tensor:
+    """[len(requests), steps] float64: each request's uniforms on its own stream (seed, key), on `like`'s device."""
+    none = torch.zeros(0, steps, dtype=torch.float64, device=like.device)
+    return torch.cat([none, *(sample_uniforms(r.seed, [r.key], steps, like.device) for r in requests)])
+
+
+class DecodeRun(RunMemory):
+    """The running batch of one engine over a list of requests (sample id = index in it; `extend` adds more).
 
     `admit(ids)` prefills the requests (identical inputs once: a GRPO group's prompt) and appends their rows;
     `step()` samples one token for every running row, retires those that finished and runs the forward step of
@@ -82,33 +90,24 @@ class DecodeRun:
         recorder: DistributionRecorder | None = None,
         kv_memory_cap: int | None = None,
     ):
-        self.engine, self.requests, self.sampling, self.recorder = engine, requests, sampling, recorder
+        self.engine, self.sampling, self.recorder = engine, sampling, recorder
         self.kv_memory_cap = kv_memory_cap
-        dev, n = engine.decoder.device, len(requests)
-        steps = max(r.max_new_tokens for r in requests)
-        self.tokens = torch.zeros(n, steps, dtype=torch.long, device=dev)
-        self.logps = torch.zeros(n, steps, device=dev)
-        self.count = torch.tensor([len(r.prefix) for r in requests], device=dev)  # completion tokens so far
-        for i, r in enumerate(requests):
-            if r.prefix:
-                self.tokens[i, : len(r.prefix)] = torch.tensor(r.prefix, device=dev)
-        self.start_count = self.count.clone()
-        self.limit = torch.tensor([r.max_new_tokens for r in requests], device=dev)
-        # what each sample's first admission prefills: its prompt and the completion tokens it was given
-        self.first_input = [tuple(r.prompt) + tuple(r.prefix) for r in requests]
-        self.shared = shared_inputs(self.first_input) if engine.share_prompts else set()
+        none = torch.zeros(0, dtype=torch.long, device=engine.decoder.device)
+        self.requests: list[Request] = []
+        self.first_input: list[tuple[int, ...]] = []  # what each sample's first admission prefills
+        self.finish: list[str | None] = []
+        self.tokens, self.logps, self.uniforms = none.view(0, 0), none.view(0, 0).float(), _draws([], 0, none)
+        self.count = self.start_count = self.limit = self.prompt_len = self.events = none  # per sample
+        self.positions = PositionStats(none)
+        self.snapshots = SnapshotKeeper([])
+        self._append(requests)
+        sharing = [f for f, r in zip(self.first_input, requests, strict=True) if not owns_row(r)]
+        self.shared = shared_inputs(sharing) if engine.share_prompts else set()
         # block-sparse reads: a prompt held once is its whole pages (a row's own pages stay whole pages)
         self.align = engine.sparse.page_size if engine.sparse is not None else 1
-        self.prompt_len = torch.tensor([len(r.prompt) for r in requests], device=dev)
         self.longest = max(own_positions(r, self.shared, self.align) for r in requests)
-        self.uniforms = torch.cat(
-            [sample_uniforms(r.seed, [r.key], steps, dev) for r in requests]
-        )  # [n, steps]: each sample's own draws
-        self.finish: list[str | None] = [None] * n
-        self.events = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = PositionStats(torch.zeros(n, dtype=torch.long, device=dev))
         self.cache = running_cache(engine, bool(self.shared), max(map(len, self.first_input)), self.align)
-        self.sample_of_row = torch.zeros(0, dtype=torch.long, device=dev)
+        self.sample_of_row = none
         self.logits: Tensor | None = None
         self.compiled = engine.compiled_step is not None
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
@@ -119,99 +118,56 @@ class DecodeRun:
         )
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0
-        self.snapshots = SnapshotKeeper([r.snapshots for r in requests])
 
-    # --------------------------------------------------------------------------------------------- memory
-
-    @property
-    def bytes_per_position(self) -> int:
-        return self.cache.bytes_per_position()
-
-    def fit_capacity(self, need: int) -> int:
-        """Slots per row for rows needing `need` positions: an evicting cache's bound (no row ever holds more);
-        else, under a memory cap, blocks of CAPACITY_BUCKET, without one the longest request's whole length
-        (prompt + max_new_tokens, allocated once); never more than the longest request can reach. A compiled
-        step's capacity is a graph's shape: the longest request's length is rounded up to whole blocks."""
-        most = max(need, self.longest)  # no request of the run ever holds more
-        if self.compiled:
-            most = in_blocks(most)
-        if self.engine.evictor is not None:  # copies: the bound from the start, never grown; rows reading a
-            # prompt held once: blocks as their own slots grow, up to the bound
-            bound = min(most, self.engine.kv.max_budget + self.engine.kv.interval - 1)
-            return min(in_blocks(need), bound) if self.shared else bound
-        if self.kv_memory_cap is None:  # nothing to share: allocate once (no growth, no copies)
-            return most
-        return min(in_blocks(need), most)
-
-    def input_length(self, i: int) -> int:
-        """Tokens a (re-)admission of sample i prefills: its prompt and the completion tokens it holds."""
-        return int(self.prompt_len[i] + self.count[i])
-
-    def shares(self, i: int) -> bool:
-        """Whether an admission of sample i reads its first input held once: an input two or more samples start
-        from (a group's prompt; a fork point's prompt + prefix; `shared_inputs`), the sample having drawn nothing
-        since (a preempted one comes back as a copy), and keeping no fork state nor starting from one."""
-        r = self.requests[i]
-        own_row = r.snapshots or r.fork is not None  # a snapshot is a whole row; a fork starts from one
-        return (
-            int(self.count[i]) == int(self.start_count[i])
-            and self.first_input[i] in self.shared
-            and not own_row
+    def _append(self, requests: list[Request]) -> None:
+        """Per-sample state of `requests` after the run's (their ids continue the list): tokens so far, limits,
+        their own draws (every sample's drawn further when a longer request comes), positions, snapshots."""
+        dev, width = self.count.device, self.tokens.shape[1]
+        steps = max(width, *(r.max_new_tokens for r in requests))
+        if steps > width:
+            pad = (0, steps - width)
+            self.tokens, self.logps = F.pad(self.tokens, pad), F.pad(self.logps, pad)
+            self.uniforms = _draws(self.requests, steps, self.count)
+        tokens = torch.zeros(len(requests), steps, dtype=torch.long, device=dev)
+        for i, r in enumerate(requests):
+            if r.prefix:
+                tokens[i, : len(r.prefix)] = torch.tensor(r.prefix, device=dev)
+        count = torch.tensor([len(r.prefix) for r in requests], device=dev)
+        self.tokens, self.logps = (
+            torch.cat([self.tokens, tokens]),
+            F.pad(self.logps, (0, 0, 0, len(requests))),
         )
+        self.uniforms = torch.cat([self.uniforms, _draws(requests, steps, self.count)])
+        self.count, self.start_count = torch.cat([self.count, count]), torch.cat([self.start_count, count])
+        self.limit = torch.cat([self.limit, torch.tensor([r.max_new_tokens for r in requests], device=dev)])
+        self.prompt_len = torch.cat(
+            [self.prompt_len, torch.tensor([len(r.prompt) for r in requests], device=dev)]
+        )
+        self.events = F.pad(self.events, (0, len(requests)))
+        self.requests = [*self.requests, *requests]
+        self.first_input += [tuple(r.prompt) + tuple(r.prefix) for r in requests]
+        self.finish += [None] * len(requests)
+        self.positions.extend(len(requests))
+        self.snapshots.extend([r.snapshots for r in requests])
 
-    def own_length(self, i: int, whole: bool = False) -> int:
-        """Positions sample i's own row holds once admitted (`whole`: at its end): its input (prompt +
-        max_new_tokens), less the part of its first input held once when it reads the shared copy (whole pages
-        of it under block-sparse reads)."""
-        total = int(self.prompt_len[i] + self.limit[i]) if whole else self.input_length(i)
-        return total - held_once(len(self.first_input[i]), self.align) * self.shares(i)
-
-    def shared_bytes_after_admit(self, ids: list[int]) -> int:
-        """Bytes of the inputs held once (`SharedPrefixCache`) once `ids` are admitted (evicting: cut first)."""
-        new = {self.first_input[i] for i in ids if self.shares(i)}
-        held = torch.tensor([len(p) for p in new if self.cache.prefix_id(p) is None], dtype=torch.long)
-        if self.engine.evictor is not None:
-            held = torch.minimum(held, self.engine.schedule.budget(held))
-        return self.cache.shared_bytes() + int(held.sum()) * self.bytes_per_position
-
-    def bytes_after_admit(self, ids: list[int], whole: bool = False) -> int:
-        """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have
-        (`whole`: the capacity their whole length needs, prompt + max_new_tokens)."""
-        need = max(self.own_length(i, whole) + (not whole) for i in ids)
-        capacity = max(self.cache.capacity, self.fit_capacity(need))
-        if self.running:  # and what the running rows need at their next step
-            capacity = max(capacity, self.fit_capacity(int(self.cache.length[self._rows()].max()) + 1))
-        rows = (self.running + len(ids)) * capacity * self.bytes_per_position
-        return rows + self.shared_bytes_after_admit(ids)
-
-    def bytes_next_step(self) -> int:
-        """KV bytes the running rows hold after the next step (the cache grows when its longest row fills it)."""
-        if not self.running:
-            return 0
-        capacity = max(self.cache.capacity, self.fit_capacity(int(self.cache.length.max()) + 1))
-        return self.running * capacity * self.bytes_per_position + self.cache.shared_bytes()
-
-    def held_bytes(self) -> int:
-        """KV bytes charged to the running sequences now (their rows at the current capacity, and the prompts
-        held once for their groups)."""
-        return self.running * self.cache.capacity * self.bytes_per_position + self.cache.shared_bytes()
-
-    def held_positions(self) -> int:
-        """Positions the running sequences' rows actually hold (<= rows x capacity; shared prompts apart)."""
-        return int(self.cache.length[self._rows()].sum()) if self.running else 0
-
-    def _resize(self, capacity: int, rows: int) -> None:
-        """Grow the cache to `capacity` slots, reserving `rows` rows, or under a cap as many as it affords at
-        that size and the unfinished requests can use."""
-        reserve = rows
-        if self.kv_memory_cap is not None and capacity:
-            unfinished = sum(f is None for f in self.finish)
-            free = self.kv_memory_cap - self.cache.shared_bytes()
-            reserve = max(rows, min(unfinished, free // (capacity * self.bytes_per_position)))
-        before = self.cache.nbytes()
-        self.cache.resize(capacity, reserve)
-        if self.cache.nbytes() != before:  # the old storage is released only once copied
-            self.peak_transient_bytes = max(self.peak_transient_bytes, before + self.cache.nbytes())
+    def extend(self, requests: list[Request]) -> list[int]:
+        """Add `requests` to the running run (a tree's children as their parents finish); returns their sample
+        ids, to admit like the others. The inputs held once stay those of the run's first requests (an added
+        request reads one only if it starts from it without a fork: else it holds a copy or a fork's row). The
+        dense yardstick becomes the larger of its own and the dense allocation of the requests unfinished now."""
+        if self.recorder is not None:
+            raise ValueError(
+                "a run recording the sampler's distributions takes all its requests at its start"
+            )
+        start = len(self.requests)
+        self._append(requests)
+        self.longest = max(self.longest, *(own_positions(r, self.shared, self.align) for r in requests))
+        live = [r for r, f in zip(self.requests, self.finish, strict=True) if f is None]
+        bpp = self.cache.full_precision_bytes_per_position()
+        self.dense_bytes = max(
+            self.dense_bytes, dense_kv_allocation(live, bpp, self.compiled, self.kv_memory_cap)
+        )
+        return list(range(start, len(self.requests)))
 
     # --------------------------------------------------------------------------------------------- rows
 

@@ -46,6 +46,11 @@ class SnapshotKeeper:
         self.active = any(wants)
         self.kept: dict[int, list[Snapshot]] = {}
 
+    def extend(self, wants: list[int]) -> None:
+        """The wants of samples added to the run."""
+        self.wants = [*self.wants, *wants]
+        self.active = any(self.wants)
+
     def observe(
         self, cache: KVCache, logits: Tensor, rows: Tensor, ids: Tensor, at: Tensor, lp: Tensor
     ) -> None:

@@ -24,6 +24,11 @@ class PositionStats:
         self.held_sum, self.read_sum, self.read_peak, self.retained_sum = (zeros.clone() for _ in range(4))
         self.steps = torch.zeros_like(held_after_prefill)
 
+    def extend(self, samples: int) -> None:
+        """Room for `samples` more samples (a run's requests added while it runs), nothing held yet."""
+        for name in ("initial", "held_peak", "steps", "held_sum", "read_sum", "read_peak", "retained_sum"):
+            setattr(self, name, torch.nn.functional.pad(getattr(self, name), (0, samples)))
+
     def start(self, samples: Tensor, held: Tensor) -> None:
         """The given samples were (re-)admitted and hold `held` positions after their prefill."""
         self.initial[samples] = held.double()

@@ -3,14 +3,15 @@
 `run(requests, sampling, version, seed, on_segment, stop)` decodes the requests with the weights of policy
 `version` and calls `on_segment(Segment)` as each sample finishes (and, after `stop()` says so, once for each
 sample left unfinished): its new tokens, their sampler log-probs, its finish reason, the version that drew
-them and what was asked to be recorded. No engine object leaves the backend, so a remote worker can stand
-behind the same interface. `push_weights(version, state)` hands the backend the weights of a new version; a
+them and what was asked to be recorded; a backend that `grows_runs` decodes the requests `on_segment` returns
+in the same run (a tree's children as their parent finishes). No engine object leaves the backend, so a remote
+worker can stand behind the same interface. `push_weights(version, state)` hands the backend the weights of a new version; a
 backend asked to run at a version it does not hold refuses.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -69,6 +70,7 @@ class RolloutBackend:
     scores: ClassVar[bool] = False  # `score` and `redraw`: teacher-forced passes (SPEC-RL's verification)
     deterministic_streams: ClassVar[bool] = True  # a sample's tokens depend on (seed, key, weights) only
     copies_weights: ClassVar[bool] = False  # samples from copies of the weights: push_weights needs `state`
+    grows_runs: ClassVar[bool] = False  # requests `on_segment` returns join the running run (tree children)
 
     def __init__(self, recording: Recording | None = None) -> None:
         self.version = 0
@@ -107,11 +109,13 @@ class RolloutBackend:
         sampling: Sampling,
         version: int,
         seed: int,
-        on_segment: Callable[[Segment], None],
+        on_segment: Callable[[Segment], list[Request] | None],
         stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         """Decode `requests` (never empty) with the weights of policy `version`, which the caller has checked
-        with `check_version`; returns the run's metrics (throughput, KV memory, scheduling)."""
+        with `check_version`; returns the run's metrics (throughput, KV memory, scheduling). A backend that
+        `grows_runs` decodes the requests `on_segment` returns in the same run, their indices continuing the
+        list's; others ignore them."""
         raise NotImplementedError
 
     def score(
@@ -164,7 +168,7 @@ class LocalBackend(RolloutBackend):
     from the live modules, so `push_weights` has nothing to copy: the trained weights are read afresh at
     every run."""
 
-    records = partial_stop = scores = True
+    records = partial_stop = scores = grows_runs = True
 
     def __init__(self, engine, cfg: RolloutConfig, recording: Recording | None = None) -> None:
         super().__init__(recording)
@@ -230,7 +234,7 @@ class LocalBackend(RolloutBackend):
         sampling: Sampling,
         version: int,
         seed: int,
-        on_segment: Callable[[Segment], None],
+        on_segment: Callable[[Segment], list[Request] | None],
         stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         rec = self.recording
@@ -249,19 +253,32 @@ class LocalBackend(RolloutBackend):
                 seg.held = held.records.get(i)
             return seg
 
+        def finished(run: DecodeRun, i: int) -> list[Request] | None:
+            self._keep_forks(run, [i])  # for children that join this run
+            return self._with_forks(on_segment(segment(run, i)))
+
         if version != self._forks_version:  # a state is valid for the weights that made it only
             self._forks, self._forks_version = {}, version
-        for r in requests:
-            r.fork = self._forks.get(r.fork_of) if r.fork_of is not None else None
         with self.engine.step_hook(held):
             run, unfinished, sched = self.scheduler.run(
-                requests, sampling, lambda run, i: on_segment(segment(run, i)), stop, recorder, seed
+                self._with_forks(requests), sampling, finished, stop, recorder, seed
             )
-        for i, kept in run.snapshots.kept.items():  # the states later forks may start from (tree rollouts)
-            self._forks |= {(requests[i].seed, requests[i].key, snap.position): snap for snap in kept}
+        self._keep_forks(run, run.snapshots.kept)  # and the unfinished ones', for a later run
         for i in unfinished:  # stopped early (APRIL): what they drew so far, unfinished
             on_segment(segment(run, i))
         return {**run_stats(run), **sched.as_metrics()}
+
+    def _keep_forks(self, run: DecodeRun, ids: Iterable[int]) -> None:
+        """The states samples `ids` of `run` kept, where later forks may start from them (tree rollouts)."""
+        for i in ids:
+            r = run.requests[i]
+            self._forks |= {(r.seed, r.key, snap.position): snap for snap in run.snapshots.kept.get(i, ())}
+
+    def _with_forks(self, requests: list[Request] | None) -> list[Request] | None:
+        """`requests`, each given the state it forks from when this backend holds it (else it prefills)."""
+        for r in requests or ():
+            r.fork = self._forks.get(r.fork_of) if r.fork_of is not None else None
+        return requests
 
 
 CAPABILITIES = {

@@ -10,6 +10,7 @@ included. It holds only plain values between steps (the group counter), saved in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -187,11 +188,12 @@ class RolloutLayer:
         self.task.step = version  # the updates done: what reward functions see as trainer_state.global_step
         self.spec_counts = dict.fromkeys(SPEC_COUNTS, 0)
         t_rounds = time.perf_counter()
-        first = self.collect(drawn_by, seed, source.plan(k, version))
+        grow = source.grow if self.backend.grows_runs else None  # a tree's children join their parent's run
+        first = self.collect(drawn_by, seed, source.plan(k, version), grow=grow)
         scored, rounds = list(first.groups), [first]
         first_flat = _zero_variance_frac(first.groups)  # before a later round extends these groups
         while len(rounds) <= self.max_extra_rounds and (plans := source.refill(scored, k, version)):
-            more = self.collect(drawn_by, seed, plans, target=len(plans))
+            more = self.collect(drawn_by, seed, plans, target=len(plans), grow=grow)
             rounds.append(more)
             scored += [g for g in more.groups if all(g is not h for h in scored)]
         trained = source.select(scored, k)
@@ -221,12 +223,18 @@ class RolloutLayer:
         return Collected(trained, first.leftover, metrics, recorded, sampling=sampling)
 
     def collect(
-        self, version: int, seed: int, plans: list[GroupPlan], target: int | None = None
+        self,
+        version: int,
+        seed: int,
+        plans: list[GroupPlan],
+        target: int | None = None,
+        grow: Callable[[GroupRecord, SampleRecord], GroupPlan | None] | None = None,
     ) -> Collected:
         """Run the plans' unfinished samples with the weights of policy `version` (each sample on its own
         stream; `seed` seeds stateful eviction, e.g. random, for the run); at most `target` complete groups
         are kept (by default every group, or rollout.prompts_per_step with partial rollouts, where decoding
-        stops once that many are complete)."""
+        stops once that many are complete). `grow(group, sample)` (`GroupSource.grow`), asked as each sample
+        finishes, plans samples that join the run (a backend that `grows_runs`)."""
         cfg = self.cfg
         self.backend.check_version(version)
         # two plans may extend one group
@@ -241,18 +249,22 @@ class RolloutLayer:
         finished_groups = sum(g.finished for g in groups)
         recorded: dict[int, Segment] = {}
 
-        def on_segment(seg: Segment) -> None:
+        def on_segment(seg: Segment) -> list[Request] | None:
             nonlocal finished_groups
             g, s = pending[seg.index]
             if seg.tokens:
                 s.extend(seg.tokens, seg.logps, seg.version)
             if self.backend.recording.any:
                 recorded[id(s)] = seg
-            if seg.finish is not None:
-                s.finish_reason = seg.finish
-                if g.finished:
-                    finished_groups += 1
-                    self._submit(g)
+            if seg.finish is None:
+                return None
+            s.finish_reason = seg.finish
+            joining = self._grown(g, s, grow, version)
+            pending.extend((g, c) for c in joining)  # their indices continue the run's (grows_runs)
+            if g.finished:
+                finished_groups += 1
+                self._submit(g)
+            return [self._request(c) for c in joining]
 
         stop = (lambda: finished_groups >= target) if cfg.partial.enable else None
         sampling = Sampling(cfg.sampling_temperature, cfg.top_p, cfg.top_k, list(cfg.stop))
@@ -275,6 +287,21 @@ class RolloutLayer:
             [recorded[id(s)] for g in complete for s in g.samples if id(s) in recorded] if recorded else []
         )
         return Collected(complete, leftover, metrics, segments, by_sample=recorded)
+
+    def _grown(
+        self,
+        g: GroupRecord,
+        s: SampleRecord,
+        grow: Callable[[GroupRecord, SampleRecord], GroupPlan | None] | None,
+        version: int,
+    ) -> list[SampleRecord]:
+        """The samples `grow` adds to group `g` now that its sample `s` finished, to decode in the same run
+        (those whose drafts finished them excluded)."""
+        plan = grow(g, s) if grow is not None else None
+        if plan is None:
+            return []
+        self._group(plan, version)
+        return [c for c in g.samples[-plan.n :] if not c.finished]
 
     def _score_samples(self, groups: list[GroupRecord], version: int) -> None:
         """Each sample's teacher-forced log-probs under the weights that drew it (for a source's cache): the

@@ -286,7 +286,7 @@ class RayBackend(RolloutBackend):
         sampling: Sampling,
         version: int,
         seed: int,
-        on_segment: Callable[[Segment], None],
+        on_segment: Callable[[Segment], list[Request] | None],
         stop: Callable[[], bool] | None = None,
     ) -> dict[str, float]:
         shares = split([r.prompt for r in requests], len(self.workers))

@@ -15,7 +15,7 @@ its full length (prompt + max_new_tokens), and waits for the whole batch to fini
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sparserl.config.errors import ConfigError
@@ -63,15 +63,16 @@ class Scheduler:
         if self.cap is None:
             return
         request = Request([0] * prompt_length, 0, 0, max_new_tokens)
-        self._check_cap(self.engine.start_run([request], Sampling(), kv_memory_cap=self.cap))
+        self._check_cap(self.engine.start_run([request], Sampling(), kv_memory_cap=self.cap), [0])
 
-    def _check_cap(self, run: DecodeRun) -> None:
-        """A cap must hold each sequence alone for its prompt and one step (static: for its whole length); a
-        ConfigError naming rollout.kv_memory_cap otherwise (the CLI prints it as one line)."""
+    def _check_cap(self, run: DecodeRun, ids: Iterable[int]) -> None:
+        """A cap must hold each sequence `ids` alone for its prompt and one step (static: for its whole length);
+        a ConfigError naming rollout.kv_memory_cap otherwise (the CLI prints it as one line)."""
         if self.cap is None:
             return
-        for i, r in enumerate(run.requests):
-            need = run.bytes_after_admit([i], whole=self.batching == "static")
+        for i in ids:
+            r = run.requests[i]
+            need = run.bytes_alone(i, whole=self.batching == "static")
             if need > self.cap:
                 held = len(r.prompt) + len(r.prefix)
                 raise ConfigError(
@@ -85,24 +86,34 @@ class Scheduler:
         self,
         requests: list[Request],
         sampling: Sampling,
-        on_finish: Callable[[DecodeRun, int], None] | None = None,
+        on_finish: Callable[[DecodeRun, int], list[Request] | None] | None = None,
         should_stop: Callable[[], bool] | None = None,
         recorder: DistributionRecorder | None = None,
         seed: int = 0,
     ) -> tuple[DecodeRun, list[int], SchedulerStats]:
         """Decode until every request finished or `should_stop()` says so after a step; `on_finish(run, i)` is
-        called as each sample finishes; `seed` seeds stateful eviction (random). Returns the run, the samples stopped unfinished (their tokens so far
-        are in the run) and the statistics."""
+        called as each sample finishes, and the requests it returns join the run (`DecodeRun.extend`), queued
+        behind the waiting ones (a tree's children, as their parent finishes); `seed` seeds stateful eviction
+        (random). Returns the run, the samples stopped unfinished (their tokens so far are in the run) and the
+        statistics."""
+
+        def finished(i: int) -> None:
+            more = on_finish(run, i) if on_finish is not None else None
+            if more:
+                ids = run.extend(more)
+                self._check_cap(run, ids)
+                waiting.extend(ids)
+
         stats = SchedulerStats()
         with self.engine.decoding():
             run = self.engine.start_run(requests, sampling, recorder, self.cap, seed)
-            self._check_cap(run)
             waiting, running = deque(range(len(requests))), []
+            self._check_cap(run, waiting)
             while waiting or run.running:
                 self._admit(run, waiting, running, stats)
                 cut = self._preempt(run, waiting, running, stats)
-                if cut is not None and on_finish is not None:
-                    on_finish(run, cut)
+                if cut is not None:
+                    finished(cut)
                 if not run.running:  # the lone sequence was cut at the cap: admit the next ones
                     continue
                 if self.cap is not None:
@@ -111,8 +122,7 @@ class Scheduler:
                 stats.decode_steps += 1
                 for i in run.step():
                     running.remove(i)
-                    if on_finish is not None:
-                        on_finish(run, i)
+                    finished(i)
                 if should_stop is not None and should_stop():
                     break
             unfinished = sorted(running) + sorted(waiting)

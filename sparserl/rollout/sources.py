@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import PartialConfig
 from sparserl.registry import Registry
-from sparserl.rollout.records import GroupRecord
+from sparserl.rollout.records import GroupRecord, SampleRecord
 from sparserl.seeds import ROLLOUT, PromptSampler, derive_seed
 
 # A row drawn twice in one step: occurrence o > 0 of the row shifts its keys by o << OCCURRENCE_SHIFT, so every
@@ -92,8 +92,9 @@ class SourceContext:
 class GroupSource:
     """Base class: `choose(k, version)` picks k task rows; `plan` turns them into groups of `ctx.n` samples
     with unique streams. Override `plan` for variable group sizes or drafts, `refill` for more rounds in a
-    step (after seeing the scored groups), `select` to train on some of them, `observe` to learn from
-    rewards, `state_dict`/`load_state_dict` for state that must survive a resume."""
+    step (after seeing the scored groups), `grow` for samples that join the running run as one finishes (a
+    tree's children), `select` to train on some of them, `observe` to learn from rewards,
+    `state_dict`/`load_state_dict` for state that must survive a resume."""
 
     name: ClassVar[str] = ""
     # What the source does, read by the config checks (`check_group_sources`), never its name.
@@ -159,6 +160,11 @@ class GroupSource:
     def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
         """The groups to train on, out of every group the step scored (all of them by default)."""
         return scored
+
+    def grow(self, group: GroupRecord, sample: SampleRecord) -> GroupPlan | None:
+        """More samples for `group` as soon as its `sample` finished, decoded in the same run (a plan that
+        `extends` it), when the backend `grows_runs`; None: none (a round-based source waits for `refill`)."""
+        return None
 
     @property
     def needs_scores(self) -> bool:
@@ -261,6 +267,9 @@ class WrappedSource(GroupSource):
 
     def select(self, scored: list[GroupRecord], k: int) -> list[GroupRecord]:
         return self.inner.select(scored, k)
+
+    def grow(self, group: GroupRecord, sample: SampleRecord) -> GroupPlan | None:
+        return self.inner.grow(group, sample)
 
     def observe(self, groups: list[GroupRecord], leftover: list[GroupRecord]) -> None:
         self.inner.observe(groups, leftover)
