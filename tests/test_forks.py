@@ -150,3 +150,16 @@ def test_a_longer_request_joining_a_run_draws_what_it_draws_alone():
     assert run.completion(j)[0] == decode(e, [longer]).completion(0)[0] and len(run.requests) == 4
     plain = decode(e, base)
     assert [run.completion(i)[0] for i in range(3)] == [plain.completion(i)[0] for i in range(3)]
+
+
+def test_a_runs_peak_kv_bytes_count_the_fork_states_it_keeps():
+    """Fork states are keys and values too: a run that keeps them peaks at least their bytes above the same run
+    without them (the same cache)."""
+    e = engine(KVConfig())
+    prompt = random_prompts([25], 4)[0]
+    keeping, plain = (
+        decode(e, [Request(prompt, key=0, seed=1, max_new_tokens=30, snapshots=k)]) for k in (3, 0)
+    )
+    kept = keeping.snapshots.kept[0]
+    assert len(kept) == 3 and keeping.snapshots.nbytes == sum(s.nbytes for s in kept) > 0
+    assert keeping.peak_bytes >= plain.peak_bytes + keeping.snapshots.nbytes

@@ -111,7 +111,7 @@ class DecodeRun(RunMemory):
         self.logits: Tensor | None = None
         self.compiled = engine.compiled_step is not None
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
-        self.peak_bytes = 0  # the decoding cache's keys and values (what a dense cache is compared with)
+        self.peak_bytes = 0  # the decoding cache's keys and values and the fork states kept (engine/forks.py)
         # what the dense engine allocates for these requests (unquantized): the yardstick of the KV memory saved
         self.dense_bytes = dense_kv_allocation(
             requests, self.cache.full_precision_bytes_per_position(), self.compiled, kv_memory_cap
@@ -256,8 +256,8 @@ class DecodeRun(RunMemory):
         """Bookkeeping once samples `ids` have their rows (the last ones): logits, events, positions, memory
         (`transient`: the prefill cache's bytes, alive while it was copied in)."""
         new = torch.tensor(ids, device=self.sample_of_row.device)
-        self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
-        self.peak_transient_bytes = max(self.peak_transient_bytes, self.cache.nbytes() + transient)
+        self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self.held_kv_bytes() + transient)
         self.sample_of_row = torch.cat([self.sample_of_row, new])
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.events[new] += events
@@ -300,6 +300,7 @@ class DecodeRun(RunMemory):
         )
         if self.snapshots.active:  # before the tokens are fed: the state each was drawn in
             self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp)
+            self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
         self.tokens[ids, at], self.logps[ids, at] = tok, lp
         if self.recorder is not None:
             self.recorder.record(at - self.start_count[ids], ids, dist)
@@ -325,7 +326,7 @@ class DecodeRun(RunMemory):
             held = self.cache.held()[rows]
             read = engine.sparse.plan.read[rows] if engine.sparse is not None else held
             self.positions.add(ids, held, read, total + 1)
-            self.peak_bytes = max(self.peak_bytes, self.cache.nbytes())
+            self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
             self.peak_transient_bytes = max(self.peak_transient_bytes, self.peak_bytes)
             self.decode_steps += 1
             for hook in engine.step_hooks:

@@ -33,6 +33,11 @@ class Snapshot:
     cache: KVCache
     logits: Tensor
 
+    @property
+    def nbytes(self) -> int:
+        """The keys and values it holds (what it adds to a run's KV memory)."""
+        return self.cache.nbytes()
+
 
 def _rank(s: Snapshot) -> tuple[float, int]:
     return s.logp, s.position
@@ -45,6 +50,7 @@ class SnapshotKeeper:
         self.wants = wants
         self.active = any(wants)
         self.kept: dict[int, list[Snapshot]] = {}
+        self.nbytes = 0  # the keys and values of the snapshots kept, counted in the run's peak KV bytes
 
     def extend(self, wants: list[int]) -> None:
         """The wants of samples added to the run."""
@@ -65,8 +71,10 @@ class SnapshotKeeper:
             if worst is not None and (logp, t) >= _rank(worst):
                 continue
             kept.append(Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone()))
+            self.nbytes += kept[-1].nbytes
             if worst is not None:
                 kept.remove(worst)
+                self.nbytes -= worst.nbytes
 
 
 def admit_forked(run: DecodeRun, ids: list[int]) -> None:

@@ -112,4 +112,8 @@ class RunMemory:
         before = self.cache.nbytes()
         self.cache.resize(capacity, reserve)
         if self.cache.nbytes() != before:  # the old storage is released only once copied
-            self.peak_transient_bytes = max(self.peak_transient_bytes, before + self.cache.nbytes())
+            self.peak_transient_bytes = max(self.peak_transient_bytes, before + self.held_kv_bytes())
+
+    def held_kv_bytes(self) -> int:
+        """Keys and values the run holds now: its cache's storage and the fork states its samples keep."""
+        return self.cache.nbytes() + self.snapshots.nbytes

@@ -263,7 +263,9 @@ class LocalBackend(RolloutBackend):
             run, unfinished, sched = self.scheduler.run(
                 self._with_forks(requests), sampling, finished, stop, recorder, seed
             )
-        self._keep_forks(run, run.snapshots.kept)  # and the unfinished ones', for a later run
+        if self.grows_runs:  # every finished path's children joined this run: their states are spent
+            self._forks = {}
+        self._keep_forks(run, unfinished if self.grows_runs else run.snapshots.kept)  # for a later run
         for i in unfinished:  # stopped early (APRIL): what they drew so far, unfinished
             on_segment(segment(run, i))
         return {**run_stats(run), **sched.as_metrics()}
