@@ -10,6 +10,8 @@ measured decode time over the floor summed over the generation's steps is the go
     python benchmarks/decode_floor.py --device cuda --model .gpu/smollm2-shape --random-weights \
         --out docs/results/rollout_gpu_floor.json                       # on the GPU (scripts/gpu_checks.sh)
     python benchmarks/decode_floor.py --quick                           # a CPU smoke run, prints only
+    python benchmarks/decode_floor.py --not-lent --out docs/results/rollout_gpu_floor.json
+                                                                        # no GPU: both goals "not measured"
 """
 
 from __future__ import annotations
@@ -75,6 +77,18 @@ def save_shape(folder: str) -> None:
     print(f"wrote {folder}")
 
 
+def not_measured(out: str | None) -> dict:
+    """Both goals recorded as not measured, for a session that had no GPU (`scripts/gpu_checks.sh` measures them
+    where one is lent)."""
+    status = "not measured: no GPU lent"
+    goals = {goal: {"value": None, "target": target, "met": None, "status": status, "command": command_line()}
+             for goal, target in ((FLOOR_GOAL, FLOOR_TARGET), (SPEEDUP_GOAL, SPEEDUP_TARGET))}  # fmt: skip
+    result = {"goals": goals, "measure_with": "bash scripts/gpu_checks.sh (on a machine with a GPU)"}
+    if out:
+        print(f"wrote {write_json(out, result)}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -87,10 +101,17 @@ def main(argv: list[str] | None = None) -> dict:
         "--save-shape", default=None, metavar="FOLDER", help="write SmolLM2's config and tokenizer"
     )
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--not-lent",
+        action="store_true",
+        help="record both goals as not measured (no GPU lent), time nothing",
+    )
     args = ap.parse_args(argv)
     if args.save_shape:
         save_shape(args.save_shape)
         return {}
+    if args.not_lent:
+        return not_measured(args.out)
     if args.quick:
         args.batch, args.contexts = 4, "64:32"
     bandwidth = copy_bandwidth(args.device, (64 << 20) if args.quick else (1 << 30))
