@@ -154,7 +154,7 @@ def test_a_longer_request_joining_a_run_draws_what_it_draws_alone():
 
 def test_a_runs_peak_kv_bytes_count_the_fork_states_it_keeps():
     """Fork states are keys and values too: a run that keeps them peaks at least their bytes above the same run
-    without them (the same cache)."""
+    without them (the same cache), and the dense engine's yardstick counts the states it would keep."""
     e = engine(KVConfig())
     prompt = random_prompts([25], 4)[0]
     keeping, plain = (
@@ -163,3 +163,5 @@ def test_a_runs_peak_kv_bytes_count_the_fork_states_it_keeps():
     kept = keeping.snapshots.kept[0]
     assert len(kept) == 3 and keeping.snapshots.nbytes == sum(s.nbytes for s in kept) > 0
     assert keeping.peak_bytes >= plain.peak_bytes + keeping.snapshots.nbytes
+    # the dense yardstick keeps them too: a dense run that keeps states peaks at its yardstick, no saving claimed
+    assert keeping.peak_bytes == keeping.dense_bytes > plain.dense_bytes == plain.peak_bytes

@@ -112,10 +112,12 @@ class DecodeRun(RunMemory):
         self.compiled = engine.compiled_step is not None
         self.timing = {"prefill_s": 0.0, "decode_s": 0.0, "compress_s": 0.0}
         self.peak_bytes = 0  # the decoding cache's keys and values and the fork states kept (engine/forks.py)
-        # what the dense engine allocates for these requests (unquantized): the yardstick of the KV memory saved
-        self.dense_bytes = dense_kv_allocation(
+        # what the dense engine allocates for these requests' rows (unquantized), and the most its fork states
+        # would hold: the yardstick of the KV memory saved (`dense_bytes`)
+        self.dense_rows_bytes = dense_kv_allocation(
             requests, self.cache.full_precision_bytes_per_position(), self.compiled, kv_memory_cap
         )
+        self.dense_states_peak = 0
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0
 
@@ -154,7 +156,7 @@ class DecodeRun(RunMemory):
         """Add `requests` to the running run (a tree's children as their parents finish); returns their sample
         ids, to admit like the others. The inputs held once stay those of the run's first requests (an added
         request reads one only if it starts from it without a fork: else it holds a copy or a fork's row). The
-        dense yardstick becomes the larger of its own and the dense allocation of the requests unfinished now."""
+        yardstick's rows become the larger of their own and the dense allocation of the requests unfinished now."""
         if self.recorder is not None:
             raise ValueError(
                 "a run recording the sampler's distributions takes all its requests at its start"
@@ -164,10 +166,15 @@ class DecodeRun(RunMemory):
         self.longest = max(self.longest, *(own_positions(r, self.shared, self.align) for r in requests))
         live = [r for r, f in zip(self.requests, self.finish, strict=True) if f is None]
         bpp = self.cache.full_precision_bytes_per_position()
-        self.dense_bytes = max(
-            self.dense_bytes, dense_kv_allocation(live, bpp, self.compiled, self.kv_memory_cap)
+        self.dense_rows_bytes = max(
+            self.dense_rows_bytes, dense_kv_allocation(live, bpp, self.compiled, self.kv_memory_cap)
         )
         return list(range(start, len(self.requests)))
+
+    @property
+    def dense_bytes(self) -> int:
+        """The dense engine's KV bytes for this run: its rows' allocation and the most its fork states hold."""
+        return self.dense_rows_bytes + self.dense_states_peak
 
     # --------------------------------------------------------------------------------------------- rows
 
@@ -299,8 +306,10 @@ class DecodeRun(RunMemory):
             self.recorder is not None,
         )
         if self.snapshots.active:  # before the tokens are fed: the state each was drawn in
-            self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp)
+            self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp, self.prompt_len[ids])
             self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
+            dense_states = self.snapshots.dense_positions * self.cache.full_precision_bytes_per_position()
+            self.dense_states_peak = max(self.dense_states_peak, dense_states)
         self.tokens[ids, at], self.logps[ids, at] = tok, lp
         if self.recorder is not None:
             self.recorder.record(at - self.start_count[ids], ids, dist)

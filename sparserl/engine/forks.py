@@ -32,6 +32,7 @@ class Snapshot:
     logp: float
     cache: KVCache
     logits: Tensor
+    dense_positions: int = 0  # what the dense engine's state here holds: prompt + position
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +52,7 @@ class SnapshotKeeper:
         self.active = any(wants)
         self.kept: dict[int, list[Snapshot]] = {}
         self.nbytes = 0  # the keys and values of the snapshots kept, counted in the run's peak KV bytes
+        self.dense_positions = 0  # the positions the dense engine's snapshots would hold (its yardstick)
 
     def extend(self, wants: list[int]) -> None:
         """The wants of samples added to the run."""
@@ -58,11 +60,19 @@ class SnapshotKeeper:
         self.active = any(self.wants)
 
     def observe(
-        self, cache: KVCache, logits: Tensor, rows: Tensor, ids: Tensor, at: Tensor, lp: Tensor
+        self,
+        cache: KVCache,
+        logits: Tensor,
+        rows: Tensor,
+        ids: Tensor,
+        at: Tensor,
+        lp: Tensor,
+        prompts: Tensor,
     ) -> None:
-        """One step's draws (before their tokens are fed): keep the state of each draw that is among its
-        sample's `wants` least likely so far, dropping the one it displaces."""
-        for row, i, t, logp in zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), strict=True):
+        """One step's draws (before their tokens are fed; `prompts`: the samples' prompt lengths): keep the state
+        of each draw that is among its sample's `wants` least likely so far, dropping the one it displaces."""
+        steps = zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), prompts.tolist(), strict=True)
+        for row, i, t, logp, prompt in steps:
             k = self.wants[i]
             if not k:
                 continue
@@ -70,11 +80,13 @@ class SnapshotKeeper:
             worst = max(kept, key=_rank) if len(kept) == k else None
             if worst is not None and (logp, t) >= _rank(worst):
                 continue
-            kept.append(Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone()))
+            kept.append(Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), prompt + t))
             self.nbytes += kept[-1].nbytes
+            self.dense_positions += prompt + t
             if worst is not None:
                 kept.remove(worst)
                 self.nbytes -= worst.nbytes
+                self.dense_positions -= worst.dense_positions
 
 
 def admit_forked(run: DecodeRun, ids: list[int]) -> None:
