@@ -181,8 +181,9 @@ def test_kill_9_anywhere_then_resume_equals_uninterrupted(tmp_path: Path, at: st
         ["sampling.method=dars"],
         ["sampling.dynamic=true", "algo.preset=dapo"],
         ["kv.method=block_topk", "kv.budget=16", "kv.page_size=4"],
+        ["rollout.tree.enable=true", "rollout.n=2", "rollout.tree.forks=1"],
     ],
-    ids=["april", "kv-cap", "distill", "dars", "dynamic", "block-topk"],
+    ids=["april", "kv-cap", "distill", "dars", "dynamic", "block-topk", "tree"],
 )
 def test_overlap_runs_with_the_rollout_systems(tmp_path: Path, keys: list[str]) -> None:
     """Each system beside overlap: three steps, the later batches drawn one version behind, finite updates."""
