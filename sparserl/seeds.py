@@ -39,6 +39,16 @@ class PromptSampler:
         return out
 
 
+def _hashed(parts: tuple[int, ...]) -> np.random.SeedSequence:
+    return np.random.SeedSequence([abs(int(p)) for p in parts])
+
+
 def derive_seed(*parts: int) -> int:
     """A 31-bit seed from integers (run seed, step, purpose...), stable across runs and platforms."""
-    return int(np.random.SeedSequence([abs(int(p)) for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+    return int(_hashed(parts).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def derive_key(*parts: int) -> int:
+    """A 62-bit stream key from integers, the same hash as `derive_seed`'s: wide enough that keys drawn for
+    thousands of samples (a tree's children) do not collide."""
+    return int(_hashed(parts).generate_state(1, np.uint64)[0]) >> 2

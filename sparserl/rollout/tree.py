@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from sparserl.rollout.records import GroupRecord, SampleRecord
 from sparserl.rollout.sources import (
     Draft,
@@ -26,6 +24,7 @@ from sparserl.rollout.sources import (
     WrappedSource,
     register_wrapper,
 )
+from sparserl.seeds import derive_key
 
 
 def fork_points(s: SampleRecord, forks: int) -> list[int]:
@@ -39,7 +38,7 @@ def child_key(parent_key: int, position: int, child: int) -> int:
     """The stream key of child number `child` forked at completion `position` of the path drawn on
     `parent_key`: a 62-bit hash of the three (keys of first-round samples stay below 2^56), independent of when
     the child is planned or where in its group it lands."""
-    return int(np.random.SeedSequence([parent_key, position, child]).generate_state(1, np.uint64)[0]) >> 2
+    return derive_key(parent_key, position, child)
 
 
 @register_wrapper("tree")
@@ -68,7 +67,7 @@ class TreeRollouts(WrappedSource):
 
     def plan(self, k: int, version: int) -> list[GroupPlan]:
         plans = super().plan(k, version)
-        for p in plans:  # the roots fork in the first forking round
+        for p in plans:  # the roots keep their fork states
             p.snapshots = self.cfg.forks
         return plans
 
