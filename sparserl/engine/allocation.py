@@ -42,11 +42,21 @@ def owns_row(request: Request) -> bool:
     return bool(request.snapshots) or request.fork is not None
 
 
+def first_input(request: Request) -> tuple[int, ...]:
+    """What a request's first admission prefills: its prompt and the completion tokens it was given."""
+    return tuple(request.prompt) + tuple(request.prefix)
+
+
+def held_once_inputs(requests: Sequence[Request]) -> set[tuple[int, ...]]:
+    """The first inputs that two or more requests not owning their rows start from: what a run holds once."""
+    return shared_inputs([first_input(r) for r in requests if not owns_row(r)])
+
+
 def own_positions(request: Request, shared: Collection[tuple[int, ...]], align: int = 1) -> int:
     """Positions a request's own row holds at its end: prompt + max_new_tokens, less the part of its first input
     (prompt + given completion tokens) held once when two or more requests start from it (`shared`; whole
     `align`-position pages of it under block-sparse reads) and it does not own its row."""
-    first = tuple(request.prompt) + tuple(request.prefix)
+    first = first_input(request)
     whole = len(request.prompt) + request.max_new_tokens
     return whole - held_once(len(first), align) * (first in shared and not owns_row(request))
 
@@ -59,8 +69,7 @@ def dense_kv_allocation(
     held once (a GRPO group's prompt, `SharedPrefixCache`). A compiled step holds copies instead, its capacity in
     whole blocks and its rows padded to a `row_bucket`. Under a KV memory `cap` the dense engine never holds more
     than the cap."""
-    first = [tuple(r.prompt) + tuple(r.prefix) for r in requests if not owns_row(r)]
-    shared = set() if compiled else shared_inputs(first)
+    shared = set() if compiled else held_once_inputs(requests)
     capacity, rows = max(own_positions(r, shared) for r in requests), len(requests)
     if compiled:
         capacity, rows = in_blocks(capacity), row_bucket(rows) if rows >= COMPILED_MIN_ROWS else rows

@@ -19,8 +19,9 @@ from torch import Tensor
 from sparserl.engine.allocation import (
     COMPILED_MIN_ROWS,
     dense_kv_allocation,
+    first_input,
+    held_once_inputs,
     own_positions,
-    owns_row,
     row_bucket,
     running_cache,
 )
@@ -29,7 +30,6 @@ from sparserl.engine.forks import Snapshot, SnapshotKeeper, admit_forked
 from sparserl.engine.position_stats import PositionStats
 from sparserl.engine.run_memory import RunMemory
 from sparserl.engine.sampling import DistributionRecorder, sample_next, sample_uniforms
-from sparserl.engine.shared_prefix import shared_inputs
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
@@ -101,8 +101,7 @@ class DecodeRun(RunMemory):
         self.positions = PositionStats(none)
         self.snapshots = SnapshotKeeper([])
         self._append(requests)
-        sharing = [f for f, r in zip(self.first_input, requests, strict=True) if not owns_row(r)]
-        self.shared = shared_inputs(sharing) if engine.share_prompts else set()
+        self.shared = held_once_inputs(requests) if engine.share_prompts else set()
         # block-sparse reads: a prompt held once is its whole pages (a row's own pages stay whole pages)
         self.align = engine.sparse.page_size if engine.sparse is not None else 1
         self.longest = max(own_positions(r, self.shared, self.align) for r in requests)
@@ -147,7 +146,7 @@ class DecodeRun(RunMemory):
         )
         self.events = F.pad(self.events, (0, len(requests)))
         self.requests = [*self.requests, *requests]
-        self.first_input += [tuple(r.prompt) + tuple(r.prefix) for r in requests]
+        self.first_input += [first_input(r) for r in requests]
         self.finish += [None] * len(requests)
         self.positions.extend(len(requests))
         self.snapshots.extend([r.snapshots for r in requests])

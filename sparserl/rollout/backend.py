@@ -5,8 +5,8 @@
 sample left unfinished): its new tokens, their sampler log-probs, its finish reason, the version that drew
 them and what was asked to be recorded; a backend that `grows_runs` decodes the requests `on_segment` returns
 in the same run (a tree's children as their parent finishes). No engine object leaves the backend, so a remote
-worker can stand behind the same interface. `push_weights(version, state)` hands the backend the weights of a new version; a
-backend asked to run at a version it does not hold refuses.
+worker can stand behind the same interface. `push_weights(version, state)` hands the backend the weights of a
+new version; a backend asked to run at a version it does not hold refuses.
 """
 
 from __future__ import annotations
