@@ -120,7 +120,8 @@ def eval_one(name: str, spec: str) -> None:
     ev = run_eval(loaded.model, loaded.tokenizer, task_of(cfg, "heldout"), kv=cfg.kv if p["evicting"] else None,
                   samples=held["samples"], limit=held["prompts"], max_new_tokens=cfg.rollout.max_new_tokens,
                   seed=1234)  # fmt: skip
-    write(RESULTS / "heldout" / f"{name}.json", {"model": spec, **ev})
+    # a part: its goals are R5's, judged in study_v4.json once every model is held out
+    write(RESULTS / "heldout" / f"{name}.json", {"goals": {}, "model": spec, **ev})
 
 
 def judged_r5() -> dict:
