@@ -38,10 +38,13 @@ def fork_points(logps: list[float], k: int) -> list[int]:
     return sorted(sorted(range(len(logps)), key=lambda t: (logps[t], t))[:k])
 
 
+@pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("name", sorted(KVS))
-def test_a_fork_on_the_parents_stream_draws_the_parents_tokens_again(name):
+def test_a_fork_on_the_parents_stream_draws_the_parents_tokens_again(name, group):
+    """In a run of their own, after the parents' run ended; with groups of two parents a prompt, the states
+    read their prompt held once where the cache shares prompts, and so do the children."""
     e = engine(KVS[name])
-    prompts = random_prompts([11, 23], 4)
+    prompts = random_prompts([11, 23], 4) * group
     parents = [Request(p, key=j, seed=5, max_new_tokens=24, snapshots=2) for j, p in enumerate(prompts)]
     first = decode(e, parents)
     children = []
@@ -49,6 +52,11 @@ def test_a_fork_on_the_parents_stream_draws_the_parents_tokens_again(name):
         tokens, logps = first.completion(i)
         snaps = sorted(first.snapshots.kept[i], key=lambda s: s.position)
         assert [s.position for s in snaps] == fork_points(logps.tolist(), 2)  # the tree's rule
+        if name == "dense":  # the state holds its own slots only when the prompt is held once
+            assert all(
+                int(s.cache.length[0]) == s.position + len(parent.prompt) * (group == 1) for s in snaps
+            )
+            assert all((s.reads is not None) == (group == 2) for s in snaps)
         for s in snaps:
             children.append((i, s.position, Request(parent.prompt, parent.key, parent.seed, 24,
                                                     tokens[: s.position], fork=s)))  # fmt: skip
@@ -152,16 +160,33 @@ def test_a_longer_request_joining_a_run_draws_what_it_draws_alone():
     assert [run.completion(i)[0] for i in range(3)] == [plain.completion(i)[0] for i in range(3)]
 
 
-def test_a_runs_peak_kv_bytes_count_the_fork_states_it_keeps():
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_runs_peak_kv_bytes_count_the_fork_states_it_keeps(group):
     """Fork states are keys and values too: a run that keeps them peaks at least their bytes above the same run
-    without them (the same cache), and the dense engine's yardstick counts the states it would keep."""
+    without them (the same cache), and the dense engine's yardstick counts the states it would keep. In a group
+    the states read the prompt held once: they hold their own positions only, the prompt counted once."""
     e = engine(KVConfig())
     prompt = random_prompts([25], 4)[0]
     keeping, plain = (
-        decode(e, [Request(prompt, key=0, seed=1, max_new_tokens=30, snapshots=k)]) for k in (3, 0)
+        decode(e, [Request(prompt, key=j, seed=1, max_new_tokens=30, snapshots=k) for j in range(group)])
+        for k in (3, 0)
     )
-    kept = keeping.snapshots.kept[0]
-    assert len(kept) == 3 and keeping.snapshots.nbytes == sum(s.nbytes for s in kept) > 0
+    kept = [s for i in range(group) for s in keeping.snapshots.kept[i]]
+    assert len(kept) == 3 * group and keeping.snapshots.nbytes == sum(s.nbytes for s in kept) > 0
+    own = sum(s.position + len(prompt) * (group == 1) for s in kept)
+    assert keeping.snapshots.nbytes == own * keeping.bytes_per_position
     assert keeping.peak_bytes >= plain.peak_bytes + keeping.snapshots.nbytes
     # the dense yardstick keeps them too: a dense run that keeps states peaks at its yardstick, no saving claimed
     assert keeping.peak_bytes == keeping.dense_bytes > plain.dense_bytes == plain.peak_bytes
+
+
+def test_states_keep_the_prompt_they_read_after_its_last_reader_finished():
+    """The states of a group's finished samples keep its prompt held once: counted beside the cache once no
+    row reads it, and held again by the run a child joins."""
+    e = engine(KVConfig())
+    prompt = random_prompts([25], 4)[0]
+    run = decode(e, [Request(prompt, key=j, seed=1, max_new_tokens=10, snapshots=2) for j in range(2)])
+    reads = run.snapshots.kept[0][0].reads
+    assert not run.cache.holds(reads.prefix) and not run.cache.prefixes
+    assert run.snapshots.bytes_beside(run.cache) == run.snapshots.nbytes + reads.prefix.nbytes()
+    assert len({id(s.reads.prefix) for i in range(2) for s in run.snapshots.kept[i]}) == 1

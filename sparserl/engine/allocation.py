@@ -36,37 +36,40 @@ def row_bucket(rows: int) -> int:
     return size
 
 
-def owns_row(request: Request) -> bool:
-    """Whether a request holds its whole input in its own row whatever others start from: it keeps fork states
-    (a snapshot is a whole row) or starts from one (engine/forks.py)."""
-    return bool(request.snapshots) or request.fork is not None
-
-
 def first_input(request: Request) -> tuple[int, ...]:
     """What a request's first admission prefills: its prompt and the completion tokens it was given."""
     return tuple(request.prompt) + tuple(request.prefix)
 
 
 def held_once_inputs(requests: Sequence[Request]) -> set[tuple[int, ...]]:
-    """The first inputs that two or more requests not owning their rows start from: what a run holds once."""
-    return shared_inputs([first_input(r) for r in requests if not owns_row(r)])
+    """The inputs a run holds once: the first inputs that two or more requests not started from a fork state
+    start from, and the inputs the fork states read held once (a tree's prompt, engine/forks.py)."""
+    starts = shared_inputs([first_input(r) for r in requests if r.fork is None])
+    return starts | {r.fork.reads.tokens for r in requests if r.fork is not None and r.fork.reads is not None}
+
+
+def read_once(request: Request, shared: Collection[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The input a request's first admission reads held once, if any: the one its fork state reads, or else its
+    first input when two or more requests start from it (`shared`)."""
+    if request.fork is not None:
+        return request.fork.reads.tokens if request.fork.reads is not None else None
+    first = first_input(request)
+    return first if first in shared else None
 
 
 def own_positions(request: Request, shared: Collection[tuple[int, ...]], align: int = 1) -> int:
-    """Positions a request's own row holds at its end: prompt + max_new_tokens, less the part of its first input
-    (prompt + given completion tokens) held once when two or more requests start from it (`shared`; whole
-    `align`-position pages of it under block-sparse reads) and it does not own its row."""
-    first = first_input(request)
-    whole = len(request.prompt) + request.max_new_tokens
-    return whole - held_once(len(first), align) * (first in shared and not owns_row(request))
+    """Positions a request's own row holds at its end: prompt + max_new_tokens, less the input it reads held once
+    (`read_once`; whole `align`-position pages of it under block-sparse reads)."""
+    read = read_once(request, shared)
+    return len(request.prompt) + request.max_new_tokens - (held_once(len(read), align) if read else 0)
 
 
 def dense_kv_allocation(
     requests: Sequence[Request], bytes_per_position: int, compiled: bool = False, cap: int | None = None
 ) -> int:
     """KV bytes the dense engine allocates for `requests` admitted together: every row as many positions as the
-    longest row needs (`own_positions`), plus each input that several requests not owning their rows start from
-    held once (a GRPO group's prompt, `SharedPrefixCache`). A compiled step holds copies instead, its capacity in
+    longest row needs (`own_positions`), plus each input held once (`held_once_inputs`: a GRPO group's prompt,
+    `SharedPrefixCache`). A compiled step holds copies instead, its capacity in
     whole blocks and its rows padded to a `row_bucket`. Under a KV memory `cap` the dense engine never holds more
     than the cap."""
     shared = set() if compiled else held_once_inputs(requests)

@@ -14,11 +14,15 @@ import copy
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from sparserl.engine.decoder import decode_attention
+
+if TYPE_CHECKING:
+    from sparserl.engine.shared_prefix import HeldPrefix, SharedPrefix
 
 
 class KVCache:
@@ -110,6 +114,22 @@ class KVCache:
         twin._rows, twin.capacity, twin.paged_state = 1, held, dict(self.paged_state)
         twin._views()
         return twin
+
+    def reading(self, row: int) -> HeldPrefix | None:
+        """What row `row` reads held once beside its own slots (none here; `SharedPrefixCache`): a fork state of
+        the row keeps it, so that a child forked from the state reads it too."""
+        return None
+
+    def read_from(self, rows: Tensor, reads: HeldPrefix) -> None:
+        """Let rows `rows` read `reads` before their own slots (a fork state's input held once)."""
+        raise RuntimeError(
+            f"a {type(self).__name__} holds no input once: a fork state reading one joins a run that shares"
+            " prompts (DecodeRun picks a SharedPrefixCache when a fork reads one)"
+        )
+
+    def holds(self, prefix: SharedPrefix) -> bool:
+        """Whether this cache holds (and counts in `nbytes`) that input held once."""
+        return False
 
     @property
     def rows(self) -> int:

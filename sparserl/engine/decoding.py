@@ -154,7 +154,7 @@ class DecodeRun(RunMemory):
     def extend(self, requests: list[Request]) -> list[int]:
         """Add `requests` to the running run (a tree's children as their parents finish); returns their sample
         ids, to admit like the others. The inputs held once stay those of the run's first requests (an added
-        request reads one only if it starts from it without a fork: else it holds a copy or a fork's row). The
+        request reads one if it starts from it, or if its fork state reads it; else it holds a copy). The
         yardstick's rows become the larger of their own and the dense allocation of the requests unfinished now."""
         if self.recorder is not None:
             raise ValueError(

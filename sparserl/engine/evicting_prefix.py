@@ -27,7 +27,7 @@ from torch import Tensor
 
 from sparserl.engine.cache import KVCache
 from sparserl.engine.compression import EvictionMethod
-from sparserl.engine.shared_prefix import PREFIX, SharedPrefixCache
+from sparserl.engine.shared_prefix import PREFIX, HeldPrefix, SharedPrefixCache
 
 HELD = "prefix_held"  # row_state [rows, layers, Hkv, width]: the slots of its prefix a row still holds
 
@@ -43,9 +43,20 @@ class PrefixWindow:
     query_count: int
 
 
+@dataclass
+class EvictingHeldPrefix(HeldPrefix):
+    """What an evicting row reads held once: the prefix, its window, and the slots of it the row still held
+    [layers, Hkv, L]."""
+
+    window: PrefixWindow
+    held: Tensor
+
+
 class EvictingPrefixCache(SharedPrefixCache):
     """A `SharedPrefixCache` whose readers evict: `width` is the longest prefix it may hold (the largest budget,
     or the longest input if shorter: a prompt is cut to its budget before it is held)."""
+
+    reading_state = (PREFIX, HELD)
 
     def __init__(self, *args, width: int, **kwargs):
         if kwargs.get("extras"):
@@ -90,6 +101,31 @@ class EvictingPrefixCache(SharedPrefixCache):
             for layer in range(self.num_layers):
                 self.queries[layer][rows] = window.queries[layer]
             self.query_count[rows] = window.query_count
+
+    def row_snapshot(self, row: int) -> KVCache:
+        twin = super().row_snapshot(row)
+        twin.windows = {}
+        return twin
+
+    def reading(self, row: int) -> EvictingHeldPrefix | None:
+        reads = super().reading(row)
+        if reads is None:
+            return None
+        held = self.row_state[HELD][row, :, :, : reads.prefix.length].clone()
+        return EvictingHeldPrefix(
+            reads.tokens, reads.prefix, self.windows[self.prefix_id(reads.tokens)], held
+        )
+
+    def read_from(self, rows: Tensor, reads: EvictingHeldPrefix) -> None:
+        """The rows read the prefix and hold the slots of it the state held."""
+        if reads.prefix.length > self.width:
+            raise RuntimeError(
+                f"a prefix of {reads.prefix.length} slots exceeds the {self.width} this cache holds"
+            )
+        super().read_from(rows, reads)
+        self.windows.setdefault(self.prefix_id(reads.tokens), reads.window)
+        self.row_state[HELD][rows] = False
+        self.row_state[HELD][rows, :, :, : reads.prefix.length] = reads.held
 
     def release_unread(self) -> None:
         """Rows that hold no slot of their prefix any more stop reading it (it is dropped when none does)."""

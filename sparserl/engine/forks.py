@@ -2,9 +2,10 @@
 
 A request with `snapshots` = k keeps, while it decodes, its state just before each of its k least likely drawn
 tokens (the lowest sampler log-probs, the earlier among equals: the tree's fork points, rollout/tree.py): its
-cache row (every layer's held slots, per-slot state and page summaries, quantized or not, cut to what it holds)
-and the next-token logits. A request started from one (`Request.fork`, its `prefix` the tokens before that
-position) is admitted with that row and those logits: no prompt or prefix is prefilled again, and under an
+cache row (every layer's held slots, per-slot state and page summaries, quantized or not, cut to what it holds),
+what the row reads held once (its group's prompt, `HeldPrefix`: not copied into the state) and the next-token
+logits. A request started from one (`Request.fork`, its `prefix` the tokens before that position) is admitted
+with that row, reading that prompt, and those logits: no prompt or prefix is prefilled again, and under an
 evicting cache it holds the slots the parent held there, as an uninterrupted run would. A snapshot is only valid
 for the weights that made it.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from sparserl.engine.cache import KVCache
+from sparserl.engine.shared_prefix import HeldPrefix, SharedPrefix
 
 if TYPE_CHECKING:
     from sparserl.engine.decoding import DecodeRun
@@ -32,11 +34,12 @@ class Snapshot:
     logp: float
     cache: KVCache
     logits: Tensor
-    dense_positions: int = 0  # what the dense engine's state here holds: prompt + position
+    reads: HeldPrefix | None = None  # the input the row read held once (kept alive by the state)
+    dense_positions: int = 0  # what the dense engine's state here holds: prompt (unless held once) + position
 
     @property
     def nbytes(self) -> int:
-        """The keys and values it holds (what it adds to a run's KV memory)."""
+        """The keys and values of its own row (what it adds to a run's KV memory, beside what it reads)."""
         return self.cache.nbytes()
 
 
@@ -51,8 +54,9 @@ class SnapshotKeeper:
         self.wants = wants
         self.active = any(wants)
         self.kept: dict[int, list[Snapshot]] = {}
-        self.nbytes = 0  # the keys and values of the snapshots kept, counted in the run's peak KV bytes
+        self.nbytes = 0  # the keys and values of the snapshots' own rows, counted in the run's peak KV bytes
         self.dense_positions = 0  # the positions the dense engine's snapshots would hold (its yardstick)
+        self.read: dict[int, tuple[SharedPrefix, int]] = {}  # id -> an input the states read, and how many do
 
     def extend(self, wants: list[int]) -> None:
         """The wants of samples added to the run."""
@@ -80,13 +84,31 @@ class SnapshotKeeper:
             worst = max(kept, key=_rank) if len(kept) == k else None
             if worst is not None and (logp, t) >= _rank(worst):
                 continue
-            kept.append(Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), prompt + t))
-            self.nbytes += kept[-1].nbytes
-            self.dense_positions += prompt + t
+            reads = cache.reading(row)
+            snap = Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), reads,
+                            t + prompt * (reads is None))  # fmt: skip
+            self._count(snap, 1)
+            kept.append(snap)
             if worst is not None:
                 kept.remove(worst)
-                self.nbytes -= worst.nbytes
-                self.dense_positions -= worst.dense_positions
+                self._count(worst, -1)
+
+    def _count(self, snap: Snapshot, sign: int) -> None:
+        """Add (sign 1) or take away (-1) a snapshot's bytes, positions and what it reads."""
+        self.nbytes += sign * snap.nbytes
+        self.dense_positions += sign * snap.dense_positions
+        if snap.reads is not None:
+            prefix = snap.reads.prefix
+            count = self.read.get(id(prefix), (prefix, 0))[1] + sign
+            if count:
+                self.read[id(prefix)] = (prefix, count)
+            else:
+                del self.read[id(prefix)]
+
+    def bytes_beside(self, cache: KVCache) -> int:
+        """The keys and values the snapshots hold beyond `cache`: their own rows, and the inputs they read that
+        the cache no longer holds."""
+        return self.nbytes + sum(p.nbytes() for p, _ in self.read.values() if not cache.holds(p))
 
 
 def admit_forked(run: DecodeRun, ids: list[int]) -> None:
@@ -103,5 +125,7 @@ def admit_forked(run: DecodeRun, ids: list[int]) -> None:
     one = torch.zeros(1, dtype=torch.long, device=run.cache.length.device)
     for snap in snaps:
         run.cache.append(snap.cache, one)
+        if snap.reads is not None:
+            run.cache.read_from(one + run.cache.rows - 1, snap.reads)
     events = torch.zeros(len(ids), dtype=torch.long, device=run.events.device)
     run._joined(ids, torch.stack([s.logits for s in snaps]), events, 0)

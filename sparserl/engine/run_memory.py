@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sparserl.engine.allocation import in_blocks, owns_row
+from sparserl.engine.allocation import in_blocks, read_once
 from sparserl.engine.shared_prefix import held_once
 
 
@@ -37,26 +37,26 @@ class RunMemory:
         """Tokens a (re-)admission of sample i prefills: its prompt and the completion tokens it holds."""
         return int(self.prompt_len[i] + self.count[i])
 
+    def reads(self, i: int) -> tuple[int, ...] | None:
+        """The input an admission of sample i reads held once (`read_once`: a group's prompt, or the prompt its
+        fork state reads), the sample having drawn nothing since (a preempted one comes back as a copy)."""
+        fresh = int(self.count[i]) == int(self.start_count[i])
+        return read_once(self.requests[i], self.shared) if fresh else None
+
     def shares(self, i: int) -> bool:
-        """Whether an admission of sample i reads its first input held once: an input two or more samples start
-        from (a group's prompt; a fork point's prompt + prefix; `shared_inputs`), the sample having drawn nothing
-        since (a preempted one comes back as a copy), and keeping no fork state nor starting from one."""
-        return (
-            int(self.count[i]) == int(self.start_count[i])
-            and self.first_input[i] in self.shared
-            and not owns_row(self.requests[i])
-        )
+        """Whether an admission of sample i is an empty row reading its first input held once (not a fork)."""
+        return self.requests[i].fork is None and self.reads(i) is not None
 
     def own_length(self, i: int, whole: bool = False) -> int:
         """Positions sample i's own row holds once admitted (`whole`: at its end): its input (prompt +
-        max_new_tokens), less the part of its first input held once when it reads the shared copy (whole pages
-        of it under block-sparse reads)."""
+        max_new_tokens), less what it reads held once (whole pages of it under block-sparse reads)."""
         total = int(self.prompt_len[i] + self.limit[i]) if whole else self.input_length(i)
-        return total - held_once(len(self.first_input[i]), self.align) * self.shares(i)
+        read = self.reads(i)
+        return total - (held_once(len(read), self.align) if read else 0)
 
     def shared_bytes_after_admit(self, ids: list[int]) -> int:
         """Bytes of the inputs held once (`SharedPrefixCache`) once `ids` are admitted (evicting: cut first)."""
-        new = {self.first_input[i] for i in ids if self.shares(i)}
+        new = {read for i in ids if (read := self.reads(i))}
         return self.cache.shared_bytes() + self._held_once_bytes(
             [p for p in new if self.cache.prefix_id(p) is None]
         )
@@ -73,7 +73,7 @@ class RunMemory:
         whole length): what a KV memory cap must afford it (`bytes_after_admit([i])` of a run holding nothing)."""
         need = self.own_length(i, whole) + (not whole)
         alone = self.fit_capacity(need) * self.bytes_per_position
-        return alone + self._held_once_bytes([self.first_input[i]] if self.shares(i) else [])
+        return alone + self._held_once_bytes([read] if (read := self.reads(i)) else [])
 
     def bytes_after_admit(self, ids: list[int], whole: bool = False) -> int:
         """KV bytes held by the running rows plus `ids`, each charged the capacity the cache would then have
@@ -116,4 +116,4 @@ class RunMemory:
 
     def held_kv_bytes(self) -> int:
         """Keys and values the run holds now: its cache's storage and the fork states its samples keep."""
-        return self.cache.nbytes() + self.snapshots.nbytes
+        return self.cache.nbytes() + self.snapshots.bytes_beside(self.cache)

@@ -51,6 +51,16 @@ class SharedPrefix:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v, *self.tail_k, *self.tail_v))
 
 
+@dataclass
+class HeldPrefix:
+    """What a row reads held once, kept by a fork state of the row (engine/forks.py): the input's tokens and its
+    `SharedPrefix`. A child forked from the state reads the same prefix in whichever run it joins (the run holds
+    it again if no row reads it any more), so the state holds only the row's own slots."""
+
+    tokens: tuple[int, ...]
+    prefix: SharedPrefix
+
+
 def shared_inputs(inputs: Sequence[tuple[int, ...]]) -> set[tuple[int, ...]]:
     """The inputs (prompt + given completion tokens) that two or more requests start from: a group's prompt, or
     the common history of tree children forked at one token."""
@@ -83,6 +93,8 @@ class SharedPrefixCache(KVCache):
     it moves with the row; a prefix that no live row reads is released. Rows with no prefix (id 0) attend as in
     `KVCache`. With `align` > 1 (block-sparse reads: the page size) a prefix holds whole pages only.
     """
+
+    reading_state: tuple[str, ...] = (PREFIX,)  # the row state saying what a row reads (kept by `reading`)
 
     def __init__(self, *args, align: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
@@ -147,6 +159,37 @@ class SharedPrefixCache(KVCache):
                 self._store["length"][rows] = tail
         self._rows = n + k
         self._views()
+
+    def adopt(self, reads: HeldPrefix) -> int:
+        """The id of the prefix `reads` stands for: the one held for its tokens, else it, held again."""
+        held = self.prefix_id(reads.tokens)
+        if held is None:
+            held, self._next_id = self._next_id, self._next_id + 1
+            self.prefixes[held], self._ids[reads.tokens] = reads.prefix, held
+        return held
+
+    def row_snapshot(self, row: int) -> KVCache:
+        """The row's own slots only, reading nothing (what it reads is `reading(row)`)."""
+        twin = super().row_snapshot(row)
+        for name in self.reading_state:
+            del twin._store[f"state.{name}"]
+        twin.prefixes, twin._ids = {}, {}
+        twin._views()
+        return twin
+
+    def reading(self, row: int) -> HeldPrefix | None:
+        pid = int(self.row_state[PREFIX][row])
+        if not pid:
+            return None
+        tokens = next(t for t, p in self._ids.items() if p == pid)
+        return HeldPrefix(tokens, self.prefixes[pid])
+
+    def read_from(self, rows: Tensor, reads: HeldPrefix) -> None:
+        self.row_state[PREFIX][rows] = self.adopt(reads)
+        self._groups, self._prefix_lengths = None, None
+
+    def holds(self, prefix: SharedPrefix) -> bool:
+        return any(p is prefix for p in self.prefixes.values())
 
     def retire(self, rows: Tensor) -> Tensor:
         order = super().retire(rows)
