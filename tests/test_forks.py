@@ -201,3 +201,26 @@ def test_states_keep_the_prompt_they_read_after_its_last_reader_finished():
     assert not run.cache.holds(reads.prefix) and not run.cache.prefixes
     assert run.snapshots.bytes_beside(run.cache) == run.snapshots.nbytes + reads.prefix.nbytes()
     assert len({id(s.reads.prefix) for i in range(2) for s in run.snapshots.kept[i]}) == 1
+
+
+def test_a_dense_tree_run_that_grows_claims_no_saving():
+    """Two children of each state join a dense group's run as their parent finishes (copies of the state's row,
+    reading the group's prompt): they draw what they should, and the run's peak is its dense yardstick."""
+    e = engine(KVConfig())
+    prompt = random_prompts([21], 4)[0]
+    parents = [Request(prompt, key=j, seed=5, max_new_tokens=24, snapshots=1) for j in range(2)]
+
+    def children_of(run, i):
+        tokens = run.completion(i)[0]
+        return [Request(prompt, key, 5, 24, tokens[: s.position], fork=s)
+                for s in run.snapshots.kept.get(i, ()) for key in (parents[i].key, 100 + i)]  # fmt: skip
+
+    run, added = decode_growing(e, parents, children_of)
+    for i in range(2):
+        tokens, logps = run.completion(i)
+        same, own = added[i]
+        t = len(run.requests[same].prefix)
+        assert run.completion(same)[0] == tokens[t:]
+        assert (run.completion(same)[1] - logps[t:]).abs().max() < LOGP_TOL
+        assert run.completion(own)[0] == decode(e, [run.requests[own]]).completion(0)[0]
+    assert run.peak_bytes == run.dense_bytes
