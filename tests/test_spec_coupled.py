@@ -71,13 +71,21 @@ def test_the_coupled_redraw_delivers_the_current_policys_sequences():
 
 def test_coupled_samples_are_the_current_policys_draws_on_their_streams(tmp_path):
     """After two updates, the step's samples (drafts cut where the policy draws otherwise, then continued) are
-    token for token what the engine draws fresh on each sample's stream with the current weights (dense)."""
+    token for token what the engine draws fresh on each sample's stream with the current weights (dense). The
+    continuations start from the verification's states at the cut: their prompt + prefix is not prefilled."""
     trainer = make(tmp_path, "optim.lr=0.05", "trainer.steps=3", "algo.preset=dense", "kv.method=dense")
     trainer.train(until_step=2)
-    got = trainer.rollouts.collect_step(trainer.source, 2, 2, 99)
     engine = trainer.rollouts.backend.engine
+    prefilled: list[tuple[int, ...]] = []
+    inner = engine.prefill_hidden
+    engine.prefill_hidden = lambda inputs, *a: prefilled.extend(map(tuple, inputs)) or inner(inputs, *a)
+    got = trainer.rollouts.collect_step(trainer.source, 2, 2, 99)
     samples = [s for g in got.groups for s in g.samples]
-    assert sum(s.reused_prefix for s in samples) > 0 and any(s.reused_prefix < len(s.tokens) for s in samples)
+    continued = [s for s in samples if 0 < s.reused_prefix < len(s.tokens)]
+    assert sum(s.reused_prefix for s in samples) > 0 and continued
+    for s in continued:
+        assert (*trainer.train_view.prompt_ids(s.prompt_id), *s.tokens[: s.reused_prefix]) not in prefilled
+    del engine.prefill_hidden
     for s in samples:
         prompt = trainer.train_view.prompt_ids(s.prompt_id)
         fresh = engine.generate([prompt], n=1, max_new_tokens=trainer.cfg.rollout.max_new_tokens, seed=s.seed,

@@ -315,10 +315,19 @@ def redraw(
             )
             for row, i in enumerate(chunk):
                 n = len(completion_ids[i])
-                target = torch.tensor(completion_ids[i], device=logits.device)
-                drawn, _, _ = sample_next(logits[row, :n], uniforms[i][:n].to(logits.device), temperature)
-                differ = (drawn != target).nonzero()
-                cut = int(differ[0]) if differ.numel() else n
-                logp = target_logprobs(logits[row, :n][None], target[None], temperature)[0]
-                out[i] = (cut, logp.float().cpu())
+                out[i] = coupled_cut(logits[row, :n], completion_ids[i], uniforms[i], temperature)
     return out  # type: ignore[return-value]
+
+
+def coupled_cut(
+    logits: Tensor, draft: Sequence[int], uniforms: Tensor, temperature: float
+) -> tuple[int, Tensor]:
+    """The first position at which `logits` [n, V], teacher-forced on the n-token `draft`, draw another token
+    than the draft's at its uniforms (`sampling.sample_next`; n when none), and the draft tokens' log-probs [n]
+    (float32, CPU)."""
+    n = len(draft)
+    target = torch.tensor(draft, device=logits.device)
+    drawn, _, _ = sample_next(logits, uniforms[:n].to(logits.device), temperature)
+    differ = (drawn != target).nonzero()
+    logp = target_logprobs(logits[None], target[None], temperature)[0]
+    return (int(differ[0]) if differ.numel() else n), logp.float().cpu()

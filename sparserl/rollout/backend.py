@@ -22,6 +22,7 @@ from sparserl.config.checks import sampler_records
 from sparserl.config.errors import ConfigError
 from sparserl.config.rollout import RolloutConfig
 from sparserl.engine.decoding import DecodeRun, Request, Sampling
+from sparserl.engine.draft_states import redraw_states
 from sparserl.engine.forks import Snapshot
 from sparserl.engine.held import HeldRecord, HeldRecorder
 from sparserl.engine.rollout import RolloutEngine, run_stats
@@ -177,6 +178,8 @@ class LocalBackend(RolloutBackend):
         # the states tree children start from, by (seed, key, position), for the weights of `_forks_version`
         self._forks: dict[tuple[int, int, int], Snapshot] = {}
         self._forks_version: int | None = None
+        # SPEC-RL drafts' states at their cuts, under the weights held now: the next run continues from them
+        self._drafted: dict[tuple[int, int, int], Snapshot] = {}
 
     @classmethod
     def from_config(
@@ -223,6 +226,12 @@ class LocalBackend(RolloutBackend):
         uniforms = [
             sample_uniforms(seed, [key], len(d))[0] for (seed, key), d in zip(streams, drafts, strict=True)
         ]
+        if self.engine.evictor is None:  # on the sampler itself, keeping each draft's state at its cut
+            with self.engine.decoding():
+                got = redraw_states(self.engine, prompts, drafts, uniforms, temperature, batched)
+            for (seed, key), (_, _, state) in zip(streams, got, strict=True):
+                self._drafted[(seed, key, state.position)] = state
+            return [(cut, logp.tolist()) for cut, logp, _ in got]
         with self._teacher_forced():
             budget = 8192 if batched else 0
             out = redraw(self.engine.model, prompts, drafts, uniforms, temperature, token_budget=budget)
@@ -259,6 +268,7 @@ class LocalBackend(RolloutBackend):
 
         if version != self._forks_version:  # a state is valid for the weights that made it only
             self._forks, self._forks_version = {}, version
+        self._forks, self._drafted = self._forks | self._drafted, {}
         with self.engine.step_hook(held):
             run, unfinished, sched = self.scheduler.run(
                 self._with_forks(requests), sampling, finished, stop, recorder, seed

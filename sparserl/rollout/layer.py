@@ -136,10 +136,14 @@ class RolloutLayer:
         verified |= {id(s): r for (s, _), r in zip(coupled, redrawn, strict=True)}
         for s, d in todo:
             cut, logps = self._kept(s, d, verified.get(id(s)))
-            if d.stream is not None:  # the sample goes on on the draft's stream
-                s.seed, s.key = d.stream
+            fork_of = d.fork_of
+            if (
+                d.stream is not None
+            ):  # the sample goes on on the draft's stream, from its state at the cut when
+                s.seed, s.key = d.stream  # the backend kept it
+                fork_of = (*d.stream, cut)
             s.extend(d.tokens[:cut], logps[:cut], version)
-            s.reused_prefix, s.prefix_origin, s.fork_of = cut, d.origin, d.fork_of
+            s.reused_prefix, s.prefix_origin, s.fork_of = cut, d.origin, fork_of
             whole = cut == len(d.tokens) and d.finish is not None
             if whole or cut == (s.max_new_tokens or self.cfg.max_new_tokens):
                 s.finish_reason = d.finish if whole else "length"

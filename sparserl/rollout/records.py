@@ -60,6 +60,10 @@ class SampleRecord:
     reward: float | None = None
     extras: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        if self.fork_of is not None:  # a key of the backend's states, a list when read back from JSON
+            self.fork_of = tuple(self.fork_of)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
