@@ -1,6 +1,7 @@
 """SPEC-RL's coupled verification on the engine (engine/draft_states.py): the cut is the one the scoring path
-finds, and a continuation started from the kept state draws what a continuation that prefills its prompt and
-kept prefix again draws, for the dense cache, block_topk and an int8 cache; evicting engines are refused."""
+finds (a prompt's drafts verified in one pass after it), and a continuation started from the kept state draws
+what a continuation that prefills its prompt and kept prefix again draws, for the dense cache, block_topk and an
+int8 cache; evicting engines are refused."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ ENGINES = {"dense": KVConfig(), "block_topk": KVS["block_topk"], "int8": KVConfi
 
 
 def drafts_and_states(e, batched: bool = True):
-    """Drafts drawn on their streams at temperature 1, verified on them at 1.01: cut where the two draw otherwise."""
-    prompts = random_prompts([13, 22, 9], 6)
+    """Drafts drawn on their streams at temperature 1, verified on them at 1.01: cut where the two draw otherwise.
+    Two drafts a prompt (verified in one pass after it), of different lengths."""
+    prompts = random_prompts([13, 22, 9], 6) * 2
     drawn = decode(e, [Request(p, key=j, seed=3, max_new_tokens=16) for j, p in enumerate(prompts)])
-    drafts = [drawn.completion(j)[0] for j in range(len(prompts))]
+    drafts = [drawn.completion(j)[0][: 16 - j] for j in range(len(prompts))]
     uniforms = [sample_uniforms(3, [j], len(d))[0] for j, d in enumerate(drafts)]
     with e.decoding():
         got = redraw_states(e, prompts, drafts, uniforms, 1.01, batched)

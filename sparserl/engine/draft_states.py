@@ -1,45 +1,62 @@
 """SPEC-RL's coupled verification on the rollout engine itself, keeping each draft's state where it is cut.
 
-Each draft is prefilled teacher-forced after its prompt (the sampler's own dense prefill, `prefill_hidden`), cut
-at the first position where the engine draws another token than the draft's at the draft stream's uniform number
-(`scoring.coupled_cut`), and its state there is kept as a fork state (engine/forks.py `Snapshot`: the cache row
-of prompt + kept prefix, and the logits the next token is drawn from). The continuation starts from it: no second
-prefill of prompt and prefix. Causal attention makes a row cut at the kept prefix what a prefill of prompt +
-prefix writes. Not for evicting engines: a prompt cut to its budget depends on the queries at its end, which the
-draft's prefill does not end with (they keep the scoring path, `scoring.redraw`, and prefill again).
+A group's drafts are teacher-forced in one pass after their prompt, prefilled once (the sampler's own dense
+prefill, `prefill_hidden`; each draft token attends to the prompt's keys and to the draft's before it), cut at the
+first position where the engine draws another token than the draft's at the draft stream's uniform number
+(`scoring.coupled_cut`), and each draft's state there is kept as a fork state (engine/forks.py `Snapshot`: the
+cache row of prompt + kept prefix, and the logits the next token is drawn from). The continuation starts from it:
+no second prefill of prompt and prefix. Causal attention makes a row cut at the kept prefix what a prefill of
+prompt + prefix writes. Not for evicting engines: a prompt cut to its budget depends on the queries at its end,
+which the draft's pass does not end with (they keep the scoring path, `scoring.redraw`, and prefill again).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from sparserl.engine.cache import KVCache
 from sparserl.engine.forks import Snapshot
+from sparserl.engine.padding import right_pad
 from sparserl.engine.scoring import coupled_cut
 
 if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
 
-LOGIT_POSITIONS = (
-    2048  # logits [positions, V] of one chunk of drafts: 400 MB at SmolLM2's 49,152-token vocabulary
-)
 
-
-def _chunks(sizes: Sequence[int], budget: int) -> Iterator[list[int]]:
-    """Consecutive indices whose sizes sum to at most `budget` (one at least; `budget` 0: one at a time)."""
-    chunk: list[int] = []
-    total = 0
-    for i, size in enumerate(sizes):
-        if chunk and (not budget or total + size > budget):
-            yield chunk
-            chunk, total = [], 0
-        chunk.append(i)
-        total += size
-    if chunk:
-        yield chunk
+def teacher_forced_pass(
+    engine: RolloutEngine, prompt: Sequence[int], drafts: Sequence[Sequence[int]]
+) -> tuple[KVCache, list[Tensor]]:
+    """The drafts of one prompt teacher-forced after it: a cache whose rows hold prompt + draft, and per draft
+    the logits [n + 1, V] of each of its tokens and of the token after it."""
+    dec, dev = engine.decoder, engine.decoder.device
+    p, rows = len(prompt), len(drafts)
+    head, prompt_hidden = engine.prefill_hidden([list(prompt)], torch.tensor([p], device=dev))
+    lengths = torch.tensor([len(d) for d in drafts], device=dev)
+    s = int(lengths.max())
+    ids = right_pad(drafts, value=engine.tokenizer.pad_token_id or 0, width=s)[0].to(dev)
+    cache = KVCache(dec.num_layers, rows, dec.num_kv_heads, dec.num_heads, dec.head_dim, p + s, engine.kv.window,
+                    dec.dtype, dev)  # fmt: skip
+    hidden = dec.embed(ids)
+    rope = dec.rope(hidden, (p + torch.arange(s, device=dev))[None, :].expand(rows, s))
+    # every draft token sees the whole prompt and the draft's tokens up to itself (padding follows: unseen)
+    see = torch.ones(s, p + s, dtype=torch.bool, device=dev).tril(diagonal=p)
+    for layer in range(dec.num_layers):
+        qkv = dec.qkv(layer, hidden, rope)
+        k = torch.cat([head.k[layer].expand(rows, -1, -1, -1), qkv.k], dim=2)
+        v = torch.cat([head.v[layer].expand(rows, -1, -1, -1), qkv.v], dim=2)
+        out = nn.functional.scaled_dot_product_attention(qkv.q, k, v, attn_mask=see, enable_gqa=True)
+        cache.k[layer].copy_(k)
+        cache.v[layer].copy_(v)
+        cache.pos[layer].copy_(torch.arange(p + s, dtype=torch.int32, device=dev).expand_as(cache.pos[layer]))
+        hidden = dec.finish_layer(layer, hidden, out)
+    cache.length.copy_(p + lengths)
+    cache.query_count.copy_(p + lengths)
+    first = dec.logits(prompt_hidden[0, p - 1 : p])  # the first draft token's distribution
+    return cache, [torch.cat([first, dec.logits(hidden[r, :n])]) for r, n in enumerate(lengths.tolist())]
 
 
 def redraw_states(
@@ -51,29 +68,27 @@ def redraw_states(
     batched: bool = True,
 ) -> list[tuple[int, Tensor, Snapshot]]:
     """Per draft: how many of its leading tokens the engine draws at its uniforms, their log-probs [n] and the
-    state before the first token it draws itself (`batched` False: one draft at a time, so a draft's numbers do
-    not depend on its batch mates). Call inside `engine.decoding()`."""
+    state before the first token it draws itself. `batched`: a prompt's drafts in one pass (else one at a time,
+    so that a draft's numbers do not depend on its batch mates). Call inside `engine.decoding()`."""
     if engine.evictor is not None:
         raise ValueError(
             "an evicting engine cuts prompts by their last queries: verify drafts with scoring.redraw"
         )
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    passes = [rows[j : j + 1] for rows in groups.values() for j in range(len(rows))]
     out: list[tuple[int, Tensor, Snapshot] | None] = [None] * len(prompts)
-    sizes = [len(d) + 1 for d in drafts]
-    dev = engine.decoder.device
-    for chunk in _chunks(sizes, LOGIT_POSITIONS if batched else 0):
-        inputs = [[*prompts[i], *drafts[i]] for i in chunk]
-        cache, hidden = engine.prefill_hidden(inputs, torch.tensor([len(x) for x in inputs], device=dev))
+    for rows in list(groups.values()) if batched else passes:
+        cache, logits = teacher_forced_pass(engine, prompts[rows[0]], [drafts[i] for i in rows])
         kept = []
-        for row, i in enumerate(chunk):
-            p, n = len(prompts[i]), len(drafts[i])
-            logits = engine.decoder.logits(
-                hidden[row, p - 1 : p + n]
-            )  # [n + 1, V]: each draft token's, and after
-            cut, logp = coupled_cut(logits[:n], drafts[i], uniforms[i], temperature)
-            cache.length[row] = p + cut
-            kept.append((i, cut, logp, logits[cut].clone()))
+        for row, i in enumerate(rows):
+            n = len(drafts[i])
+            cut, logp = coupled_cut(logits[row][:n], drafts[i], uniforms[i], temperature)
+            cache.length[row] = len(prompts[i]) + cut
+            kept.append((cut, logp, logits[row][cut].clone()))
         if engine.sparse is not None:  # page summaries of the rows as cut
             engine.sparse.start(cache)
-        for row, (i, cut, logp, next_logits) in enumerate(kept):
+        for row, (i, (cut, logp, next_logits)) in enumerate(zip(rows, kept, strict=True)):
             out[i] = (cut, logp, Snapshot(cut, 0.0, cache.row_snapshot(row), next_logits))
     return out  # type: ignore[return-value]
