@@ -142,9 +142,9 @@ class SpecConfig:
     verify: str = field(
         default="batched",
         metadata={
-            "help": "'batched': the drafts are verified teacher-forced in micro-batches (a token near a draw's "
-            "boundary may flip with batch mates' rounding: tests/test_reuse.py compares the two); 'exact': one draft at a "
-            "time."
+            "help": "'batched': the drafts are verified teacher-forced together (on the sampler: a prompt's drafts "
+            "in one pass after it; elsewhere in micro-batches; a token near a draw's boundary may flip with batch "
+            "mates' rounding: tests/test_spec_coupled.py compares the two); 'exact': one draft at a time."
         },
     )
     lenience: float = field(
