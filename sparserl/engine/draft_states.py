@@ -27,11 +27,15 @@ if TYPE_CHECKING:
     from sparserl.engine.rollout import RolloutEngine
 
 
+LOGIT_CHUNK = 16  # draft positions whose logits are computed at a time: past the cut none are needed
+
+
 def teacher_forced_pass(
     engine: RolloutEngine, prompt: Sequence[int], drafts: Sequence[Sequence[int]]
-) -> tuple[KVCache, list[Tensor]]:
-    """The drafts of one prompt teacher-forced after it: a cache whose rows hold prompt + draft, and per draft
-    the logits [n + 1, V] of each of its tokens and of the token after it."""
+) -> tuple[KVCache, Tensor, Tensor]:
+    """The drafts of one prompt teacher-forced after it: a cache whose rows hold prompt + draft, the first draft
+    token's logits [V] and the last hidden states [rows, S, H] (`decoder.logits` at position t: the draft's token
+    t + 1's logits)."""
     dec, dev = engine.decoder, engine.decoder.device
     p, rows = len(prompt), len(drafts)
     head, prompt_hidden = engine.prefill_hidden([list(prompt)], torch.tensor([p], device=dev))
@@ -55,8 +59,32 @@ def teacher_forced_pass(
         hidden = dec.finish_layer(layer, hidden, out)
     cache.length.copy_(p + lengths)
     cache.query_count.copy_(p + lengths)
-    first = dec.logits(prompt_hidden[0, p - 1 : p])  # the first draft token's distribution
-    return cache, [torch.cat([first, dec.logits(hidden[r, :n])]) for r, n in enumerate(lengths.tolist())]
+    return cache, dec.logits(prompt_hidden[0, p - 1]), hidden
+
+
+def _cut(
+    engine: RolloutEngine,
+    first: Tensor,
+    hidden: Tensor,
+    draft: Sequence[int],
+    uniforms: Tensor,
+    temperature: float,
+) -> tuple[int, Tensor, Tensor]:
+    """One draft's cut (`scoring.coupled_cut`), its tokens' log-probs up to the cut at least, and the logits
+    [V] at the cut, the draft's positions taken LOGIT_CHUNK at a time until the cut."""
+    n, logps = len(draft), []
+    for start in range(0, n + 1, LOGIT_CHUNK):
+        end = min(start + LOGIT_CHUNK, n + 1)  # positions start..end - 1; position t predicts token t
+        at = hidden[max(start - 1, 0) : end - 1]
+        logits = engine.decoder.logits(at) if start else torch.cat([first[None], engine.decoder.logits(at)])
+        m = min(end, n) - start  # draft tokens among them (none: only the position after the draft)
+        cut, logp = (
+            coupled_cut(logits[:m], draft[start:end], uniforms[start:], temperature) if m else (0, None)
+        )
+        logps += [logp] if m else []
+        if cut < m or end == n + 1:
+            return start + cut, torch.cat(logps) if logps else first.new_zeros(0).cpu(), logits[cut].clone()
+    raise AssertionError("unreachable: the last chunk holds position n")
 
 
 def redraw_states(
@@ -67,9 +95,10 @@ def redraw_states(
     temperature: float,
     batched: bool = True,
 ) -> list[tuple[int, Tensor, Snapshot]]:
-    """Per draft: how many of its leading tokens the engine draws at its uniforms, their log-probs [n] and the
-    state before the first token it draws itself. `batched`: a prompt's drafts in one pass (else one at a time,
-    so that a draft's numbers do not depend on its batch mates). Call inside `engine.decoding()`."""
+    """Per draft: how many of its leading tokens the engine draws at its uniforms, their log-probs (up to that
+    cut at least) and the state before the first token it draws itself. `batched`: a prompt's drafts in one pass
+    (else one at a time, so that a draft's numbers do not depend on its batch mates). Call inside
+    `engine.decoding()`."""
     if engine.evictor is not None:
         raise ValueError(
             "an evicting engine cuts prompts by their last queries: verify drafts with scoring.redraw"
@@ -80,15 +109,15 @@ def redraw_states(
     passes = [rows[j : j + 1] for rows in groups.values() for j in range(len(rows))]
     out: list[tuple[int, Tensor, Snapshot] | None] = [None] * len(prompts)
     for rows in list(groups.values()) if batched else passes:
-        cache, logits = teacher_forced_pass(engine, prompts[rows[0]], [drafts[i] for i in rows])
-        kept = []
-        for row, i in enumerate(rows):
-            n = len(drafts[i])
-            cut, logp = coupled_cut(logits[row][:n], drafts[i], uniforms[i], temperature)
+        cache, first, hidden = teacher_forced_pass(engine, prompts[rows[0]], [drafts[i] for i in rows])
+        kept = [
+            _cut(engine, first, hidden[row], drafts[i], uniforms[i], temperature)
+            for row, i in enumerate(rows)
+        ]
+        for row, (i, (cut, _, _)) in enumerate(zip(rows, kept, strict=True)):
             cache.length[row] = len(prompts[i]) + cut
-            kept.append((cut, logp, logits[row][cut].clone()))
         if engine.sparse is not None:  # page summaries of the rows as cut
             engine.sparse.start(cache)
-        for row, (i, (cut, logp, next_logits)) in enumerate(zip(rows, kept, strict=True)):
-            out[i] = (cut, logp, Snapshot(cut, 0.0, cache.row_snapshot(row), next_logits))
+        for row, (i, (cut, logp, logits)) in enumerate(zip(rows, kept, strict=True)):
+            out[i] = (cut, logp, Snapshot(cut, 0.0, cache.row_snapshot(row), logits))
     return out  # type: ignore[return-value]

@@ -137,8 +137,9 @@ class RolloutBackend:
         batched: bool = True,
     ) -> list[tuple[int, list[float]]]:
         """Per draft drawn on the stream (seed, key): how many of its leading tokens the weights held now draw
-        on that stream too, teacher-forced, and their log-probs (`engine.scoring.redraw`; `batched` False: one
-        sequence at a time). SPEC-RL's coupled verification."""
+        on that stream too, teacher-forced, and the draft tokens' log-probs, up to that point at least
+        (`engine.scoring.redraw`, `engine.draft_states`; `batched` False: one sequence at a time). SPEC-RL's
+        coupled verification."""
         raise NotImplementedError(
             f"rollout backend {self.name!r} cannot verify drafts teacher-forced, which rollout.spec needs"
         )
