@@ -224,3 +224,16 @@ def test_a_dense_tree_run_that_grows_claims_no_saving():
         assert (run.completion(same)[1] - logps[t:]).abs().max() < LOGP_TOL
         assert run.completion(own)[0] == decode(e, [run.requests[own]]).completion(0)[0]
     assert run.peak_bytes == run.dense_bytes
+
+
+def test_the_yardsticks_states_read_the_prompt_the_dense_engine_holds_once():
+    """A quantized cache copies prompts, so its states hold theirs; the dense engine would hold a group's prompt
+    once and its states would read it: the yardstick counts their positions only (no saving invented)."""
+    e = engine(KVConfig(quant="int8"))
+    prompt = random_prompts([25], 4)[0]
+    run = decode(e, [Request(prompt, key=j, seed=1, max_new_tokens=30, snapshots=2) for j in range(3)])
+    kept = [s for i in range(3) for s in run.snapshots.kept[i]]
+    assert all(s.reads is None and int(s.cache.length[0]) == len(prompt) + s.position for s in kept)
+    assert run.snapshots.dense_positions == sum(s.position for s in kept)
+    alone = decode(e, [Request(prompt, key=0, seed=1, max_new_tokens=30, snapshots=2)])
+    assert alone.snapshots.dense_positions == sum(len(prompt) + s.position for s in alone.snapshots.kept[0])

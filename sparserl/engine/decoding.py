@@ -100,6 +100,8 @@ class DecodeRun(RunMemory):
         self.count = self.start_count = self.limit = self.prompt_len = self.events = none  # per sample
         self.positions = PositionStats(none)
         self.snapshots = SnapshotKeeper([])
+        # the inputs the dense engine holds once for these requests: its fork states read their prompt there
+        self._dense_once = set() if engine.compiled_step is not None else held_once_inputs(requests)
         self._append(requests)
         self.shared = held_once_inputs(requests) if engine.share_prompts else set()
         # block-sparse reads: a prompt held once is its whole pages (a row's own pages stay whole pages)
@@ -149,7 +151,10 @@ class DecodeRun(RunMemory):
         self.first_input += [first_input(r) for r in requests]
         self.finish += [None] * len(requests)
         self.positions.extend(len(requests))
-        self.snapshots.extend([r.snapshots for r in requests])
+        self.snapshots.extend(
+            [r.snapshots for r in requests],
+            [len(r.prompt) * (tuple(r.prompt) not in self._dense_once) for r in requests],
+        )
 
     def extend(self, requests: list[Request]) -> list[int]:
         """Add `requests` to the running run (a tree's children as their parents finish); returns their sample
@@ -305,7 +310,7 @@ class DecodeRun(RunMemory):
             self.recorder is not None,
         )
         if self.snapshots.active:  # before the tokens are fed: the state each was drawn in
-            self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp, self.prompt_len[ids])
+            self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp)
             self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
             dense_states = self.snapshots.dense_positions * self.cache.full_precision_bytes_per_position()
             self.dense_states_peak = max(self.dense_states_peak, dense_states)

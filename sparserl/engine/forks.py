@@ -35,7 +35,7 @@ class Snapshot:
     cache: KVCache
     logits: Tensor
     reads: HeldPrefix | None = None  # the input the row read held once (kept alive by the state)
-    dense_positions: int = 0  # what the dense engine's state here holds: prompt (unless held once) + position
+    dense_positions: int = 0  # what the dense engine's state here holds: position (+ prompt unless held once)
 
     @property
     def nbytes(self) -> int:
@@ -52,15 +52,20 @@ class SnapshotKeeper:
 
     def __init__(self, wants: list[int]):
         self.wants = wants
+        self.dense_base = [0] * len(
+            wants
+        )  # per sample: what the dense engine's states hold besides the prefix
         self.active = any(wants)
         self.kept: dict[int, list[Snapshot]] = {}
         self.nbytes = 0  # the keys and values of the snapshots' own rows, counted in the run's peak KV bytes
         self.dense_positions = 0  # the positions the dense engine's snapshots would hold (its yardstick)
         self.read: dict[int, tuple[SharedPrefix, int]] = {}  # id -> an input the states read, and how many do
 
-    def extend(self, wants: list[int]) -> None:
-        """The wants of samples added to the run."""
+    def extend(self, wants: list[int], dense_base: list[int]) -> None:
+        """The wants of samples added to the run, and the positions the dense engine's states of each hold
+        besides their completion prefix (the prompt, unless the dense engine holds it once: its yardstick)."""
         self.wants = [*self.wants, *wants]
+        self.dense_base = [*self.dense_base, *dense_base]
         self.active = any(self.wants)
 
     def observe(
@@ -71,12 +76,11 @@ class SnapshotKeeper:
         ids: Tensor,
         at: Tensor,
         lp: Tensor,
-        prompts: Tensor,
     ) -> None:
-        """One step's draws (before their tokens are fed; `prompts`: the samples' prompt lengths): keep the state
-        of each draw that is among its sample's `wants` least likely so far, dropping the one it displaces."""
-        steps = zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), prompts.tolist(), strict=True)
-        for row, i, t, logp, prompt in steps:
+        """One step's draws (before their tokens are fed): keep the state of each draw that is among its sample's
+        `wants` least likely so far, dropping the one it displaces."""
+        steps = zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), strict=True)
+        for row, i, t, logp in steps:
             k = self.wants[i]
             if not k:
                 continue
@@ -84,9 +88,8 @@ class SnapshotKeeper:
             worst = max(kept, key=_rank) if len(kept) == k else None
             if worst is not None and (logp, t) >= _rank(worst):
                 continue
-            reads = cache.reading(row)
-            snap = Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), reads,
-                            t + prompt * (reads is None))  # fmt: skip
+            snap = Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), cache.reading(row),
+                            t + self.dense_base[i])  # fmt: skip
             self._count(snap, 1)
             kept.append(snap)
             if worst is not None:
