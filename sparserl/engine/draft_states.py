@@ -30,22 +30,25 @@ if TYPE_CHECKING:
 CHUNK = 16  # draft tokens teacher-forced at a time: past a draft's cut none are needed
 
 
-def _prompt_rows(
-    engine: RolloutEngine, prompt: Sequence[int], rows: int, width: int
-) -> tuple[KVCache, Tensor]:
-    """A cache of `rows` rows of `width` slots, each holding the prompt (prefilled once), and the logits [V] of
-    the token after it."""
-    dec, dev = engine.decoder, engine.decoder.device
-    p = len(prompt)
-    head, hidden = engine.prefill_hidden([list(prompt)], torch.tensor([p], device=dev))
+def _prompts(engine: RolloutEngine, prompts: Sequence[Sequence[int]]) -> tuple[KVCache, Tensor]:
+    """The prompts prefilled together (a cache row each) and the logits [P, V] of the token after each."""
+    dev = engine.decoder.device
+    lengths = torch.tensor([len(p) for p in prompts], device=dev)
+    cache, hidden = engine.prefill_hidden([list(p) for p in prompts], lengths)
+    return cache, engine.decoder.logits(hidden[torch.arange(len(prompts), device=dev), lengths - 1])
+
+
+def _prompt_rows(engine: RolloutEngine, head: KVCache, row: int, rows: int, width: int) -> KVCache:
+    """A cache of `rows` rows of `width` slots, each holding row `row` of the prefilled prompts `head`."""
+    dec, p = engine.decoder, int(head.length[row])
     cache = KVCache(dec.num_layers, rows, dec.num_kv_heads, dec.num_heads, dec.head_dim, width, engine.kv.window,
-                    dec.dtype, dev)  # fmt: skip
+                    dec.dtype, dec.device)  # fmt: skip
     for layer in range(dec.num_layers):
-        cache.k[layer][:, :, :p] = head.k[layer]
-        cache.v[layer][:, :, :p] = head.v[layer]
-        cache.pos[layer][:, :, :p] = head.pos[layer]
+        cache.k[layer][:, :, :p] = head.k[layer][row, :, :p]
+        cache.v[layer][:, :, :p] = head.v[layer][row, :, :p]
+        cache.pos[layer][:, :, :p] = head.pos[layer][row, :, :p]
     cache.length.fill_(p)
-    return cache, dec.logits(hidden[0, p - 1])
+    return cache
 
 
 def _chunk_hidden(engine: RolloutEngine, cache: KVCache, rows: Tensor, tokens: list[list[int]]) -> Tensor:
@@ -72,15 +75,17 @@ def _chunk_hidden(engine: RolloutEngine, cache: KVCache, rows: Tensor, tokens: l
 
 def verify_group(
     engine: RolloutEngine,
-    prompt: Sequence[int],
+    prompt: tuple[KVCache, int, Tensor],
     drafts: Sequence[Sequence[int]],
     uniforms: Sequence[Tensor],
     temperature: float,
 ) -> tuple[KVCache, list[tuple[int, Tensor, Tensor]]]:
-    """One prompt's drafts verified CHUNK tokens at a time: a cache whose rows hold prompt + kept prefix, and per
-    draft its cut, its tokens' log-probs up to the cut at least, and the logits [V] at the cut."""
-    dec, p = engine.decoder, len(prompt)
-    cache, first = _prompt_rows(engine, prompt, len(drafts), p + max(map(len, drafts)))
+    """One prompt's drafts (`prompt`: the prefilled prompts, its row there and the logits after it) verified CHUNK
+    tokens at a time: a cache whose rows hold prompt + kept prefix, and per draft its cut, its tokens' log-probs
+    up to the cut at least, and the logits [V] at the cut."""
+    dec, (head, row, first) = engine.decoder, prompt
+    p = int(head.length[row])
+    cache = _prompt_rows(engine, head, row, len(drafts), p + max(map(len, drafts)))
     carry = {r: first for r in range(len(drafts))}  # the logits of each draft's next token, while it is kept
     logps: dict[int, list[Tensor]] = {r: [] for r in carry}
     out: list[tuple[int, Tensor, Tensor] | None] = [None] * len(drafts)
@@ -129,11 +134,16 @@ def redraw_states(
     groups: dict[tuple[int, ...], list[int]] = {}
     for i, prompt in enumerate(prompts):
         groups.setdefault(tuple(prompt), []).append(i)
-    passes = [rows[j : j + 1] for rows in groups.values() for j in range(len(rows))]
+    passes = list(groups.values()) if batched else [[i] for rows in groups.values() for i in rows]
+    if batched:  # every prompt prefilled at once; else each pass's own (its numbers its own)
+        head, first = _prompts(engine, list(groups))
     out: list[tuple[int, Tensor, Snapshot] | None] = [None] * len(prompts)
-    for rows in list(groups.values()) if batched else passes:
+    for n, rows in enumerate(passes):
+        if not batched:
+            head, first = _prompts(engine, [prompts[rows[0]]])
+        at = (head, n if batched else 0, first[n if batched else 0])
         cache, kept = verify_group(
-            engine, prompts[rows[0]], [drafts[i] for i in rows], [uniforms[i] for i in rows], temperature
+            engine, at, [drafts[i] for i in rows], [uniforms[i] for i in rows], temperature
         )
         if engine.sparse is not None:  # page summaries of the rows as cut
             engine.sparse.start(cache)
