@@ -196,13 +196,13 @@ def test_prompt_prefilled_once_for_its_n_samples(tiny, monkeypatch):
     model, tok = tiny
     engine = RolloutEngine(model, tok)
     seen: list[int] = []
-    inner = engine.prefill_hidden
+    inner = engine._prefill
 
     def spy(prompt_ids, *args):
         seen.append(len(prompt_ids))
         return inner(prompt_ids, *args)
 
-    monkeypatch.setattr(engine, "prefill_hidden", spy)
+    monkeypatch.setattr(engine, "_prefill", spy)
     out = engine.generate(prompts_of(tok)[:2], n=4, max_new_tokens=4)
     assert seen == [2]  # two prompts prefilled, not eight rows
     assert [s.prompt_index for s in out] == [0] * 4 + [1] * 4

@@ -37,10 +37,8 @@ def test_units_sharing_a_prompt_are_the_ones_measured_alone(method, monkeypatch:
     the scorer's prompt pass (extended by each call's completions) are handed out as copies."""
     model, tok = tiny()
     prefills = []
-    real = RolloutEngine.prefill_hidden
-    monkeypatch.setattr(
-        RolloutEngine, "prefill_hidden", lambda self, *a: prefills.append(1) or real(self, *a)
-    )
+    real = RolloutEngine._prefill
+    monkeypatch.setattr(RolloutEngine, "_prefill", lambda self, *a: prefills.append(1) or real(self, *a))
     s = settings(method)
     prompt = prompts(25)[0]
     assert len(prompt) > 40  # longer than the tight budget: an evicting method cuts the prefilled prompt

@@ -171,8 +171,8 @@ def test_under_a_cap_the_prompt_is_charged_once_and_samples_match(tiny, reads):
     bpp = e[True].start_run(requests, Sampling()).bytes_per_position
     cap = len(prompt) * bpp + 3 * 128 * bpp
     prefilled: list[list[int]] = []
-    inner = e[True].prefill_hidden
-    e[True].prefill_hidden = lambda inputs, *args: prefilled.extend(inputs) or inner(inputs, *args)
+    inner = e[True]._prefill
+    e[True]._prefill = lambda inputs, *args: prefilled.extend(inputs) or inner(inputs, *args)
     seen: list[int] = []
     with e[True].step_hook(lambda step, cache, samples: seen.append(cache.nbytes())):
         shared, _, stats = Scheduler(e[True], cap).run(requests, Sampling())

@@ -77,15 +77,15 @@ def test_coupled_samples_are_the_current_policys_draws_on_their_streams(tmp_path
     trainer.train(until_step=2)
     engine = trainer.rollouts.backend.engine
     prefilled: list[tuple[int, ...]] = []
-    inner = engine.prefill_hidden
-    engine.prefill_hidden = lambda inputs, *a: prefilled.extend(map(tuple, inputs)) or inner(inputs, *a)
+    inner = engine._prefill
+    engine._prefill = lambda inputs, *a: prefilled.extend(map(tuple, inputs)) or inner(inputs, *a)
     got = trainer.rollouts.collect_step(trainer.source, 2, 2, 99)
     samples = [s for g in got.groups for s in g.samples]
     continued = [s for s in samples if 0 < s.reused_prefix < len(s.tokens)]
     assert sum(s.reused_prefix for s in samples) > 0 and continued
     for s in continued:
         assert (*trainer.train_view.prompt_ids(s.prompt_id), *s.tokens[: s.reused_prefix]) not in prefilled
-    del engine.prefill_hidden
+    del engine._prefill
     for s in samples:
         prompt = trainer.train_view.prompt_ids(s.prompt_id)
         fresh = engine.generate([prompt], n=1, max_new_tokens=trainer.cfg.rollout.max_new_tokens, seed=s.seed,

@@ -1,7 +1,7 @@
 """SPEC-RL's coupled verification on the rollout engine itself, keeping each draft's state where it is cut.
 
 A group's drafts are teacher-forced after their prompt, prefilled once (the sampler's own dense prefill,
-`prefill_hidden`), CHUNK draft tokens at a time: each chunk attends to the prompt's keys and the draft's before it
+`RolloutEngine.prefilled`), CHUNK draft tokens at a time: each chunk attends to the prompt's keys and the draft's before it
 (the rows' cache), and only the drafts kept whole so far go on to the next one. A draft is cut at the first
 position where the engine draws another token than the draft's at the draft stream's uniform number
 (`scoring.coupled_cut`), and its state there is kept as a fork state (engine/forks.py `Snapshot`: the cache row of
@@ -31,11 +31,10 @@ CHUNK = 16  # draft tokens teacher-forced at a time: past a draft's cut none are
 
 
 def _prompts(engine: RolloutEngine, prompts: Sequence[Sequence[int]]) -> tuple[KVCache, Tensor]:
-    """The prompts prefilled together (a cache row each) and the logits [P, V] of the token after each."""
-    dev = engine.decoder.device
-    lengths = torch.tensor([len(p) for p in prompts], device=dev)
-    cache, hidden = engine.prefill_hidden([list(p) for p in prompts], lengths)
-    return cache, engine.decoder.logits(hidden[torch.arange(len(prompts), device=dev), lengths - 1])
+    """The prompts prefilled together (`RolloutEngine.prefilled`: a cache row each) and the logits [P, V] of the
+    token after each."""
+    lengths = torch.tensor([len(p) for p in prompts], device=engine.decoder.device)
+    return engine.prefilled([list(p) for p in prompts], lengths, ())
 
 
 def _prompt_rows(engine: RolloutEngine, head: KVCache, row: int, rows: int, width: int) -> KVCache:

@@ -350,21 +350,17 @@ class RolloutEngine:
         dec, dev = self.decoder, lengths.device
 
         def dense() -> tuple[KVCache, Tensor]:
-            tmp, hidden = self.prefill_hidden(inputs, lengths, extras)
-            return tmp, dec.logits(hidden[torch.arange(len(inputs), device=dev), lengths - 1])
+            tmp = KVCache(dec.num_layers, len(inputs), dec.num_kv_heads, dec.num_heads, dec.head_dim,
+                          int(lengths.max()), self.kv.window, dec.dtype, dev, extras=extras)  # fmt: skip
+            return tmp, self._prefill(inputs, lengths, tmp)
 
         key = ("decode", id(self.model), dec.dtype, dev, self.kv.method, self.kv.window, *map(tuple, inputs))
         return reused(key, dense, lambda kept: (kept[0].clone(), kept[1].clone()))
 
-    def prefill_hidden(
-        self, prompt_ids, prompt_len: Tensor, extras: tuple[str, ...] = ()
-    ) -> tuple[KVCache, Tensor]:
-        """Dense forward over the right-padded prompts into a cache of their own; returns it and the last hidden
-        states [P, T, H] (`decoder.logits` of a position: the next token's logits)."""
+    def _prefill(self, prompt_ids, prompt_len: Tensor, cache: KVCache) -> Tensor:
+        """Dense forward over the right-padded prompts, filling the cache; returns next-token logits [P, V]."""
         dec, dev = self.decoder, self.decoder.device
         p, t = len(prompt_ids), int(prompt_len.max())
-        cache = KVCache(dec.num_layers, p, dec.num_kv_heads, dec.num_heads, dec.head_dim, t, self.kv.window,
-                        dec.dtype, dev, extras=extras)  # fmt: skip
         ids = right_pad(prompt_ids, value=self.tokenizer.pad_token_id or 0, width=t)[0].to(dev)
         valid = torch.arange(t, device=dev)[None, :] < prompt_len[:, None]
         positions = torch.arange(t, device=dev)[None, :].expand(p, t)
@@ -383,7 +379,7 @@ class RolloutEngine:
             cache.queries[layer].scatter_(2, (last % w)[:, None, :, None].expand_as(q_last), q_last)
             hidden = dec.finish_layer(layer, hidden, out)
         cache.query_count.copy_(prompt_len)
-        return cache, hidden
+        return dec.logits(hidden[torch.arange(p, device=dev), prompt_len - 1])
 
     def _decode_step(self, tok: Tensor, positions: Tensor, cache: KVCache, span: int = 0) -> Tensor:
         """Feed one token per row at its true position; returns next-token logits [rows, V]. Attention reads
