@@ -237,3 +237,8 @@ def test_the_yardsticks_states_read_the_prompt_the_dense_engine_holds_once():
     assert run.snapshots.dense_positions == sum(s.position for s in kept)
     alone = decode(e, [Request(prompt, key=0, seed=1, max_new_tokens=30, snapshots=2)])
     assert alone.snapshots.dense_positions == sum(len(prompt) + s.position for s in alone.snapshots.kept[0])
+
+
+def test_a_request_with_nothing_left_to_draw_is_refused_by_name():
+    with pytest.raises(ValueError, match="request 7: its 8 given completion tokens leave nothing to draw"):
+        Request([5, 6], key=7, seed=1, max_new_tokens=8, prefix=[1] * 8)

@@ -52,6 +52,13 @@ class Request:
     fork: Snapshot | None = None  # start from this state (its position = len(prefix)): no prefill
     fork_of: tuple[int, int, int] | None = None  # the (seed, key, position) of a state a backend may hold
 
+    def __post_init__(self) -> None:
+        if len(self.prefix) >= self.max_new_tokens:
+            raise ValueError(
+                f"request {self.key}: its {len(self.prefix)} given completion tokens leave nothing to draw under "
+                f"max_new_tokens={self.max_new_tokens} (a finished sample is not run again)"
+            )
+
 
 @dataclass
 class Sampling:
