@@ -107,10 +107,11 @@ class DecodeRun(RunMemory):
         self.count = self.start_count = self.limit = self.prompt_len = self.events = none  # per sample
         self.positions = PositionStats(none)
         self.snapshots = SnapshotKeeper([])
+        once = held_once_inputs(requests)
         # the inputs the dense engine holds once for these requests: its fork states read their prompt there
-        self._dense_once = set() if engine.compiled_step is not None else held_once_inputs(requests)
+        self._dense_once = set() if engine.compiled_step is not None else once
         self._append(requests)
-        self.shared = held_once_inputs(requests) if engine.share_prompts else set()
+        self.shared = once if engine.share_prompts else set()
         # block-sparse reads: a prompt held once is its whole pages (a row's own pages stay whole pages)
         self.align = engine.sparse.page_size if engine.sparse is not None else 1
         self.longest = max(own_positions(r, self.shared, self.align) for r in requests)

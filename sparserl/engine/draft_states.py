@@ -13,7 +13,7 @@ draft's pass does not end with (they keep the scoring path, `scoring.redraw`, an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,15 +38,11 @@ def _prompts(engine: RolloutEngine, prompts: Sequence[Sequence[int]]) -> tuple[K
 
 
 def _prompt_rows(engine: RolloutEngine, head: KVCache, row: int, rows: int, width: int) -> KVCache:
-    """A cache of `rows` rows of `width` slots, each holding row `row` of the prefilled prompts `head`."""
-    dec, p = engine.decoder, int(head.length[row])
-    cache = KVCache(dec.num_layers, rows, dec.num_kv_heads, dec.num_heads, dec.head_dim, width, engine.kv.window,
+    """A cache of `rows` rows of `width` slots, each a copy of row `row` of the prefilled prompts `head`."""
+    dec = engine.decoder
+    cache = KVCache(dec.num_layers, 0, dec.num_kv_heads, dec.num_heads, dec.head_dim, width, engine.kv.window,
                     dec.dtype, dec.device)  # fmt: skip
-    for layer in range(dec.num_layers):
-        cache.k[layer][:, :, :p] = head.k[layer][row, :, :p]
-        cache.v[layer][:, :, :p] = head.v[layer][row, :, :p]
-        cache.pos[layer][:, :, :p] = head.pos[layer][row, :, :p]
-    cache.length.fill_(p)
+    cache.append(head, torch.full((rows,), row, dtype=torch.long, device=dec.device))
     return cache
 
 
@@ -98,9 +94,8 @@ def verify_group(
         hidden = _chunk_hidden(engine, cache, rows, [list(drafts[r][start : start + CHUNK]) for r in live])
         for j, r in enumerate(live):
             m = min(CHUNK, len(drafts[r]) - start)
-            logits = torch.cat(
-                [carry[r][None], dec.logits(hidden[j, :m])]
-            )  # tokens start..start+m-1, then next
+            # the distributions of tokens start..start+m-1, then of the one after them
+            logits = torch.cat([carry[r][None], dec.logits(hidden[j, :m])])
             cut, logp = coupled_cut(
                 logits[:m], drafts[r][start : start + m], uniforms[r][start:], temperature
             )
@@ -110,8 +105,26 @@ def verify_group(
                 del carry[r]
             else:
                 carry[r] = logits[m].clone()
-            cache.length[r] = p + start + min(cut, m)
+            cache.length[r] = p + start + cut
     return cache, out  # type: ignore[return-value]
+
+
+def _passes(
+    engine: RolloutEngine, prompts: Sequence[Sequence[int]], batched: bool
+) -> Iterator[tuple[list[int], tuple[KVCache, int, Tensor]]]:
+    """The drafts verified together and their prompt's prefill (cache, row, logits after it): batched, a prompt's
+    drafts, every prompt prefilled at once; else one draft at a time, its prompt prefilled alone."""
+    if not batched:
+        for i, prompt in enumerate(prompts):
+            head, first = _prompts(engine, [prompt])
+            yield [i], (head, 0, first[0])
+        return
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt), []).append(i)
+    head, first = _prompts(engine, list(groups))
+    for g, rows in enumerate(groups.values()):
+        yield rows, (head, g, first[g])
 
 
 def redraw_states(
@@ -130,17 +143,8 @@ def redraw_states(
         raise ValueError(
             "an evicting engine cuts prompts by their last queries: verify drafts with scoring.redraw"
         )
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        groups.setdefault(tuple(prompt), []).append(i)
-    passes = list(groups.values()) if batched else [[i] for rows in groups.values() for i in rows]
-    if batched:  # every prompt prefilled at once; else each pass's own (its numbers its own)
-        head, first = _prompts(engine, list(groups))
     out: list[tuple[int, Tensor, Snapshot] | None] = [None] * len(prompts)
-    for n, rows in enumerate(passes):
-        if not batched:
-            head, first = _prompts(engine, [prompts[rows[0]]])
-        at = (head, n if batched else 0, first[n if batched else 0])
+    for rows, at in _passes(engine, prompts, batched):
         cache, kept = verify_group(
             engine, at, [drafts[i] for i in rows], [uniforms[i] for i in rows], temperature
         )

@@ -52,9 +52,8 @@ class SnapshotKeeper:
 
     def __init__(self, wants: list[int]):
         self.wants = wants
-        self.dense_base = [0] * len(
-            wants
-        )  # per sample: what the dense engine's states hold besides the prefix
+        # per sample: what the dense engine's states hold besides the completion prefix (`extend`)
+        self.dense_base = [0] * len(wants)
         self.active = any(wants)
         self.kept: dict[int, list[Snapshot]] = {}
         self.nbytes = 0  # the keys and values of the snapshots' own rows, counted in the run's peak KV bytes
@@ -69,18 +68,11 @@ class SnapshotKeeper:
         self.active = any(self.wants)
 
     def observe(
-        self,
-        cache: KVCache,
-        logits: Tensor,
-        rows: Tensor,
-        ids: Tensor,
-        at: Tensor,
-        lp: Tensor,
+        self, cache: KVCache, logits: Tensor, rows: Tensor, ids: Tensor, at: Tensor, lp: Tensor
     ) -> None:
-        """One step's draws (before their tokens are fed): keep the state of each draw that is among its sample's
-        `wants` least likely so far, dropping the one it displaces."""
-        steps = zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), strict=True)
-        for row, i, t, logp in steps:
+        """One step's draws (before their tokens are fed): keep the state of each draw that is among its
+        sample's `wants` least likely so far, dropping the one it displaces."""
+        for row, i, t, logp in zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), strict=True):
             k = self.wants[i]
             if not k:
                 continue

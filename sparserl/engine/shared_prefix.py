@@ -135,6 +135,10 @@ class SharedPrefixCache(KVCache):
                 self.row_state[name] = state.new_zeros(
                     (self.rows, state.shape[1], -(-self.capacity // ps), *state.shape[3:])
                 )
+        return self._register(tokens, prefix)
+
+    def _register(self, tokens: Sequence[int], prefix: SharedPrefix) -> int:
+        """Hold `prefix` as the input `tokens` under a new id; the id."""
         pid, self._next_id = self._next_id, self._next_id + 1
         self.prefixes[pid], self._ids[tuple(tokens)] = prefix, pid
         return pid
@@ -163,10 +167,7 @@ class SharedPrefixCache(KVCache):
     def adopt(self, reads: HeldPrefix) -> int:
         """The id of the prefix `reads` stands for: the one held for its tokens, else it, held again."""
         held = self.prefix_id(reads.tokens)
-        if held is None:
-            held, self._next_id = self._next_id, self._next_id + 1
-            self.prefixes[held], self._ids[reads.tokens] = reads.prefix, held
-        return held
+        return held if held is not None else self._register(reads.tokens, reads.prefix)
 
     def row_snapshot(self, row: int) -> KVCache:
         """The row's own slots only, reading nothing (what it reads is `reading(row)`)."""

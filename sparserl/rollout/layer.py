@@ -137,10 +137,9 @@ class RolloutLayer:
         for s, d in todo:
             cut, logps = self._kept(s, d, verified.get(id(s)))
             fork_of = d.fork_of
-            if (
-                d.stream is not None
-            ):  # the sample goes on on the draft's stream, from its state at the cut when
-                s.seed, s.key = d.stream  # the backend kept it
+            # the sample goes on on the draft's stream, from its state at the cut when the backend kept it
+            if d.stream is not None:
+                s.seed, s.key = d.stream
                 fork_of = (*d.stream, cut)
             s.extend(d.tokens[:cut], logps[:cut], version)
             s.reused_prefix, s.prefix_origin, s.fork_of = cut, d.origin, fork_of
