@@ -185,8 +185,10 @@ class DecodeRun(RunMemory):
 
     @property
     def dense_bytes(self) -> int:
-        """The dense engine's KV bytes for this run: its rows' allocation and the most its fork states hold."""
-        return self.dense_rows_bytes + self.dense_states_peak
+        """The dense engine's KV bytes for this run: its rows' allocation and the most its fork states hold (its
+        states too count against a KV memory cap, which it never exceeds)."""
+        total = self.dense_rows_bytes + self.dense_states_peak
+        return total if self.kv_memory_cap is None else min(total, self.kv_memory_cap)
 
     # --------------------------------------------------------------------------------------------- rows
 
@@ -318,7 +320,7 @@ class DecodeRun(RunMemory):
             self.recorder is not None,
         )
         if self.snapshots.active:  # before the tokens are fed: the state each was drawn in
-            self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp)
+            self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp, self.state_room())
             self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
             dense_states = self.snapshots.dense_positions * self.cache.full_precision_bytes_per_position()
             self.dense_states_peak = max(self.dense_states_peak, dense_states)
@@ -364,7 +366,8 @@ class DecodeRun(RunMemory):
         cache, n = self.cache, self.cache.rows
         bucket = row_bucket(n)
         if self.kv_memory_cap is not None:  # no more rows than the cap affords at this capacity
-            bucket = min(bucket, max(n, self.kv_memory_cap // (cache.capacity * self.bytes_per_position)))
+            free = self.kv_memory_cap - cache.shared_bytes() - self.states_bytes()
+            bucket = min(bucket, max(n, free // (cache.capacity * self.bytes_per_position)))
         cache.reserve_rows(bucket)
         feed = torch.zeros(bucket, dtype=torch.long, device=tok.device)
         pos = torch.zeros(bucket, dtype=total.dtype, device=tok.device)

@@ -8,6 +8,11 @@ logits. A request started from one (`Request.fork`, its `prefix` the tokens befo
 with that row, reading that prompt, and those logits: no prompt or prefix is prefilled again, and under an
 evicting cache it holds the slots the parent held there, as an uninterrupted run would. A snapshot is only valid
 for the weights that made it.
+
+Under `rollout.kv_memory_cap` the states count against the cap with the rows: a state that does not fit is not
+kept, and the scheduler releases kept states (the largest first) before it preempts a running sequence or when
+nothing else could be admitted. Either way the state keeps its rank among its sample's least likely tokens, and a
+child whose state is gone prefills its prompt and prefix instead: the same draws, at the cost of a prefill.
 """
 
 from __future__ import annotations
@@ -32,15 +37,24 @@ class Snapshot:
 
     position: int
     logp: float
-    cache: KVCache
-    logits: Tensor
+    cache: KVCache | None  # None: released (`release`)
+    logits: Tensor | None
     reads: HeldPrefix | None = None  # the input the row read held once (kept alive by the state)
     dense_positions: int = 0  # what the dense engine's state here holds: position (+ prompt unless held once)
 
     @property
+    def held(self) -> bool:
+        """Whether its state is held (else only its rank is: not kept, or released, under a KV memory cap)."""
+        return self.cache is not None
+
+    @property
     def nbytes(self) -> int:
         """The keys and values of its own row (what it adds to a run's KV memory, beside what it reads)."""
-        return self.cache.nbytes()
+        return self.cache.nbytes() if self.held else 0
+
+    def release(self) -> None:
+        """Free its state (for every holder: the run, its backend and the requests given it), keeping its rank."""
+        self.cache, self.logits, self.reads = None, None, None
 
 
 def _rank(s: Snapshot) -> tuple[float, int]:
@@ -55,7 +69,8 @@ class SnapshotKeeper:
         # per sample: what the dense engine's states hold besides the completion prefix (`extend`)
         self.dense_base = [0] * len(wants)
         self.active = any(wants)
-        self.kept: dict[int, list[Snapshot]] = {}
+        self.kept: dict[int, list[Snapshot]] = {}  # per sample, its least likely draws so far (held or not)
+        self.dropped = 0  # states not kept or released for lack of room under a KV memory cap
         self.nbytes = 0  # the keys and values of the snapshots' own rows, counted in the run's peak KV bytes
         self.dense_positions = 0  # the positions the dense engine's snapshots would hold (its yardstick)
         self.read: dict[int, tuple[SharedPrefix, int]] = {}  # id -> an input the states read, and how many do
@@ -68,10 +83,18 @@ class SnapshotKeeper:
         self.active = any(self.wants)
 
     def observe(
-        self, cache: KVCache, logits: Tensor, rows: Tensor, ids: Tensor, at: Tensor, lp: Tensor
+        self,
+        cache: KVCache,
+        logits: Tensor,
+        rows: Tensor,
+        ids: Tensor,
+        at: Tensor,
+        lp: Tensor,
+        room: int | None = None,
     ) -> None:
         """One step's draws (before their tokens are fed): keep the state of each draw that is among its
-        sample's `wants` least likely so far, dropping the one it displaces."""
+        sample's `wants` least likely so far, dropping the one it displaces; under a KV memory cap only while
+        the states fit in `room` more bytes (a state that does not is ranked, not held)."""
         for row, i, t, logp in zip(rows.tolist(), ids.tolist(), at.tolist(), lp.tolist(), strict=True):
             k = self.wants[i]
             if not k:
@@ -80,18 +103,43 @@ class SnapshotKeeper:
             worst = max(kept, key=_rank) if len(kept) == k else None
             if worst is not None and (logp, t) >= _rank(worst):
                 continue
-            snap = Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), cache.reading(row),
-                            t + self.dense_base[i])  # fmt: skip
-            self._count(snap, 1)
-            kept.append(snap)
             if worst is not None:
                 kept.remove(worst)
+                room = None if room is None else room + worst.nbytes
                 self._count(worst, -1)
+            snap = Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), cache.reading(row),
+                            t + self.dense_base[i])  # fmt: skip
+            if room is not None and snap.nbytes > room:
+                snap.release()
+                self.dropped += 1
+            room = None if room is None else room - snap.nbytes
+            self._count(snap, 1)
+            kept.append(snap)
+
+    def states(self, i: int) -> list[Snapshot]:
+        """The states sample i holds."""
+        return [s for s in self.kept.get(i, ()) if s.held]
+
+    def release_largest(self) -> Snapshot | None:
+        """Release the held state with the most bytes (the latest among equals); None when none is held."""
+        held = [s for kept in self.kept.values() for s in kept if s.held]
+        if not held:
+            return None
+        snap = max(held, key=lambda s: (s.nbytes, s.position))
+        self._hold(snap, -1)  # the dense engine's yardstick keeps it: a cap is charged apart (`dense_bytes`)
+        snap.release()
+        self.dropped += 1
+        return snap
 
     def _count(self, snap: Snapshot, sign: int) -> None:
-        """Add (sign 1) or take away (-1) a snapshot's bytes, positions and what it reads."""
-        self.nbytes += sign * snap.nbytes
+        """Add (sign 1) or take away (-1) a ranked snapshot: its dense positions, and what it holds if held."""
         self.dense_positions += sign * snap.dense_positions
+        if snap.held:
+            self._hold(snap, sign)
+
+    def _hold(self, snap: Snapshot, sign: int) -> None:
+        """Add (sign 1) or take away (-1) a held snapshot's bytes and what it reads."""
+        self.nbytes += sign * snap.nbytes
         if snap.reads is not None:
             prefix = snap.reads.prefix
             count = self.read.get(id(prefix), (prefix, 0))[1] + sign

@@ -83,19 +83,39 @@ class RunMemory:
         if self.running:  # and what the running rows need at their next step
             capacity = max(capacity, self.fit_capacity(int(self.cache.length[self._rows()].max()) + 1))
         rows = (self.running + len(ids)) * capacity * self.bytes_per_position
-        return rows + self.shared_bytes_after_admit(ids)
+        return rows + self.shared_bytes_after_admit(ids) + self.states_bytes()
 
     def bytes_next_step(self) -> int:
         """KV bytes the running rows hold after the next step (the cache grows when its longest row fills it)."""
         if not self.running:
             return 0
         capacity = max(self.cache.capacity, self.fit_capacity(int(self.cache.length.max()) + 1))
-        return self.running * capacity * self.bytes_per_position + self.cache.shared_bytes()
+        rows = self.running * capacity * self.bytes_per_position
+        return rows + self.cache.shared_bytes() + self.states_bytes()
 
     def held_bytes(self) -> int:
-        """KV bytes charged to the running sequences now (their rows at the current capacity, and the prompts
-        held once for their groups)."""
-        return self.running * self.cache.capacity * self.bytes_per_position + self.cache.shared_bytes()
+        """KV bytes charged now: the running sequences' rows at the current capacity, the prompts held once for
+        their groups, and the fork states kept (engine/forks.py)."""
+        rows = self.running * self.cache.capacity * self.bytes_per_position
+        return rows + self.cache.shared_bytes() + self.states_bytes()
+
+    def states_bytes(self) -> int:
+        """KV bytes of the fork states the run keeps, beyond what its cache holds (engine/forks.py)."""
+        return self.snapshots.bytes_beside(self.cache)
+
+    def state_room(self) -> int | None:
+        """Bytes a new fork state may take under the KV memory cap: what the cache's storage and the states
+        leave free (None without a cap)."""
+        return None if self.kv_memory_cap is None else self.kv_memory_cap - self.held_kv_bytes()
+
+    def release_state(self) -> bool:
+        """Free the largest fork state kept (under the cap, before a sequence is preempted for memory); the
+        requests not yet admitted from it will prefill instead. False when none is held."""
+        snap = self.snapshots.release_largest()
+        for r in self.requests if snap is not None else ():
+            if r.fork is snap:
+                r.fork = None
+        return snap is not None
 
     def held_positions(self) -> int:
         """Positions the running sequences' rows actually hold (<= rows x capacity; shared prompts apart)."""
@@ -107,7 +127,7 @@ class RunMemory:
         reserve = rows
         if self.kv_memory_cap is not None and capacity:
             unfinished = sum(f is None for f in self.finish)
-            free = self.kv_memory_cap - self.cache.shared_bytes()
+            free = self.kv_memory_cap - self.cache.shared_bytes() - self.states_bytes()
             reserve = max(rows, min(unfinished, free // (capacity * self.bytes_per_position)))
         before = self.cache.nbytes()
         self.cache.resize(capacity, reserve)
@@ -116,4 +136,4 @@ class RunMemory:
 
     def held_kv_bytes(self) -> int:
         """Keys and values the run holds now: its cache's storage and the fork states its samples keep."""
-        return self.cache.nbytes() + self.snapshots.bytes_beside(self.cache)
+        return self.cache.nbytes() + self.states_bytes()

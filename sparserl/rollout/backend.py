@@ -285,12 +285,13 @@ class LocalBackend(RolloutBackend):
         """The states samples `ids` of `run` kept, where later forks may start from them (tree rollouts)."""
         for i in ids:
             r = run.requests[i]
-            self._forks |= {(r.seed, r.key, snap.position): snap for snap in run.snapshots.kept.get(i, ())}
+            self._forks |= {(r.seed, r.key, snap.position): snap for snap in run.snapshots.states(i)}
 
     def _with_forks(self, requests: list[Request] | None) -> list[Request] | None:
         """`requests`, each given the state it forks from when this backend holds it (else it prefills)."""
         for r in requests or ():
-            r.fork = self._forks.get(r.fork_of) if r.fork_of is not None else None
+            state = self._forks.get(r.fork_of) if r.fork_of is not None else None
+            r.fork = state if state is not None and state.held else None  # released under a KV memory cap
         return requests
 
 
@@ -344,7 +345,7 @@ def make_backend(
 
 SUMMED_METRICS = {
     "preemptions", "cap_truncated", "admissions", "decode_steps", "generated_tokens", "tokens_per_s",
-    "compression_events",
+    "compression_events", "fork_states_dropped",
 }  # fmt: skip
 
 

@@ -9,7 +9,9 @@ only its own blocks). Continuous batching admits waiting sequences, oldest first
 current capacity; when the cache must grow past the cap, the most recently admitted sequences are preempted
 (their KV is released, their tokens kept) and wait at the front of the queue, to be re-prefilled (prompt +
 tokens so far) when memory frees. Static batching admits only into an empty batch, charging every sequence
-its full length (prompt + max_new_tokens), and waits for the whole batch to finish.
+its full length (prompt + max_new_tokens), and waits for the whole batch to finish. A tree's fork states
+(engine/forks.py) are charged too; they are released, the largest first, before any sequence is preempted, and
+when nothing runs and the next sequence does not fit beside them (their children prefill instead).
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ class Scheduler:
             self._check_cap(run, waiting)
             while waiting or run.running:
                 self._admit(run, waiting, running, stats)
+                if waiting and not run.running:  # `_check_cap` lets every sequence fit alone: never spin
+                    raise RuntimeError(f"sequence {waiting[0]} cannot be admitted into an empty run")
                 cut = self._preempt(run, waiting, running, stats)
                 if cut is not None:
                     finished(cut)
@@ -133,19 +137,24 @@ class Scheduler:
         if self.batching == "static" and run.running:
             return
         batch: list[int] = []
-        while waiting and (
-            self.cap is None
-            or run.bytes_after_admit(batch + [waiting[0]], whole=self.batching == "static") <= self.cap
-        ):
-            batch.append(waiting.popleft())
+        while waiting:
+            if (
+                self.cap is None
+                or run.bytes_after_admit(batch + [waiting[0]], whole=self.batching == "static") <= self.cap
+            ):
+                batch.append(waiting.popleft())
+            elif run.running or batch or not run.release_state():  # fork states yield when nothing else runs
+                break
         run.admit(batch)
         running.extend(batch)
         stats.admissions += len(batch)
 
     def _preempt(self, run: DecodeRun, waiting: deque, running: list, stats: SchedulerStats) -> int | None:
-        """Release the newest sequences until the next step fits; a lone sequence at the cap is cut there (it
-        finishes with reason 'length'; returned)."""
+        """Release fork states (the largest first), then the newest sequences, until the next step fits; a lone
+        sequence at the cap is cut there (it finishes with reason 'length'; returned)."""
         while self.cap is not None and run.running and run.bytes_next_step() > self.cap:
+            if run.release_state():  # a fork state first: its children prefill instead, nothing is lost
+                continue
             newest = running.pop()
             if not running:
                 run.truncate(newest)
