@@ -123,3 +123,47 @@ def test_the_dropped_states_are_reported(cap):
     limit = None if cap is None else 2 * 128 * probe.bytes_per_position + 40 * probe.bytes_per_position
     run, *_ = tree_run(engine(KVConfig()), limit)
     assert (run_stats(run)["fork_states_dropped"] > 0) == (cap is not None)
+
+
+def given_states_run(e):
+    """A first run's parents keep two states each; a second run starts one child from each (states it is given,
+    made elsewhere: as SPEC-RL's drafts at their cuts are). Returns both runs and the states."""
+    prompts = random_prompts([11, 23], 4)
+    parents = [Request(p, key=j, seed=5, max_new_tokens=NEW, snapshots=FORKS) for j, p in enumerate(prompts)]
+    first, _, _ = Scheduler(e).run(parents, Sampling())
+    states = [s for i in range(len(parents)) for s in first.snapshots.states(i)]
+    children = [
+        Request(prompts[i], 50 + j, 5, NEW, first.completion(i)[0][: s.position], fork=s)
+        for j, (i, s) in enumerate((i, s) for i in range(len(parents)) for s in first.snapshots.states(i))
+    ]
+    return first, children, states
+
+
+def test_the_states_a_run_is_given_count_in_its_peak_and_in_the_dense_yardstick():
+    """Held from the run's start to its end by whoever made them, they are the run's KV memory: a dense run
+    given states peaks at its rows and the states, and its yardstick counts them too (no saving claimed)."""
+    e = engine(KVConfig())
+    _, children, states = given_states_run(e)
+    plain = Scheduler(e).run([Request(r.prompt, r.key, r.seed, NEW, r.prefix) for r in children], Sampling())[
+        0
+    ]
+    run = Scheduler(e).run(children, Sampling())[0]
+    assert len(run.snapshots.given) == len(states) == len(children) and run.snapshots.dropped == 0
+    given = sum(s.nbytes for s in states)
+    assert given > 0 and run.states_bytes() == given
+    assert run.peak_bytes == run.dense_bytes >= given + run.cache.capacity * run.bytes_per_position
+    assert plain.peak_bytes == plain.dense_bytes < run.dense_bytes
+
+
+def test_a_spent_given_state_is_released_first_and_not_counted_as_dropped():
+    e = engine(KVConfig())
+    _, children, states = given_states_run(e)
+    run = e.start_run(children, Sampling())
+    spent, rest = states[0], states[1:]
+    needed = {id(s) for s in rest}
+    assert spent.nbytes < max(s.nbytes for s in rest)  # the prompts are 11 and 23 tokens long
+    assert run.snapshots.release_largest(needed) is spent and spent.cache is None
+    assert run.snapshots.dropped == 0
+    largest = max(rest, key=lambda s: (s.nbytes, s.position))
+    assert run.snapshots.release_largest(needed) is largest and run.snapshots.dropped == 1
+    assert run.states_bytes() == sum(s.nbytes for s in states if s.held) > 0

@@ -129,6 +129,7 @@ class DecodeRun(RunMemory):
         self.dense_states_peak = 0
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0
+        self._take_states(requests)
 
     def _append(self, requests: list[Request]) -> None:
         """Per-sample state of `requests` after the run's (their ids continue the list): tokens so far, limits,
@@ -175,6 +176,7 @@ class DecodeRun(RunMemory):
             )
         start = len(self.requests)
         self._append(requests)
+        self._take_states(requests)
         self.longest = max(self.longest, *(own_positions(r, self.shared, self.align) for r in requests))
         live = [r for r, f in zip(self.requests, self.finish, strict=True) if f is None]
         bpp = self.cache.full_precision_bytes_per_position()
@@ -182,6 +184,17 @@ class DecodeRun(RunMemory):
             self.dense_rows_bytes, dense_kv_allocation(live, bpp, self.compiled, self.kv_memory_cap)
         )
         return list(range(start, len(self.requests)))
+
+    def _take_states(self, requests: list[Request]) -> None:
+        """Hold (and charge) the fork states `requests` start from that were made elsewhere (`given`)."""
+        self.snapshots.give(r.fork for r in requests if r.fork is not None)
+        self._note_states()
+
+    def _note_states(self) -> None:
+        """The peaks, after the fork states changed: the run's KV bytes and the dense engine's states."""
+        self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
+        dense_states = self.snapshots.dense_positions * self.cache.full_precision_bytes_per_position()
+        self.dense_states_peak = max(self.dense_states_peak, dense_states)
 
     @property
     def dense_bytes(self) -> int:
@@ -321,9 +334,7 @@ class DecodeRun(RunMemory):
         )
         if self.snapshots.active:  # before the tokens are fed: the state each was drawn in
             self.snapshots.observe(self.cache, self.logits, rows, ids, at, lp, self.state_room())
-            self.peak_bytes = max(self.peak_bytes, self.held_kv_bytes())
-            dense_states = self.snapshots.dense_positions * self.cache.full_precision_bytes_per_position()
-            self.dense_states_peak = max(self.dense_states_peak, dense_states)
+            self._note_states()
         self.tokens[ids, at], self.logps[ids, at] = tok, lp
         if self.recorder is not None:
             self.recorder.record(at - self.start_count[ids], ids, dist)

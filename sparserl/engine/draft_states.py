@@ -151,5 +151,6 @@ def redraw_states(
         if engine.sparse is not None:  # page summaries of the rows as cut
             engine.sparse.start(cache)
         for row, (i, (cut, logp, logits)) in enumerate(zip(rows, kept, strict=True)):
-            out[i] = (cut, logp, Snapshot(cut, 0.0, cache.row_snapshot(row), logits))
+            held = cache.row_snapshot(row)  # the dense engine's state holds as many positions
+            out[i] = (cut, logp, Snapshot(cut, 0.0, held, logits, dense_positions=int(held.length[0])))
     return out  # type: ignore[return-value]

@@ -12,11 +12,14 @@ for the weights that made it.
 Under `rollout.kv_memory_cap` the states count against the cap with the rows: a state that does not fit is not
 kept, and the scheduler releases kept states (the largest first) before it preempts a running sequence or when
 nothing else could be admitted. Either way the state keeps its rank among its sample's least likely tokens, and a
-child whose state is gone prefills its prompt and prefix instead: the same draws, at the cost of a prefill.
+child whose state is gone prefills its prompt and prefix instead: the same draws, at the cost of a prefill. The
+states a run is given (made elsewhere: SPEC-RL's drafts at their cuts, engine/draft_states.py) are its KV memory
+too, from its start to its end; one that no waiting request starts from any more is the first released.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,6 +73,9 @@ class SnapshotKeeper:
         self.dense_base = [0] * len(wants)
         self.active = any(wants)
         self.kept: dict[int, list[Snapshot]] = {}  # per sample, its least likely draws so far (held or not)
+        # states the run's requests start from that were made elsewhere (SPEC-RL's drafts at their cuts, an
+        # earlier run's): held by the run from its start to its end, so charged as its own
+        self.given: dict[int, Snapshot] = {}
         self.dropped = 0  # states not kept or released for lack of room under a KV memory cap
         self.nbytes = 0  # the keys and values of the snapshots' own rows, counted in the run's peak KV bytes
         self.dense_positions = 0  # the positions the dense engine's snapshots would hold (its yardstick)
@@ -120,15 +126,31 @@ class SnapshotKeeper:
         """The states sample i holds."""
         return [s for s in self.kept.get(i, ()) if s.held]
 
-    def release_largest(self) -> Snapshot | None:
-        """Release the held state with the most bytes (the latest among equals); None when none is held."""
-        held = [s for kept in self.kept.values() for s in kept if s.held]
+    def give(self, states: Iterable[Snapshot]) -> None:
+        """Take the states requests added to the run start from, those not kept by the run itself (`given`)."""
+        mine = {id(s) for kept in self.kept.values() for s in kept}
+        for snap in states:
+            if snap.held and id(snap) not in mine and id(snap) not in self.given:
+                self.given[id(snap)] = snap
+                self._count(snap, 1)
+
+    def release_largest(self, needed: set[int]) -> Snapshot | None:
+        """Release a held state: a given one no waiting request starts from (`needed`: their ids) first, else
+        the one with the most bytes (the latest among equals); None when none is held. Only a state still
+        needed counts as dropped (its children will prefill)."""
+        held = [
+            s for s in (*self.given.values(), *(s for kept in self.kept.values() for s in kept)) if s.held
+        ]
         if not held:
             return None
-        snap = max(held, key=lambda s: (s.nbytes, s.position))
+
+        def spent(snap: Snapshot) -> bool:
+            return id(snap) in self.given and id(snap) not in needed
+
+        snap = max(held, key=lambda s: (spent(s), s.nbytes, s.position))
+        self.dropped += not spent(snap)
         self._hold(snap, -1)  # the dense engine's yardstick keeps it: a cap is charged apart (`dense_bytes`)
         snap.release()
-        self.dropped += 1
         return snap
 
     def _count(self, snap: Snapshot, sign: int) -> None:

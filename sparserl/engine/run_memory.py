@@ -109,9 +109,14 @@ class RunMemory:
         return None if self.kv_memory_cap is None else self.kv_memory_cap - self.held_kv_bytes()
 
     def release_state(self) -> bool:
-        """Free the largest fork state kept (under the cap, before a sequence is preempted for memory); the
+        """Free a fork state (under the cap, before a sequence is preempted for memory: `release_largest`); the
         requests not yet admitted from it will prefill instead. False when none is held."""
-        snap = self.snapshots.release_largest()
+        running = set(self.sample_of_row.tolist())
+        waiting = [
+            r for i, r in enumerate(self.requests)
+            if self.finish[i] is None and i not in running and int(self.count[i]) == int(self.start_count[i])
+        ]  # fmt: skip
+        snap = self.snapshots.release_largest({id(r.fork) for r in waiting if r.fork is not None})
         for r in self.requests if snap is not None else ():
             if r.fork is snap:
                 r.fork = None
