@@ -131,7 +131,7 @@ class EvictingPrefixCache(SharedPrefixCache):
         """Rows that hold no slot of their prefix any more stop reading it (it is dropped when none does)."""
         holds = self.row_state[HELD].flatten(1).any(dim=1)
         self.row_state[PREFIX].mul_(holds)
-        self._groups, self._prefix_lengths = None, None
+        self.regroup()
         super().release_unread()
         self.windows = {pid: w for pid, w in self.windows.items() if pid in self.prefixes}
 

@@ -106,7 +106,11 @@ class SharedPrefixCache(KVCache):
 
     def _views(self) -> None:
         super()._views()
-        self._groups: list[tuple[SharedPrefix, Tensor]] | None = None  # the rows moved: regroup when asked
+        self.regroup()
+
+    def regroup(self) -> None:
+        """The rows moved, or what they read changed: group them again when next asked."""
+        self._groups: list[tuple[SharedPrefix, Tensor]] | None = None
         self._prefix_lengths: Tensor | None = None
 
     def prefix_id(self, tokens: Sequence[int]) -> int | None:
@@ -187,7 +191,7 @@ class SharedPrefixCache(KVCache):
 
     def read_from(self, rows: Tensor, reads: HeldPrefix) -> None:
         self.row_state[PREFIX][rows] = self.adopt(reads)
-        self._groups, self._prefix_lengths = None, None
+        self.regroup()
 
     def holds(self, prefix: SharedPrefix) -> bool:
         return any(p is prefix for p in self.prefixes.values())
