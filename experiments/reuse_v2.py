@@ -43,7 +43,7 @@ RULES = {
     f"{MARGIN}: the differences SPEC-RL - GRPO paired by seed, one-sided 95% t lower bound (df = 2); met when "
     f"the bound is above -{MARGIN}",
     "tree": "reported only, paired with GRPO by seed (the tree goal, rollout seconds per leaf against "
-    "independent chains, is a benchmark's: trees do not fork their parent's cache yet)",
+    "independent chains, is a benchmark's: benchmarks/tree_fork.py)",
     "budget": "~16 CPU-hours: 9 runs at 64 tokens x ~27 CPU-min (the first experiment's) + 9 at 256 x ~70 "
     "CPU-min (estimate: decoding 4x, the update ~2.5x) + 18 evaluations x 3-6 CPU-min; if it runs over, the "
     "tree arms at 256 are cut first",
