@@ -181,3 +181,33 @@ def test_a_tree_draws_the_same_paths_in_its_parents_run_under_a_cap_or_in_rounds
         trainer.close()
     assert rounds == {"run": 1, "capped": 1, "rounds": 3} and preempted["capped"] > 0
     assert paths["capped"] == paths["run"] == paths["rounds"] and len(paths["run"]) > 2 * 2 * 3
+
+
+def test_a_ray_worker_keeps_its_finished_paths_states_for_the_next_round(tmp_path):
+    """A Ray worker's runs never grow (the driver plans a tree's children for a later round), so it keeps the
+    states of the paths it finished, for the weights that made them: a child sent to it in the next round starts
+    from its parent's state, no prefill, and draws what the parent's own run would have drawn there."""
+    from sparserl.engine.decoding import Request, Sampling
+    from sparserl.engine.run_settings import engine_settings
+    from sparserl.rollout.ray_backend import RolloutWorker
+
+    cfg = tiny_cfg(tmp_path, "kv.method=dense", "algo.preset=dense")
+    trainer = make_trainer(cfg)
+    engine = trainer.rollouts.backend.engine
+    worker = RolloutWorker(
+        engine.model, engine.tokenizer, engine_settings(cfg, engine.model)[0], cfg.rollout, 1
+    )
+    trainer.close()
+    assert not worker.backend.grows_runs
+    worker.backend.push_weights(3)
+    prompt = [5, 9, 11, 7]
+    parents, _ = worker.run(
+        [Request(prompt, key=1, seed=2, max_new_tokens=12, snapshots=1)], Sampling(), 3, 0
+    )
+    (t,) = fork_points(SampleRecord(0, 0, 0, 2, 1, parents[0].tokens, parents[0].logps), 1)
+    child = Request(prompt, key=1, seed=2, max_new_tokens=12, prefix=parents[0].tokens[:t], fork_of=(2, 1, t))
+    prefills = []
+    prefilled = worker.backend.engine.prefilled
+    worker.backend.engine.prefilled = lambda *a: prefills.append(a) or prefilled(*a)
+    (again,), _ = worker.run([child], Sampling(), 3, 0)
+    assert not prefills and again.tokens == parents[0].tokens[t:]

@@ -62,6 +62,9 @@ class RolloutWorker:
 
         torch.set_num_threads(threads)
         self.backend = LocalBackend(RolloutEngine(model, tokenizer, **engine_args), rollout_cfg)
+        # its runs never grow (the driver plans a tree's children for a later round): it keeps the states of
+        # the paths it finished, for children sent to it then (engine/forks.py)
+        self.backend.grows_runs = False
 
     def ready(self) -> int:
         return os.getpid()
