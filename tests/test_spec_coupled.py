@@ -104,3 +104,26 @@ def test_batched_verification_keeps_what_one_at_a_time_keeps(tmp_path):
     assert [c for c, _ in batched] == [c for c, _ in exact]
     for (_, a), (_, b) in zip(batched, exact, strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_the_states_of_drafts_delivered_whole_are_dropped_before_the_run(tmp_path):
+    """The local backend keeps each verified draft's state at its cut for the run that continues it; a draft the
+    engine redraws whole (the sample's own draw on its stream) has no continuation, so the run holds no state of
+    it, while the cut draft's continuation starts from its own."""
+    from sparserl.engine.decoding import Request, Sampling
+
+    trainer = make(tmp_path, "algo.preset=dense", "kv.method=dense")
+    backend, engine = trainer.rollouts.backend, trainer.rollouts.backend.engine
+    prompt, n = trainer.train_view.prompt_ids(0), trainer.cfg.rollout.max_new_tokens
+    own = engine.generate([prompt], n=1, max_new_tokens=n, seed=7, sample_keys=[1]).samples[0].completion_ids
+    other = [t + 1 for t in own]  # not what the engine draws on stream (7, 2) from its first token
+    cuts = backend.redraw([prompt, prompt], [own, other], [(7, 1), (7, 2)], 1.0)
+    assert [c for c, _ in cuts] == [len(own), 0]
+    held = []
+    run = backend.scheduler.run
+    backend.scheduler.run = lambda requests, *a: held.append(set(backend._forks)) or run(requests, *a)
+    backend.push_weights(0)
+    continuation = Request(prompt, key=2, seed=7, max_new_tokens=n, fork_of=(7, 2, 0))
+    backend.run([continuation], Sampling(), 0, 0, lambda seg: None)
+    assert held == [{(7, 2, 0)}]
+    trainer.close()

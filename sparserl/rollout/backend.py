@@ -269,11 +269,14 @@ class LocalBackend(RolloutBackend):
 
         if version != self._forks_version:  # a state is valid for the weights that made it only
             self._forks, self._forks_version = {}, version
-        self._forks, self._drafted = self._forks | self._drafted, {}
+        self._forks |= self._drafted
+        requests = self._with_forks(requests)
+        # the drafts verified for this run whose continuation it does not run (delivered whole) are spent
+        taken = {r.fork_of for r in requests if r.fork is not None}
+        self._forks = {k: s for k, s in self._forks.items() if k not in self._drafted or k in taken}
+        self._drafted = {}
         with self.engine.step_hook(held):
-            run, unfinished, sched = self.scheduler.run(
-                self._with_forks(requests), sampling, finished, stop, recorder, seed
-            )
+            run, unfinished, sched = self.scheduler.run(requests, sampling, finished, stop, recorder, seed)
         if self.grows_runs:  # every finished path's children joined this run: their states are spent
             self._forks = {}
         self._keep_forks(run, unfinished if self.grows_runs else run.snapshots.kept)  # for a later run
