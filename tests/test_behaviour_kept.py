@@ -12,7 +12,7 @@ kv/naive_kv_bytes and rollout/entropy_estimate and made kv/dense_kv_bytes (and k
 dense engine's own allocation; only those keys were re-pinned. The mismatch metrics of verl and NeMo-RL and the IS
 ratio's spread before and after the corrections (rollout_corr/pearson_corr, token_mult_prob_error, gen_kl_error,
 policy_kl_error, js_divergence_error, xi_std, weight_std, weight_min) were added by pinning only those keys, and
-so was rollout/fork_states_dropped (fork states under the KV memory cap; none of these arms keeps any).
+so was rollout/fork_prefills (requests naming a fork state admitted without it; none of these arms forks).
 
 Bit-identical on the machine the fixture was written on (its `machine`: the vector unit torch dispatches to, the
 CPU's feature flags, the torch and transformers versions); elsewhere the float sums may round differently (the same

@@ -109,7 +109,7 @@ def test_batched_verification_keeps_what_one_at_a_time_keeps(tmp_path):
 def test_the_states_of_drafts_delivered_whole_are_dropped_before_the_run(tmp_path):
     """The local backend keeps each verified draft's state at its cut for the run that continues it; a draft the
     engine redraws whole (the sample's own draw on its stream) has no continuation, so the run holds no state of
-    it, while the cut draft's continuation starts from its own."""
+    it, while the cut draft's continuation starts from its own, charged to the run and to the dense yardstick."""
     from sparserl.engine.decoding import Request, Sampling
 
     trainer = make(tmp_path, "algo.preset=dense", "kv.method=dense")
@@ -124,6 +124,8 @@ def test_the_states_of_drafts_delivered_whole_are_dropped_before_the_run(tmp_pat
     backend.scheduler.run = lambda requests, *a: held.append(set(backend._forks)) or run(requests, *a)
     backend.push_weights(0)
     continuation = Request(prompt, key=2, seed=7, max_new_tokens=n, fork_of=(7, 2, 0))
-    backend.run([continuation], Sampling(), 0, 0, lambda seg: None)
+    metrics = backend.run([continuation], Sampling(), 0, 0, lambda seg: None)
     assert held == [{(7, 2, 0)}]
+    # the run holds the state it continues from, and so would the dense engine: no saving on a dense run
+    assert metrics["peak_kv_bytes"] == metrics["peak_dense_kv_bytes"] and metrics["fork_prefills"] == 0
     trainer.close()

@@ -139,6 +139,10 @@ class KVCache:
     def reserved_rows(self) -> int:
         return self._store["length"].shape[0]
 
+    def row_bytes(self, row: int) -> int:
+        """The keys and values `row_snapshot(row)` holds, without making it."""
+        return int(self.length[row]) * self.bytes_per_position()
+
     def nbytes(self) -> int:
         """Bytes allocated for keys and values (the memory that grows with context), reserved rows included."""
         return sum(

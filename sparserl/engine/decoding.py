@@ -129,6 +129,8 @@ class DecodeRun(RunMemory):
         self.dense_states_peak = 0
         self.peak_transient_bytes = 0  # with the prefill cache being copied in and storage being reallocated
         self.decode_steps = 0
+        self.admitted: set[int] = set()  # the samples admitted at least once
+        self.fork_prefills = 0  # first admissions of requests naming a fork state they were not given
         self._take_states(requests)
 
     def _append(self, requests: list[Request]) -> None:
@@ -186,8 +188,13 @@ class DecodeRun(RunMemory):
         return list(range(start, len(self.requests)))
 
     def _take_states(self, requests: list[Request]) -> None:
-        """Hold (and charge) the fork states `requests` start from that were made elsewhere (`given`)."""
+        """Hold (and charge) the fork states `requests` start from that were made elsewhere (`given`), under a
+        KV memory cap only as many as it holds beside the run's storage (the rest released: those requests
+        prefill)."""
         self.snapshots.give(r.fork for r in requests if r.fork is not None)
+        while self.kv_memory_cap is not None and self.held_kv_bytes() > self.kv_memory_cap:
+            if not self.release_state():
+                break
         self._note_states()
 
     def _note_states(self) -> None:
@@ -224,6 +231,10 @@ class DecodeRun(RunMemory):
         forked = [
             i for i in ids if self.requests[i].fork is not None and self.count[i] == self.start_count[i]
         ]
+        first = [i for i in ids if self.count[i] == self.start_count[i] and i not in self.admitted]
+        self.admitted.update(first)
+        # named a fork state (tree child, SPEC-RL continuation) but admitted without it: prefilled instead
+        self.fork_prefills += sum(self.requests[i].fork_of is not None and i not in forked for i in first)
         copied = [i for i in ids if not self.shares(i) and i not in forked]
         readers = [i for i in ids if self.shares(i)]
         if forked:
@@ -377,8 +388,7 @@ class DecodeRun(RunMemory):
         cache, n = self.cache, self.cache.rows
         bucket = row_bucket(n)
         if self.kv_memory_cap is not None:  # no more rows than the cap affords at this capacity
-            free = self.kv_memory_cap - cache.shared_bytes() - self.states_bytes()
-            bucket = min(bucket, max(n, free // (cache.capacity * self.bytes_per_position)))
+            bucket = min(bucket, max(n, self.rows_room() // (cache.capacity * self.bytes_per_position)))
         cache.reserve_rows(bucket)
         feed = torch.zeros(bucket, dtype=torch.long, device=tok.device)
         pos = torch.zeros(bucket, dtype=total.dtype, device=tok.device)

@@ -10,11 +10,12 @@ evicting cache it holds the slots the parent held there, as an uninterrupted run
 for the weights that made it.
 
 Under `rollout.kv_memory_cap` the states count against the cap with the rows: a state that does not fit is not
-kept, and the scheduler releases kept states (the largest first) before it preempts a running sequence or when
-nothing else could be admitted. Either way the state keeps its rank among its sample's least likely tokens, and a
+kept, and the scheduler releases states (first those no waiting request starts from, then the largest) before it
+preempts a running sequence or when nothing else could be admitted. Either way the state keeps its rank among its sample's least likely tokens, and a
 child whose state is gone prefills its prompt and prefix instead: the same draws, at the cost of a prefill. The
 states a run is given (made elsewhere: SPEC-RL's drafts at their cuts, engine/draft_states.py) are its KV memory
-too, from its start to its end; one that no waiting request starts from any more is the first released.
+too, from its start to its end (beyond the cap, released at its start); one that no waiting request starts
+from any more is the first released.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ class SnapshotKeeper:
         # states the run's requests start from that were made elsewhere (SPEC-RL's drafts at their cuts, an
         # earlier run's): held by the run from its start to its end, so charged as its own
         self.given: dict[int, Snapshot] = {}
-        self.dropped = 0  # states not kept or released for lack of room under a KV memory cap
         self.nbytes = 0  # the keys and values of the snapshots' own rows, counted in the run's peak KV bytes
         self.dense_positions = 0  # the positions the dense engine's snapshots would hold (its yardstick)
         self.read: dict[int, tuple[SharedPrefix, int]] = {}  # id -> an input the states read, and how many do
@@ -113,12 +113,14 @@ class SnapshotKeeper:
                 kept.remove(worst)
                 room = None if room is None else room + worst.nbytes
                 self._count(worst, -1)
-            snap = Snapshot(t, logp, cache.row_snapshot(row), logits[row].clone(), cache.reading(row),
-                            t + self.dense_base[i])  # fmt: skip
-            if room is not None and snap.nbytes > room:
-                snap.release()
-                self.dropped += 1
-            room = None if room is None else room - snap.nbytes
+            dense = t + self.dense_base[i]
+            if room is not None and cache.row_bytes(row) > room:  # ranked, not held: no room under the cap
+                snap = Snapshot(t, logp, None, None, None, dense)
+            else:
+                snap = Snapshot(
+                    t, logp, cache.row_snapshot(row), logits[row].clone(), cache.reading(row), dense
+                )
+                room = None if room is None else room - snap.nbytes
             self._count(snap, 1)
             kept.append(snap)
 
@@ -136,11 +138,9 @@ class SnapshotKeeper:
 
     def release_largest(self, needed: set[int]) -> Snapshot | None:
         """Release a held state: a given one no waiting request starts from (`needed`: their ids) first, else
-        the one with the most bytes (the latest among equals); None when none is held. Only a state still
-        needed counts as dropped (its children will prefill)."""
-        held = [
-            s for s in (*self.given.values(), *(s for kept in self.kept.values() for s in kept)) if s.held
-        ]
+        the one with the most bytes (the latest among equals); None when none is held."""
+        kept = (s for states in self.kept.values() for s in states)
+        held = [s for s in (*self.given.values(), *kept) if s.held]
         if not held:
             return None
 
@@ -148,7 +148,6 @@ class SnapshotKeeper:
             return id(snap) in self.given and id(snap) not in needed
 
         snap = max(held, key=lambda s: (spent(s), s.nbytes, s.position))
-        self.dropped += not spent(snap)
         self._hold(snap, -1)  # the dense engine's yardstick keeps it: a cap is charged apart (`dense_bytes`)
         snap.release()
         return snap

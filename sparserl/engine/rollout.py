@@ -431,7 +431,7 @@ def run_stats(run: DecodeRun) -> dict[str, float]:
         "peak_kv_transient_bytes": float(run.peak_transient_bytes),
         "kv_bytes_per_position": float(run.bytes_per_position),
         "compression_events": float(run.events.sum()),
-        "fork_states_dropped": float(run.snapshots.dropped),
+        "fork_prefills": float(run.fork_prefills),
         **t,
     }
 

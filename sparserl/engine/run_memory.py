@@ -117,10 +117,16 @@ class RunMemory:
             if self.finish[i] is None and i not in running and int(self.count[i]) == int(self.start_count[i])
         ]  # fmt: skip
         snap = self.snapshots.release_largest({id(r.fork) for r in waiting if r.fork is not None})
-        for r in self.requests if snap is not None else ():
+        if snap is None:
+            return False
+        for r in self.requests:
             if r.fork is snap:
                 r.fork = None
-        return snap is not None
+        return True
+
+    def rows_room(self) -> int:
+        """Bytes of the KV memory cap left for rows: less the prompts held once and the fork states."""
+        return self.kv_memory_cap - self.cache.shared_bytes() - self.states_bytes()
 
     def held_positions(self) -> int:
         """Positions the running sequences' rows actually hold (<= rows x capacity; shared prompts apart)."""
@@ -132,8 +138,7 @@ class RunMemory:
         reserve = rows
         if self.kv_memory_cap is not None and capacity:
             unfinished = sum(f is None for f in self.finish)
-            free = self.kv_memory_cap - self.cache.shared_bytes() - self.states_bytes()
-            reserve = max(rows, min(unfinished, free // (capacity * self.bytes_per_position)))
+            reserve = max(rows, min(unfinished, self.rows_room() // (capacity * self.bytes_per_position)))
         before = self.cache.nbytes()
         self.cache.resize(capacity, reserve)
         if self.cache.nbytes() != before:  # the old storage is released only once copied

@@ -269,12 +269,12 @@ class LocalBackend(RolloutBackend):
 
         if version != self._forks_version:  # a state is valid for the weights that made it only
             self._forks, self._forks_version = {}, version
-        self._forks |= self._drafted
+        self._forks, self._drafted = self._forks | self._drafted, {}
         requests = self._with_forks(requests)
-        # the drafts verified for this run whose continuation it does not run (delivered whole) are spent
+        # a state serves the run after the one that made it (a tree's next round, SPEC-RL's continuations):
+        # those this run's requests do not take are spent (drafts delivered whole, children run elsewhere)
         taken = {r.fork_of for r in requests if r.fork is not None}
-        self._forks = {k: s for k, s in self._forks.items() if k not in self._drafted or k in taken}
-        self._drafted = {}
+        self._forks = {k: s for k, s in self._forks.items() if k in taken}
         with self.engine.step_hook(held):
             run, unfinished, sched = self.scheduler.run(requests, sampling, finished, stop, recorder, seed)
         if self.grows_runs:  # every finished path's children joined this run: their states are spent
@@ -348,7 +348,7 @@ def make_backend(
 
 SUMMED_METRICS = {
     "preemptions", "cap_truncated", "admissions", "decode_steps", "generated_tokens", "tokens_per_s",
-    "compression_events", "fork_states_dropped",
+    "compression_events", "fork_prefills",
 }  # fmt: skip
 
 

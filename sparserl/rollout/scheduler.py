@@ -113,8 +113,11 @@ class Scheduler:
             self._check_cap(run, waiting)
             while waiting or run.running:
                 self._admit(run, waiting, running, stats)
-                if waiting and not run.running:  # `_check_cap` lets every sequence fit alone: never spin
-                    raise RuntimeError(f"sequence {waiting[0]} cannot be admitted into an empty run")
+                if waiting and not run.running:  # never spin: `_check_cap` sized it, maybe with a fork state
+                    raise ConfigError(
+                        f"rollout.kv_memory_cap={format_size(self.cap)} cannot hold sequence {waiting[0]} alone "
+                        "once prefilled (its fork state gave way to the cap); raise the cap"
+                    )
                 cut = self._preempt(run, waiting, running, stats)
                 if cut is not None:
                     finished(cut)
