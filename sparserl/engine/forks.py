@@ -10,12 +10,12 @@ evicting cache it holds the slots the parent held there, as an uninterrupted run
 for the weights that made it.
 
 Under `rollout.kv_memory_cap` the states count against the cap with the rows: a state that does not fit is not
-kept, and the scheduler releases states (first those no waiting request starts from, then the largest) before it
-preempts a running sequence or when nothing else could be admitted. Either way the state keeps its rank among its sample's least likely tokens, and a
-child whose state is gone prefills its prompt and prefix instead: the same draws, at the cost of a prefill. The
-states a run is given (made elsewhere: SPEC-RL's drafts at their cuts, engine/draft_states.py) are its KV memory
-too, from its start to its end (beyond the cap, released at its start); one that no waiting request starts
-from any more is the first released.
+kept, and the scheduler releases states (first those given or kept by a finished sample that no waiting request
+starts from, then the largest) before it preempts a running sequence or when nothing else could be admitted.
+Either way the state keeps its rank among its sample's least likely tokens, and a child whose state is gone
+prefills its prompt and prefix instead: the same draws, at the cost of a prefill. The states a run is given
+(made elsewhere: SPEC-RL's drafts at their cuts, engine/draft_states.py) are its KV memory too, from its start to
+its end (beyond the cap, released at its start).
 """
 
 from __future__ import annotations
@@ -136,18 +136,20 @@ class SnapshotKeeper:
                 self.given[id(snap)] = snap
                 self._count(snap, 1)
 
-    def release_largest(self, needed: set[int]) -> Snapshot | None:
-        """Release a held state: a given one no waiting request starts from (`needed`: their ids) first, else
-        the one with the most bytes (the latest among equals); None when none is held."""
-        kept = (s for states in self.kept.values() for s in states)
-        held = [s for s in (*self.given.values(), *kept) if s.held]
-        if not held:
+    def release_largest(self, needed: set[int], finished: set[int]) -> Snapshot | None:
+        """Release a held state: first one no waiting request starts from (`needed`: their ids) that was given
+        or kept by a finished sample (`finished`: their ids; its children are admitted or belong to a later
+        run), else the one with the most bytes (the latest among equals); None when none is held."""
+        candidates = [(s, id(s) not in needed) for s in self.given.values() if s.held]
+        candidates += [
+            (s, id(s) not in needed and i in finished)
+            for i, states in self.kept.items()
+            for s in states
+            if s.held
+        ]
+        if not candidates:
             return None
-
-        def spent(snap: Snapshot) -> bool:
-            return id(snap) in self.given and id(snap) not in needed
-
-        snap = max(held, key=lambda s: (spent(s), s.nbytes, s.position))
+        snap, _ = max(candidates, key=lambda c: (c[1], c[0].nbytes, c[0].position))
         self._hold(snap, -1)  # the dense engine's yardstick keeps it: a cap is charged apart (`dense_bytes`)
         snap.release()
         return snap

@@ -116,7 +116,8 @@ class RunMemory:
             r for i, r in enumerate(self.requests)
             if self.finish[i] is None and i not in running and int(self.count[i]) == int(self.start_count[i])
         ]  # fmt: skip
-        snap = self.snapshots.release_largest({id(r.fork) for r in waiting if r.fork is not None})
+        finished = {i for i, f in enumerate(self.finish) if f is not None}
+        snap = self.snapshots.release_largest({id(r.fork) for r in waiting if r.fork is not None}, finished)
         if snap is None:
             return False
         for r in self.requests:
