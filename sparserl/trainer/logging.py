@@ -24,6 +24,7 @@ from rich.progress import (
 )
 from torch import Tensor
 
+from sparserl.algo.keep_sampling import kept_set_metrics
 from sparserl.algo.masked import masked_mean, token_mask
 from sparserl.config import ConfigError, LoggingConfig, flatten
 from sparserl.engine.cache import dense_kv_bytes
@@ -369,3 +370,24 @@ def sample_metrics(samples: list[Any], advantages: Tensor) -> dict[str, float]:
         "adv/abs_mean": masked_mean(advantages.abs(), token_mask(advantages, lengths.long().tolist())).item(),
         "rollout/entropy_estimate": -sum(logps) / len(logps) if logps else 0.0,
     }
+
+
+def rollout_metrics(
+    cfg: Any, got: Any, samples: list[Any], batch: Any, penalty: Tensor, planned: dict[str, float]
+) -> dict[str, float]:
+    """A step's rollout metrics after the acceptance ones: the samples' (`sample_metrics`), the sampling rounds'
+    (`sampling/*`), the source's, transforms' and timings' (`planned`), DAPO's overlong penalty, the engine's
+    statistics (`rollout/*`), the KV memory saved, what the reward functions logged, the kept sets'."""
+    stats = got.metrics
+    out = sample_metrics(samples, batch.advantages)
+    out.update({f"sampling/{k}": v for k, v in got.sampling.items()})
+    out.update(planned)
+    if cfg.algo.overlong_buffer:
+        out["reward/overlong_penalty"] = float(penalty.mean())
+    out.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
+    out.update(
+        kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
+    )
+    out.update(got.logged)  # what the reward functions logged (log_metric)
+    out.update(kept_set_metrics(batch.kept, batch.mask) if batch.kept is not None else {})
+    return out

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from sparserl.algo import advantages_from_config
-from sparserl.algo.keep_sampling import kept_set_metrics, padded_kept
+from sparserl.algo.keep_sampling import padded_kept
 from sparserl.algo.reward_shaping import overlong_penalty
 from sparserl.config import TrainConfig
 from sparserl.engine.padding import right_pad
@@ -34,14 +34,7 @@ from sparserl.trainer.builder import Relay, build_run
 from sparserl.trainer.checkpoint import SOURCE_PART, Part, save_checkpoint
 from sparserl.trainer.completions import completion_rows, with_stats
 from sparserl.trainer.console import step_numbers
-from sparserl.trainer.logging import (
-    MetricSinks,
-    ProgressDisplay,
-    check_backends,
-    is_number,
-    kv_saving_metrics,
-    sample_metrics,
-)
+from sparserl.trainer.logging import MetricSinks, ProgressDisplay, check_backends, rollout_metrics
 from sparserl.trainer.policy import ModelLoader
 from sparserl.trainer.run_dir import RunLock, new_run_dir
 from sparserl.trainer.summary import accumulate, run_summary
@@ -160,9 +153,7 @@ class Trainer:
         """Steps 1-6: the source's plans, complete scored groups from the rollout layer (and back to the
         source), advantages over group ids, dense old/reference log-probs."""
         cfg, t0 = self.cfg, time.perf_counter()
-        self.state.engine_seed = step_seed(
-            cfg.trainer.seed, step - 1
-        )  # step - 1: the policy that trains on it
+        self.state.engine_seed = step_seed(cfg.trainer.seed, step - 1)  # the policy that trains on it
         got = self.steps.take(step, self._rollout_states)  # drawn now, or ahead while step - 1 updated
         spent = self.state.counters.get(TOKENS_SPENT, 0.0) + got.sampling["generated_tokens"]
         self.state.counters[TOKENS_SPENT] = spent
@@ -176,20 +167,9 @@ class Trainer:
         t2 = time.perf_counter()
         with self.policy.autocast():
             metrics = acceptance_step_metrics(cfg, self.policy.module, batch.prompts, got.recorded)
-        stats = got.metrics
-        metrics.update(sample_metrics(samples, batch.advantages))
-        metrics.update({f"sampling/{k}": v for k, v in got.sampling.items()})
-        metrics.update(self.source.metrics())
-        if cfg.algo.overlong_buffer:
-            metrics["reward/overlong_penalty"] = float(penalty.mean())
-        metrics.update({f"shaping/{k}": v for t in self.adv_transforms for k, v in t.metrics().items()})
-        metrics.update({"time/rollout": t1 - t0, "time/score": t2 - t1})
-        metrics.update({f"rollout/{k}": float(v) for k, v in stats.items() if is_number(v)})
-        metrics.update(
-            kv_saving_metrics(stats, batch.prompts, batch.completions, cfg.rollout.max_new_tokens, cfg.sparse)
-        )
-        metrics.update(got.logged)  # what the reward functions logged (log_metric)
-        metrics.update(kept_set_metrics(batch.kept, batch.mask) if batch.kept is not None else {})
+        shaping = {f"shaping/{k}": v for t in self.adv_transforms for k, v in t.metrics().items()}
+        planned = {**self.source.metrics(), **shaping, "time/rollout": t1 - t0, "time/score": t2 - t1}
+        metrics.update(rollout_metrics(cfg, got, samples, batch, penalty, planned))
         self._count(got.task_counters)
         batch.table = completion_rows(
             step, samples, batch.advantages, self.train_view, cfg.logging.completions
