@@ -179,9 +179,9 @@ def test_a_spent_given_state_is_released_first():
     spent, rest = states[0], states[1:]
     needed = {id(s) for s in rest}
     assert spent.nbytes < max(s.nbytes for s in rest)  # the prompts are 11 and 23 tokens long
-    assert run.snapshots.release_largest(needed, set()) is spent and spent.cache is None
+    assert run.snapshots.release_one(needed, set()) is spent and spent.cache is None
     largest = max(rest, key=lambda s: (s.nbytes, s.position))
-    assert run.snapshots.release_largest(needed, set()) is largest
+    assert run.snapshots.release_one(needed, set()) is largest
     assert run.states_bytes() == sum(s.nbytes for s in states if s.held) > 0
 
 
@@ -205,5 +205,5 @@ def test_a_finished_samples_state_that_no_request_waits_for_is_released_before_a
     first, _, states = given_states_run(engine(KVConfig()))
     small, large = first.snapshots.states(0), first.snapshots.states(1)  # prompts of 11 and 23 tokens
     assert max(s.nbytes for s in small) < max(s.nbytes for s in large)  # the largest is sample 1's
-    assert first.snapshots.release_largest(set(), {0}) in small
-    assert first.snapshots.release_largest({id(s) for s in small}, {0}) in large  # waited for: the largest
+    assert first.snapshots.release_one(set(), {0}) in small
+    assert first.snapshots.release_one({id(s) for s in small}, {0}) in large  # waited for: the largest

@@ -136,7 +136,7 @@ class SnapshotKeeper:
                 self.given[id(snap)] = snap
                 self._count(snap, 1)
 
-    def release_largest(self, needed: set[int], finished: set[int]) -> Snapshot | None:
+    def release_one(self, needed: set[int], finished: set[int]) -> Snapshot | None:
         """Release a held state: first one no waiting request starts from (`needed`: their ids) that was given
         or kept by a finished sample (`finished`: their ids; its children are admitted or belong to a later
         run), else the one with the most bytes (the latest among equals); None when none is held."""

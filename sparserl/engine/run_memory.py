@@ -109,7 +109,7 @@ class RunMemory:
         return None if self.kv_memory_cap is None else self.kv_memory_cap - self.held_kv_bytes()
 
     def release_state(self) -> bool:
-        """Free a fork state (under the cap, before a sequence is preempted for memory: `release_largest`); the
+        """Free a fork state (under the cap, before a sequence is preempted for memory: `release_one`); the
         requests not yet admitted from it will prefill instead. False when none is held."""
         running = set(self.sample_of_row.tolist())
         waiting = [
@@ -117,7 +117,7 @@ class RunMemory:
             if self.finish[i] is None and i not in running and int(self.count[i]) == int(self.start_count[i])
         ]  # fmt: skip
         finished = {i for i, f in enumerate(self.finish) if f is not None}
-        snap = self.snapshots.release_largest({id(r.fork) for r in waiting if r.fork is not None}, finished)
+        snap = self.snapshots.release_one({id(r.fork) for r in waiting if r.fork is not None}, finished)
         if snap is None:
             return False
         for r in self.requests:

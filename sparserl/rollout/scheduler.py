@@ -9,9 +9,10 @@ only its own blocks). Continuous batching admits waiting sequences, oldest first
 current capacity; when the cache must grow past the cap, the most recently admitted sequences are preempted
 (their KV is released, their tokens kept) and wait at the front of the queue, to be re-prefilled (prompt +
 tokens so far) when memory frees. Static batching admits only into an empty batch, charging every sequence
-its full length (prompt + max_new_tokens), and waits for the whole batch to finish. A tree's fork states
-(engine/forks.py) are charged too; they are released, the largest first, before any sequence is preempted, and
-when nothing runs and the next sequence does not fit beside them (their children prefill instead).
+its full length (prompt + max_new_tokens), and waits for the whole batch to finish. Fork states
+(engine/forks.py) are charged too; they are released (first those no waiting sequence starts from, then the
+largest) before any sequence is preempted, and when nothing runs and the next sequence does not fit beside them
+(their children prefill instead).
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ class Scheduler:
         stats.admissions += len(batch)
 
     def _preempt(self, run: DecodeRun, waiting: deque, running: list, stats: SchedulerStats) -> int | None:
-        """Release fork states (the largest first), then the newest sequences, until the next step fits; a lone
-        sequence at the cap is cut there (it finishes with reason 'length'; returned)."""
+        """Release fork states (`RunMemory.release_state`), then the newest sequences, until the next step
+        fits; a lone sequence at the cap is cut there (it finishes with reason 'length'; returned)."""
         while self.cap is not None and run.running and run.bytes_next_step() > self.cap:
             if run.release_state():  # a fork state first: its children prefill instead, nothing is lost
                 continue
