@@ -14,6 +14,7 @@ the same command after a kill.
     python experiments/study_v4.py train       # ~13 CPU-h: stage B or B' (R4 picks; experiments/study_v4_train.py)
     python experiments/study_v4.py train --processes 2   # the same, two one-thread runs side by side
     python experiments/study_v4.py evaluate    # ~2.5 CPU-h: the held-out evaluations, one process per model
+    python experiments/study_v4.py evaluate --processes 2   # the same, two one-thread evaluations side by side
     python experiments/study_v4.py report      # the rules judged so far, the goals
 """
 
@@ -317,8 +318,8 @@ def main() -> int:
     p.add_argument("--sft-batch", type=int, default=8)
     p.add_argument("--sft-lr", type=float, default=3e-4)
     p.add_argument("--processes", type=int, default=1, help="a2: measure each sampler in this many one-thread "
-                   "processes side by side (sparserl bias --part); train: this many one-thread runs side by side; "
-                   "the numbers do not change")  # fmt: skip
+                   "processes side by side (sparserl bias --part); train and evaluate: this many one-thread runs "
+                   "side by side; the numbers do not change")  # fmt: skip
     args = p.parse_args()
     os.chdir(ROOT)  # the setting names its model relative to the repository root
     torch.set_num_threads(1)

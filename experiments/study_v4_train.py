@@ -3,6 +3,7 @@
     python experiments/study_v4.py train      # ~13 CPU-h: 3 arms x 4 seeds x 28 rollouts, one run at a time
     python experiments/study_v4.py train --processes 2   # the same, two one-thread runs side by side
     python experiments/study_v4.py evaluate   # ~2.5 CPU-h: the warm start and the 12 trained models, one process each
+    python experiments/study_v4.py evaluate --processes 2   # the same, two one-thread evaluations side by side
     python experiments/study_v4.py report     # R5 and the validity gate, once every evaluation is in
 
 The arms and the sampler come from R4 (study_v4_r5.plan), fixed in study_v4.json when first chosen. Every run is a
@@ -49,28 +50,34 @@ def run_names(p: dict) -> list[str]:
     return [f"{arm}-s{seed}" for seed in p["seeds"] for arm in p["arms"]]
 
 
-def train(args) -> None:
-    """Every arm and seed in seed-major order (resumed, or skipped when its copy is committed), `--processes`
-    one-thread runs side by side; a failed run lets the running ones finish and starts no other."""
-    p = stage_plan()
-    lr = read(RESULTS / "pilot.json")["lr"]
-    pending = [n for n in run_names(p) if not (RESULTS / "b" / f"{n}.jsonl").is_file()]
+def side_by_side(names: list[str], work, processes: int) -> None:
+    """work(name) for every name, `processes` at a time in name order; a failure lets the running ones finish,
+    starts no other, and is raised."""
     failed = threading.Event()
 
     def unless_failed(name: str) -> None:
         if failed.is_set():
             return
         try:
-            train_one(p, lr, name)
+            work(name)
         except BaseException:
             failed.set()
             raise
 
-    with ThreadPoolExecutor(max(1, getattr(args, "processes", 1))) as pool:
-        runs = [pool.submit(unless_failed, name) for name in pending]
+    with ThreadPoolExecutor(max(1, processes)) as pool:
+        runs = [pool.submit(unless_failed, name) for name in names]
     for run in runs:
         if run.exception() is not None:
             raise run.exception()
+
+
+def train(args) -> None:
+    """Every arm and seed in seed-major order (resumed, or skipped when its copy is committed), `--processes`
+    one-thread runs side by side; a failed run lets the running ones finish and starts no other."""
+    p = stage_plan()
+    lr = read(RESULTS / "pilot.json")["lr"]
+    pending = [n for n in run_names(p) if not (RESULTS / "b" / f"{n}.jsonl").is_file()]
+    side_by_side(pending, lambda name: train_one(p, lr, name), getattr(args, "processes", 1))
 
 
 def train_one(p: dict, lr: float, name: str) -> None:
@@ -98,13 +105,18 @@ def models(p: dict) -> dict[str, str]:
 
 
 def evaluate(args) -> None:
-    """Each model held out in its own process (`eval-one`), skipped when its JSON exists."""
+    """Each model held out in its own one-thread process (`eval-one`), `--processes` side by side, skipped when
+    its JSON exists."""
     p = stage_plan()
-    for name, spec in models(p).items():
-        if not (RESULTS / "heldout" / f"{name}.json").is_file():
-            cmd = [sys.executable, str(ROOT / "experiments" / "study_v4.py"), "eval-one", name, spec]
-            subprocess.run(cmd, cwd=ROOT, check=True)
-            print(f"held out {name}; commit: {COMMIT}", flush=True)
+    pending = {n: spec for n, spec in models(p).items() if not (RESULTS / "heldout" / f"{n}.json").is_file()}
+
+    def held_out(name: str) -> None:
+        cmd = [sys.executable, str(ROOT / "experiments" / "study_v4.py"), "eval-one", name, pending[name]]
+        if subprocess.run(cmd, cwd=ROOT).returncode:
+            raise SystemExit(f"the held-out evaluation of {name} failed: {' '.join(cmd[1:])}")
+        print(f"held out {name}; commit: {COMMIT}", flush=True)
+
+    side_by_side(list(pending), held_out, getattr(args, "processes", 1))
 
 
 def eval_one(name: str, spec: str) -> None:

@@ -275,3 +275,29 @@ def test_train_runs_side_by_side_in_seed_major_order_and_a_failure_starts_no_oth
     with pytest.raises(SystemExit, match="arm a-s0"):
         T.train(type("Args", (), {"processes": 1})())
     assert [n for n, _ in started] == ["a-s0"]
+
+
+def test_evaluate_holds_out_each_model_in_its_own_process_side_by_side(tmp_path, monkeypatch):
+    """evaluate --processes 2: one `eval-one` process per model without a held-out JSON; a failed one names the
+    model, and no other starts after it."""
+    import study_v4_train as T
+
+    plan = {"stage": "B", "seeds": [0], "arms": {"a": [], "b": []}, "rollouts": 3}
+    monkeypatch.setattr(T, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(T, "stage_plan", lambda: plan)
+    for name in ("a-s0", "b-s0"):
+        T.write(tmp_path / "results" / "b" / f"{name}.jsonl", {})
+    T.write(tmp_path / "results" / "heldout" / "start.json", {"mean": 0.5})
+    called, failing = [], []
+
+    def run(cmd, cwd):
+        called.append(cmd[2:4])
+        return type("Done", (), {"returncode": 1 if cmd[3] in failing else 0})()
+
+    monkeypatch.setattr(T.subprocess, "run", run)
+    T.evaluate(type("Args", (), {"processes": 2})())
+    assert sorted(called) == [["eval-one", "a-s0"], ["eval-one", "b-s0"]]
+    called[:], failing[:] = [], ["a-s0"]
+    with pytest.raises(SystemExit, match="held-out evaluation of a-s0 failed"):
+        T.evaluate(type("Args", (), {"processes": 1})())
+    assert called == [["eval-one", "a-s0"]]
