@@ -4,6 +4,8 @@
     python experiments/study_v4.py train --processes 2   # the same, two one-thread runs side by side
     python experiments/study_v4.py evaluate   # ~2.5 CPU-h: the warm start and the 12 trained models, one process each
     python experiments/study_v4.py evaluate --processes 2   # the same, two one-thread evaluations side by side
+    python experiments/study_v4.py train && python experiments/study_v4.py evaluate   # beside an `evaluate`:
+                                              # evaluations started apart share the models by claim (runs/)
     python experiments/study_v4.py report     # R5 and the validity gate, once every evaluation is in
 
 The arms and the sampler come from R4 (study_v4_r5.plan), fixed in study_v4.json when first chosen. Every run is a
@@ -14,6 +16,7 @@ run's metrics.jsonl is copied to docs/results/study_v4/b/NAME.jsonl, each evalua
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +33,7 @@ RESULTS = ROOT / "docs" / "results" / "study_v4"
 JSON = RESULTS / "study_v4.json"
 RUNS = ROOT / "runs" / "study_v4"
 CONFIG = ROOT / "experiments" / "study_v4.yaml"
+CLAIMS = RUNS / "heldout-claims"  # one file per evaluation in progress, holding its evaluator's pid
 COMMIT = "git add docs/results/study_v4 && git commit docs/results/study_v4 -m 'Study v4: <stage> part done'"
 
 
@@ -106,17 +110,41 @@ def models(p: dict) -> dict[str, str]:
 
 def evaluate(args) -> None:
     """Each model held out in its own one-thread process (`eval-one`), `--processes` side by side, skipped when
-    its JSON exists."""
+    its JSON exists or another `evaluate` holds its claim."""
     p = stage_plan()
     pending = {n: spec for n, spec in models(p).items() if not (RESULTS / "heldout" / f"{n}.json").is_file()}
 
     def held_out(name: str) -> None:
+        if (RESULTS / "heldout" / f"{name}.json").is_file() or not claim(name):
+            return  # done or in progress elsewhere since this evaluate started
         cmd = [sys.executable, str(ROOT / "experiments" / "study_v4.py"), "eval-one", name, pending[name]]
-        if subprocess.run(cmd, cwd=ROOT).returncode:
-            raise SystemExit(f"the held-out evaluation of {name} failed: {' '.join(cmd[1:])}")
+        try:
+            if subprocess.run(cmd, cwd=ROOT).returncode:
+                raise SystemExit(f"the held-out evaluation of {name} failed: {' '.join(cmd[1:])}")
+        finally:
+            (CLAIMS / name).unlink(missing_ok=True)
         print(f"held out {name}; commit: {COMMIT}", flush=True)
 
     side_by_side(list(pending), held_out, getattr(args, "processes", 1))
+
+
+def claim(name: str) -> bool:
+    """Take the model for this process, so that two `evaluate` commands started apart (one after `train`, one
+    beside it) share the models instead of repeating them; a claim whose process has died is taken over."""
+    CLAIMS.mkdir(parents=True, exist_ok=True)
+    path = CLAIMS / name
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(path.read_text() or 0), 0)
+            return False  # its evaluator is alive
+        except (ProcessLookupError, ValueError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+            return claim(name)
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
 
 
 def eval_one(name: str, spec: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -284,6 +286,7 @@ def test_evaluate_holds_out_each_model_in_its_own_process_side_by_side(tmp_path,
 
     plan = {"stage": "B", "seeds": [0], "arms": {"a": [], "b": []}, "rollouts": 3}
     monkeypatch.setattr(T, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(T, "CLAIMS", tmp_path / "claims")
     monkeypatch.setattr(T, "stage_plan", lambda: plan)
     for name in ("a-s0", "b-s0"):
         T.write(tmp_path / "results" / "b" / f"{name}.jsonl", {})
@@ -301,3 +304,29 @@ def test_evaluate_holds_out_each_model_in_its_own_process_side_by_side(tmp_path,
     with pytest.raises(SystemExit, match="held-out evaluation of a-s0 failed"):
         T.evaluate(type("Args", (), {"processes": 1})())
     assert called == [["eval-one", "a-s0"]]
+    assert not list((tmp_path / "claims").iterdir())  # a failed evaluation leaves no claim behind
+
+
+def test_two_evaluate_commands_share_the_models_by_claim(tmp_path, monkeypatch):
+    """A model claimed by a live evaluator is left to it; a claim whose process has died is taken over."""
+    import study_v4_train as T
+
+    plan = {"stage": "B", "seeds": [0], "arms": {"a": [], "b": []}, "rollouts": 3}
+    monkeypatch.setattr(T, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(T, "CLAIMS", tmp_path / "claims")
+    monkeypatch.setattr(T, "stage_plan", lambda: plan)
+    for name in ("a-s0", "b-s0"):
+        T.write(tmp_path / "results" / "b" / f"{name}.jsonl", {})
+    T.write(tmp_path / "results" / "heldout" / "start.json", {"mean": 0.5})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "claims").mkdir()
+    (tmp_path / "claims" / "a-s0").write_text(str(os.getppid()))  # alive: another evaluate
+    (tmp_path / "claims" / "b-s0").write_text(str(dead.pid))
+    called = []
+    monkeypatch.setattr(
+        T.subprocess, "run", lambda cmd, cwd: called.append(cmd[3]) or type("Done", (), {"returncode": 0})()
+    )
+    T.evaluate(type("Args", (), {"processes": 1})())
+    assert called == ["b-s0"]
+    assert [p.name for p in (tmp_path / "claims").iterdir()] == ["a-s0"]
