@@ -42,7 +42,8 @@ def plan(judged: dict, a2: dict[str, dict]) -> dict:
 
 
 def one_sided_t(diffs: list[float], margin: float = 0.0, greater: bool = True) -> dict:
-    """Paired one-sided t of mean(diffs) > margin (or < margin), df = n - 1."""
+    """Paired one-sided t of mean(diffs) > margin (or < margin), df = n - 1, with the two-sided 90% interval of
+    the mean (the one whose ends are the one-sided 5% tests, as in the TOST)."""
     from scipy.stats import t
 
     n, m = len(diffs), mean(diffs)
@@ -52,7 +53,15 @@ def one_sided_t(diffs: list[float], margin: float = 0.0, greater: bool = True) -
     else:
         stat = (m - margin) / se
         p = float(t.sf(stat, n - 1) if greater else t.cdf(stat, n - 1))
-    return {"mean": m, "n": n, "df": n - 1, "p": p}
+    half = float(t.ppf(0.95, n - 1)) * se
+    return {
+        "mean": m,
+        "n": n,
+        "df": n - 1,
+        "p": p,
+        "interval_90": [m - half, m + half],
+        "per_seed": list(diffs),
+    }
 
 
 def holm(ps: dict[str, float], alpha: float) -> dict[str, bool]:

@@ -104,6 +104,8 @@ def test_paired_t_and_holm_against_scipy_and_by_hand():
     assert B.one_sided_t(diffs, 0.05, greater=False)["p"] == pytest.approx(
         ttest_1samp(diffs, 0.05, alternative="less").pvalue
     )
+    ci = ttest_1samp(diffs, 0.0).confidence_interval(0.90)
+    assert B.one_sided_t(diffs)["interval_90"] == pytest.approx([ci.low, ci.high])
     assert B.holm({"a": 0.01, "b": 0.04}, 0.05) == {"a": True, "b": True}
     assert B.holm({"a": 0.03, "b": 0.04}, 0.05) == {"a": False, "b": False}  # 0.03 > 0.05 / 2 stops it
     assert B.holm({"a": 0.01, "b": 0.06}, 0.05) == {"a": True, "b": False}
