@@ -184,7 +184,39 @@ def judged_r5() -> dict:
     a1 = read(RESULTS / "a1" / f"{p['sampler']}.json")
     a2 = read(RESULTS / "a2" / f"{p['sampler']}.json")
     out = B.judge_r5(p, heldout, curves, a1, a2)
+    plot_stage_b(p, curves, heldout, RESULTS / "b.png")
+    out["plot"] = "b.png"
     r3 = state.get("judged", {}).get("R3", {}).get("passed")
     out["validity"]["R3_passed"] = {"value": r3, "passed": bool(r3)}
     out["validity"]["passed"] = out["validity"]["passed"] and bool(r3)
     return out
+
+
+def plot_stage_b(p: dict, curves: dict[str, list[dict]], heldout: dict[str, dict], path: Path) -> None:
+    """The curves R5's validity gate reads (training reward, the sampler's per-token k3 against pi_old: 0 for the
+    dense arm), each arm's mean over seeds with every seed faint, and each model's held-out accuracy by seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    for color, arm in zip(("C0", "C1", "C2"), p["arms"], strict=False):
+        for ax, key in zip(axes[:2], ("reward/mean", "rollout_corr/k3_kl"), strict=True):
+            runs = [[r.get(key) for r in curves[f"{arm}-s{s}"]] for s in p["seeds"]]
+            for run in runs:
+                ax.plot(range(1, len(run) + 1), run, color=color, alpha=0.25, lw=0.8)
+            ax.plot(range(1, len(runs[0]) + 1), [sum(x) / len(x) for x in zip(*runs, strict=True)],
+                    color=color, lw=2, label=arm)  # fmt: skip
+            ax.set(title=key, xlabel="rollout")
+        axes[2].plot(p["seeds"], [heldout[f"{arm}-s{s}"]["dense"]["mean@4"] for s in p["seeds"]], "o-",
+                     color=color, label=arm)  # fmt: skip
+    axes[2].axhline(heldout["start"]["dense"]["mean@4"], color="gray", ls="--", label="warm start")
+    axes[2].set(title="held-out mean@4 (dense)", xlabel="seed", xticks=p["seeds"])
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Study v4, stage {p['stage']} at {p['sampler']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
