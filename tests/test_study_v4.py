@@ -281,9 +281,9 @@ def test_train_runs_side_by_side_in_seed_major_order_and_a_failure_starts_no_oth
     assert [n for n, _ in started] == ["a-s0"]
 
 
-def test_evaluate_holds_out_each_model_in_its_own_process_side_by_side(tmp_path, monkeypatch):
-    """evaluate --processes 2: one `eval-one` process per model without a held-out JSON; a failed one names the
-    model, and no other starts after it."""
+def two_trained_models(tmp_path, monkeypatch):
+    """study_v4_train with its results and claims under tmp_path: a one-seed plan whose two runs are trained
+    and whose warm start is held out."""
     import study_v4_train as T
 
     plan = {"stage": "B", "seeds": [0], "arms": {"a": [], "b": []}, "rollouts": 3}
@@ -293,6 +293,13 @@ def test_evaluate_holds_out_each_model_in_its_own_process_side_by_side(tmp_path,
     for name in ("a-s0", "b-s0"):
         T.write(tmp_path / "results" / "b" / f"{name}.jsonl", {})
     T.write(tmp_path / "results" / "heldout" / "start.json", {"mean": 0.5})
+    return T
+
+
+def test_evaluate_holds_out_each_model_in_its_own_process_side_by_side(tmp_path, monkeypatch):
+    """evaluate --processes 2: one `eval-one` process per model without a held-out JSON; a failed one names the
+    model, and no other starts after it."""
+    T = two_trained_models(tmp_path, monkeypatch)
     called, failing = [], []
 
     def run(cmd, cwd):
@@ -311,15 +318,7 @@ def test_evaluate_holds_out_each_model_in_its_own_process_side_by_side(tmp_path,
 
 def test_two_evaluate_commands_share_the_models_by_claim(tmp_path, monkeypatch):
     """A model claimed by a live evaluator is left to it; a claim whose process has died is taken over."""
-    import study_v4_train as T
-
-    plan = {"stage": "B", "seeds": [0], "arms": {"a": [], "b": []}, "rollouts": 3}
-    monkeypatch.setattr(T, "RESULTS", tmp_path / "results")
-    monkeypatch.setattr(T, "CLAIMS", tmp_path / "claims")
-    monkeypatch.setattr(T, "stage_plan", lambda: plan)
-    for name in ("a-s0", "b-s0"):
-        T.write(tmp_path / "results" / "b" / f"{name}.jsonl", {})
-    T.write(tmp_path / "results" / "heldout" / "start.json", {"mean": 0.5})
+    T = two_trained_models(tmp_path, monkeypatch)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / "claims").mkdir()
