@@ -7,7 +7,12 @@ decoding dominates the rollout. GRPO is rerun too: the code under it changed sin
     python experiments/reuse_v2.py         # everything not done yet (resumable); ~16 CPU-hours at one thread
     python experiments/reuse_v2.py report  # goals from the committed parts
 
-The rules are in docs/results/reuse_v2.json before any run.
+The rules are in docs/results/reuse_v2.json before any run. Every run uses the same code, sparserl as of
+de3b275 (that of the first run), from a worktree of its own, so that work landing on main does not reach the
+runs; each finished run's parts (docs/results/reuse_v2/parts/) are copied back to main and committed:
+
+    git worktree add --detach ../reuse_v2_code de3b275
+    cd ../reuse_v2_code && PYTHONPATH=$PWD python experiments/reuse_v2.py
 """
 
 from __future__ import annotations
