@@ -205,6 +205,7 @@ def kept_goal(kept: list[dict]) -> dict:
             "unit": "true when both arms match at every pair of commits compared",
             "commits": [f"{k['base_commit']} -> {k['new_commit']}" for k in kept],
             "command": "python benchmarks/behaviour_kept.py record/compare (its docstring)",
+            "notes": {f"{k['base_commit']} -> {k['new_commit']}": k["note"] for k in kept if "note" in k},
         }
     }
 

@@ -166,6 +166,12 @@ def test_average_linkage_merges_up_to_the_threshold():
     assert agglomerative_labels(d, 0.96) == [0, 0, 0, 0]
 
 
+@pytest.mark.parametrize("name", ["embedding", "llm"])
+def test_a_model_backed_judge_built_without_the_policy_names_itself(name):
+    with pytest.raises(ValueError, match=rf"shaping.judge='{name}' needs the policy model"):
+        make_judge(name, TransformContext(AlgoConfig()))
+
+
 # ---- the rule judge ---------------------------------------------------------------------------------------------
 
 

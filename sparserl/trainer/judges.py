@@ -51,7 +51,7 @@ class EmbeddingJudge(Judge):
 
     def __init__(self, ctx: TransformContext) -> None:
         super().__init__(ctx)
-        self.policy = _policy(ctx, "embedding")
+        self.policy = _policy(ctx, self.name)
         self.threshold = float(ctx.shaping.judge_threshold)
 
     def cluster(self, texts: list[str]) -> list[int]:
@@ -122,7 +122,7 @@ class LLMJudge(Judge):
 
     def __init__(self, ctx: TransformContext) -> None:
         super().__init__(ctx)
-        self.policy = _policy(ctx, "llm")
+        self.policy = _policy(ctx, self.name)
         self.max_new_tokens = int(ctx.shaping.judge_max_new_tokens)
         self.cache: OrderedDict[str, list[int]] = OrderedDict()
         self._engine: Any = None
