@@ -13,16 +13,22 @@ runs; each finished run's parts (docs/results/reuse_v2/parts/) are copied back t
 
     git worktree add --detach ../reuse_v2_code de3b275
     cd ../reuse_v2_code && PYTHONPATH=$PWD python experiments/reuse_v2.py
+
+and, from main, at each session's start and after each run, `python experiments/reuse_v2_machines.py
+../reuse_v2_code`: it records the machine of every run (the rule `machines`) and copies the finished parts.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 from pathlib import Path
 
 from arms import Experiment, main, run, write_comparison
 from reuse import compare_pairs, later_epochs_time, with_eval_means
+from reuse_v2_machines import MACHINES as MACHINES_FILE
+from reuse_v2_machines import one_machine
 
 from sparserl.signals import stoppable
 
@@ -33,6 +39,7 @@ ARMS: dict[str, list[str]] = {
     for n in LENGTHS
     for arm, overrides in (("grpo", []), ("spec", ["rollout.spec.enable=true"]), ("tree", TREE))
 }
+MACHINES = json.loads(MACHINES_FILE.read_text()) if MACHINES_FILE.is_file() else {}  # run -> its machines
 SPEED_TARGETS = {64: 0.7, 256: 0.5}  # SPEC-RL's rollout seconds over epochs 2-6, over GRPO's: at most
 MARGIN = 0.05  # non-inferiority margin of the held-out mean@8, fixed before the runs
 RULES = {
@@ -49,6 +56,13 @@ RULES = {
     f"the bound is above -{MARGIN}",
     "tree": "reported only, paired with GRPO by seed (the tree goal, rollout seconds per leaf against "
     "independent chains, is a benchmark's: benchmarks/tree_fork.py)",
+    "machines": "added after the seed-0 64-token runs, before any other GRPO or SPEC-RL run (the machine "
+    "changes between sessions: the third run's machine generated held-out tokens at half the first two's rate): "
+    "each run's machines are recorded in docs/results/reuse_v2/parts/machines.json "
+    "(experiments/reuse_v2_machines.py); a seed's GRPO and SPEC-RL runs at one length form a speed pair only "
+    "when both trained wholly on one machine; a pair that did not is trained again, both runs in one session "
+    "(GRPO first), replacing it (curves and held-out); the speed goal is judged only when every seed's pair is "
+    "one machine's",
     "budget": "~16 CPU-hours: 9 runs at 64 tokens x ~27 CPU-min (the first experiment's) + 9 at 256 x ~70 "
     "CPU-min (estimate: decoding 4x, the update ~2.5x) + 18 evaluations x 3-6 CPU-min; if it runs over, the "
     "tree arms at 256 are cut first",
@@ -89,7 +103,10 @@ def length_goals(runs: dict, n: int) -> dict:
     unmeasured = {"value": None, "met": None, "status": "not run yet", **base}  # judged once every seed ran
     speed = {"target": SPEED_TARGETS[n], **unmeasured}
     quality = {"target": -MARGIN, **unmeasured}
-    if len(pairs) == len(EXPERIMENT.seeds):
+    mixed = [s for s in EXPERIMENT.seeds if not one_machine(MACHINES, f"spec{n}-seed{s}", f"grpo{n}-seed{s}")]
+    if len(pairs) == len(EXPERIMENT.seeds) and mixed:
+        speed = {**speed, "status": f"seeds {mixed}: the pair did not train on one machine; train it again"}
+    elif len(pairs) == len(EXPERIMENT.seeds):
         ratios = [later_epochs_time(a) / later_epochs_time(g) for a, g in pairs]
         value = statistics.fmean(ratios)
         speed = {"value": value, "target": SPEED_TARGETS[n], "met": value <= SPEED_TARGETS[n],
