@@ -56,8 +56,9 @@ RULES = {
     f"the bound is above -{MARGIN}",
     "tree": "reported only, paired with GRPO by seed (the tree goal, rollout seconds per leaf against "
     "independent chains, is a benchmark's: benchmarks/tree_fork.py)",
-    "machines": "added after the seed-0 64-token runs, before any other GRPO or SPEC-RL run (the machine "
-    "changes between sessions: the third run's machine generated held-out tokens at half the first two's rate): "
+    "machines": "added after the seed-0 64-token runs, before any other GRPO or SPEC-RL run finished (grpo64 "
+    "seed 1 was training), because the machine changes between sessions: the third run's machine, an Intel Xeon, "
+    "generated held-out tokens at about half the first two's rate (a one-thread test suite ran beside it): "
     "each run's machines are recorded in docs/results/reuse_v2/parts/machines.json "
     "(experiments/reuse_v2_machines.py); a seed's GRPO and SPEC-RL runs at one length form a speed pair only "
     "when both trained wholly on one machine; a pair that did not is trained again, both runs in one session "
