@@ -20,15 +20,13 @@ and, from main, at each session's start and after each run, `python experiments/
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from arms import Experiment, main, run, write_comparison
 from reuse import compare_pairs, later_epochs_time, with_eval_means
-from reuse_v2_machines import MACHINES as MACHINES_FILE
-from reuse_v2_machines import one_machine
+from reuse_v2_machines import load_machines, one_machine
 
 from sparserl.signals import stoppable
 
@@ -39,7 +37,6 @@ ARMS: dict[str, list[str]] = {
     for n in LENGTHS
     for arm, overrides in (("grpo", []), ("spec", ["rollout.spec.enable=true"]), ("tree", TREE))
 }
-MACHINES = json.loads(MACHINES_FILE.read_text()) if MACHINES_FILE.is_file() else {}  # run -> its machines
 SPEED_TARGETS = {64: 0.7, 256: 0.5}  # SPEC-RL's rollout seconds over epochs 2-6, over GRPO's: at most
 MARGIN = 0.05  # non-inferiority margin of the held-out mean@8, fixed before the runs
 RULES = {
@@ -98,13 +95,13 @@ def lower_bound(diffs: list[float]) -> float:
     return statistics.fmean(diffs) - half
 
 
-def length_goals(runs: dict, n: int) -> dict:
+def length_goals(runs: dict, n: int, machines: dict[str, list[str]]) -> dict:
     pairs = paired_runs(runs, "spec", n)
     base = {"command": EXPERIMENT.command, "seeds": len(pairs)}
     unmeasured = {"value": None, "met": None, "status": "not run yet", **base}  # judged once every seed ran
     speed = {"target": SPEED_TARGETS[n], **unmeasured}
     quality = {"target": -MARGIN, **unmeasured}
-    mixed = [s for s in EXPERIMENT.seeds if not one_machine(MACHINES, f"spec{n}-seed{s}", f"grpo{n}-seed{s}")]
+    mixed = [s for s in EXPERIMENT.seeds if not one_machine(machines, f"spec{n}-seed{s}", f"grpo{n}-seed{s}")]
     if len(pairs) == len(EXPERIMENT.seeds) and mixed:
         speed = {**speed, "status": f"seeds {mixed}: the pair did not train on one machine; train it again"}
     elif len(pairs) == len(EXPERIMENT.seeds):
@@ -131,7 +128,8 @@ def comparison(runs: dict) -> dict:
 
 
 def judged_goals(runs: dict) -> dict:
-    return {k: v for n in LENGTHS for k, v in length_goals(runs, n).items()}
+    machines = load_machines()
+    return {k: v for n in LENGTHS for k, v in length_goals(runs, n, machines).items()}
 
 
 def judged(runs: dict) -> dict:

@@ -17,6 +17,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from study import write_with_goals
+
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = Path("docs/results/reuse_v2/parts")
 MACHINES = ROOT / PARTS / "machines.json"
@@ -34,12 +36,25 @@ def this_machine() -> str:
     return f"{model} (boot {boot})"
 
 
-def note(machines: dict[str, list[str]], names: list[str], machine: str) -> list[str]:
-    """Add `machine` to each of `names` whose list does not end with it; the names changed."""
-    changed = [n for n in names if machines.get(n, [])[-1:] != [machine]]
-    for name in changed:
-        machines[name] = [*machines.get(name, []), machine]
-    return changed
+def load_machines() -> dict[str, list[str]]:
+    """Run name -> the machines it trained on, in order (empty before any run)."""
+    return json.loads(MACHINES.read_text())["runs"] if MACHINES.is_file() else {}
+
+
+def save_machines(machines: dict[str, list[str]]) -> None:
+    """The record, with an empty goals mapping: the goals it bears on are judged in reuse_v2.json."""
+    body = {
+        "judged_in": "docs/results/reuse_v2.json (the rule `machines`)",
+        "runs": dict(sorted(machines.items())),
+    }
+    write_with_goals(MACHINES, body, {})
+
+
+def note(machines: dict[str, list[str]], names: list[str], machine: str) -> None:
+    """Add `machine` to each of `names` whose list does not end with it."""
+    for name in names:
+        if machines.get(name, [])[-1:] != [machine]:
+            machines[name] = [*machines.get(name, []), machine]
 
 
 def one_machine(machines: dict[str, list[str]], *names: str) -> bool:
@@ -51,7 +66,7 @@ def one_machine(machines: dict[str, list[str]], *names: str) -> bool:
 def sync(worktree: Path) -> list[Path]:
     """Note this machine on the worktree's runs in progress and finished ones, then copy the finished runs'
     parts here; the files copied."""
-    machines = json.loads(MACHINES.read_text()) if MACHINES.is_file() else {}
+    machines = load_machines()
     runs = worktree / "runs" / "reuse_v2"
     started = [d.name for d in sorted(runs.iterdir()) if d.is_dir()] if runs.is_dir() else []
     finished = [p.stem for p in sorted((worktree / PARTS / "eval").glob("*.json"))]
@@ -63,7 +78,7 @@ def sync(worktree: Path) -> list[Path]:
     older = [n for n in in_progress if n not in machines and (runs / n).stat().st_mtime < booted]
     note(machines, older, EARLIER)  # a run directory that outlived its machine
     note(machines, [*in_progress, *unlisted], this_machine())
-    MACHINES.write_text(json.dumps(machines, indent=1, sort_keys=True) + "\n")
+    save_machines(machines)
     copied = []
     for name in finished:
         for kind in ("curves", "eval"):

@@ -47,8 +47,8 @@ def test_reuse_v2_goals_follow_their_rules(monkeypatch):
     """Speed: SPEC-RL's seconds over GRPO's per length; quality: the one-sided lower bound of the paired
     differences against the margin (df = 2), judged once every seed is in."""
     runs = {}
-    monkeypatch.setattr(reuse_v2, "MACHINES", {f"{a}{n}-seed{s}": ["m"] for a in ("grpo", "spec")
-                                              for n in (64, 256) for s in (0, 1, 2)})  # fmt: skip
+    machines = {f"{a}{n}-seed{s}": ["m"] for a in ("grpo", "spec") for n in (64, 256) for s in (0, 1, 2)}
+    monkeypatch.setattr(reuse_v2, "load_machines", lambda: machines)
     for s, (g, a) in enumerate([(0.50, 0.52), (0.40, 0.43), (0.45, 0.44)]):
         for n, spec_s in ((64, 2.4), (256, 1.8)):
             runs[f"grpo{n}-seed{s}"] = run([9.0] * 4 + [3.0] * 20, g)
@@ -63,7 +63,7 @@ def test_reuse_v2_goals_follow_their_rules(monkeypatch):
     assert q64["met"] and not q256["met"]
     partial = {k: v for k, v in runs.items() if not k.endswith("seed2")}
     assert reuse_v2.judged_goals(partial)[reuse_v2.quality_goal(64)]["value"] is None
-    reuse_v2.MACHINES["spec256-seed1"] = ["m", "another"]  # resumed on a new machine: its pair is not judged
+    machines["spec256-seed1"] = ["m", "another"]  # resumed on a new machine: its pair is not judged
     got = reuse_v2.judged_goals(runs)
     assert (
         got[reuse_v2.speed_goal(256)]["value"] is None
@@ -92,9 +92,10 @@ def test_reuse_v2_machines_note_each_run_and_copy_the_finished_parts(tmp_path, m
     os.utime(tree / "runs" / "reuse_v2" / "c-seed0", (0, 0))  # written before this machine booted
     copied = m.sync(tree)
     assert sorted(p.parent.name for p in copied) == ["curves", "eval"]
-    got = json.loads(m.MACHINES.read_text())
+    got = m.load_machines()
     assert got == {"a-seed0": ["here"], "b-seed0": ["here"], "c-seed0": [m.EARLIER, "here"]}
-    assert m.sync(tree) == [] and json.loads(m.MACHINES.read_text()) == got
+    assert json.loads(m.MACHINES.read_text())["goals"] == {}
+    assert m.sync(tree) == [] and m.load_machines() == got
     assert m.one_machine(got, "a-seed0", "b-seed0") and not m.one_machine(got, "a-seed0", "c-seed0")
     assert not m.one_machine(got, "a-seed0", "missing-seed0")
 
