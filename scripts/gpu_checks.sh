@@ -10,6 +10,6 @@ OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
-timeout 240 python -m pytest -q -m cuda -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/pytest_cuda.txt"
+timeout 270 python -m pytest -q -m cuda -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/pytest_cuda.txt" | tail -30
 timeout 330 python benchmarks/decode_floor.py --device cuda --model .gpu/smollm2-shape --random-weights \
-    --out "$OUT/rollout_gpu_floor.json" 2>&1 | tail -12 | tee "$OUT/decode_floor.txt"
+    --out "$OUT/rollout_gpu_floor.json" 2>&1 | tee "$OUT/decode_floor.txt" | tail -20

@@ -1,5 +1,5 @@
 """The engine on a CUDA GPU (skipped without one; `pytest -m cuda`): the same checks as on CPU, on the module
-path (no packed copy) and the packed bfloat16 path, eager and compiled."""
+path (no packed copy) and the packed bfloat16 path, eager and compiled, with forks and quantized caches."""
 
 from __future__ import annotations
 
@@ -84,6 +84,8 @@ ARMS = {  # the rollout systems whose GPU path differs from the default run's
         "kv.dense_layers=0",
     ],  # prompts held once
     "tree": ["rollout.tree.enable=true", "rollout.n=2", "rollout.tree.forks=1", "algo.adv_transforms=[tree]"],
+    "kv_fp8": ["kv.quant=fp8"],  # the CPU reads fp8 codes as the GPU does (int8 takes int8 products there)
+    "spec": ["rollout.spec.enable=true"],  # batched verification from step 2
 }
 
 
@@ -164,3 +166,39 @@ def test_cuda_calibration_unit_matches_the_cpu_one(tiny_cuda, tmp_path):
     # difference is robust to a few such tokens, the P5 (what a unit is for) to more
     assert (gpu.exact - cpu.exact).abs().median() < AGREE_TOL
     assert abs(float(gpu.exact.quantile(0.05)) - float(cpu.exact.quantile(0.05))) < 1e-3
+
+
+@pytest.mark.parametrize("name", ["dense", "rkv", "block_topk", "rkv-int8"])
+def test_cuda_forks_draw_the_parents_tokens_again(tiny_cuda, name):
+    """Tree forks on the GPU (engine/forks.py): children started from their parents' kept states, on the
+    parents' streams, draw the parents' tokens again with no prefill (tests/test_forks.py on the CPU)."""
+    from test_forks import KVS, LOGP_TOL, QUANT_LOGP_TOL, assert_forks_draw_the_parents_tokens
+
+    model, tok = tiny_cuda
+    e = RolloutEngine(model, tok, kv=KVS[name])
+    e.eos_ids = set()
+    tol = LOGP_TOL if KVS[name].quant == "none" else QUANT_LOGP_TOL  # a batch may move a code one step
+    assert_forks_draw_the_parents_tokens(e, name, group=2, tol=tol)
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_cuda_quantized_reads_equal_attention_over_the_dequantized_cache(no_tf32, quant):
+    """kv.quant on the GPU reads codes in batched chunks (every row and head, float query): equal to attention
+    over the dequantized cache, across the chunk and slab boundaries."""
+    from test_kv_quant import assert_attention_over_the_dequantized_cache
+
+    from sparserl.engine.kv_quant import CHUNK, SLAB
+
+    for span in (5, CHUNK + 37, SLAB + 37):
+        assert_attention_over_the_dequantized_cache(quant, span, "cuda")
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_cuda_quantized_cache_first_token_exact_and_later_ones_close(tiny_cuda, quant):
+    from test_kv_quant import assert_first_token_exact_and_later_ones_close
+
+    model, tok = tiny_cuda
+    engines = [RolloutEngine(model, tok, kv=KVConfig(quant=q)) for q in ("none", quant)]
+    for e in engines:
+        e.eos_ids = set()
+    assert_first_token_exact_and_later_ones_close(*engines)

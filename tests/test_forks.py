@@ -47,7 +47,11 @@ def fork_points(logps: list[float], k: int) -> list[int]:
 def test_a_fork_on_the_parents_stream_draws_the_parents_tokens_again(name, group):
     """In a run of their own, after the parents' run ended; with groups of two parents a prompt, the states
     read their prompt held once where the cache shares prompts, and so do the children."""
-    e = engine(KVS[name])
+    assert_forks_draw_the_parents_tokens(engine(KVS[name]), name, group)
+
+
+def assert_forks_draw_the_parents_tokens(e, name: str, group: int, tol: float = LOGP_TOL) -> None:
+    """The test above on engine `e`, log-probs within `tol` (tests/test_cuda.py runs it on a GPU)."""
     prompts = random_prompts([11, 23], 4) * group
     parents = [Request(p, key=j, seed=5, max_new_tokens=24, snapshots=2) for j, p in enumerate(prompts)]
     first = decode(e, parents)
@@ -72,7 +76,7 @@ def test_a_fork_on_the_parents_stream_draws_the_parents_tokens_again(name, group
         tokens, logps = first.completion(i)
         got, got_logps = second.completion(j)
         assert got == tokens[t:], (name, i, t)
-        assert (got_logps - logps[t:]).abs().max() < LOGP_TOL
+        assert (got_logps - logps[t:]).abs().max() < tol
 
 
 # Caches that hold every position, with the log-prob tolerance of a re-prefilled child against a fork: a prefill

@@ -56,14 +56,15 @@ def test_round_trip_error_is_bounded_by_the_scale(quant, seed, magnitude, d) -> 
 
 
 def filled_cache(
-    quant: str, span: int, rows: int = 3, seed: int = 0
+    quant: str, span: int, rows: int = 3, seed: int = 0, device: str = "cpu"
 ) -> tuple[QuantizedKVCache, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    cache = QuantizedKVCache(1, rows, 2, 4, 8, span, 4, torch.float32, torch.device("cpu"), quant=quant)
+    cache = QuantizedKVCache(1, rows, 2, 4, 8, span, 4, torch.float32, torch.device(device), quant=quant)
     k, v = torch.randn(rows, 2, span, 8, generator=g), torch.randn(rows, 2, span, 8, generator=g)
     lengths = torch.randint(1, span + 1, (rows,), generator=g)
-    cache.fill(0, k, v, torch.arange(span)[None].expand(rows, -1), lengths)
-    return cache, torch.randn(rows, 4, 1, 8, generator=g)
+    positions = torch.arange(span)[None].expand(rows, -1)
+    cache.fill(0, k.to(device), v.to(device), positions.to(device), lengths.to(device))
+    return cache, torch.randn(rows, 4, 1, 8, generator=g).to(device)
 
 
 def read_query(quant: str, q: torch.Tensor, kv_heads: int, scale: float) -> torch.Tensor:
@@ -71,7 +72,7 @@ def read_query(quant: str, q: torch.Tensor, kv_heads: int, scale: float) -> torc
     (int8 dot products), any other as given."""
     n, hq, _, d = q.shape
     grouped = q.view(n, kv_heads, hq // kv_heads, d) * scale
-    if quant == "int8":
+    if quant == "int8" and q.device.type == "cpu":
         codes, s = CODECS["int8"].encode(grouped)
         grouped = codes.float() * s[..., None]
     return grouped.view(n, hq, 1, d)
@@ -80,7 +81,12 @@ def read_query(quant: str, q: torch.Tensor, kv_heads: int, scale: float) -> torc
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("span", [5, CHUNK + 37, SLAB + 37])
 def test_chunked_attention_equals_attention_over_the_dequantized_cache(quant, span) -> None:
-    cache, q = filled_cache(quant, span)
+    assert_attention_over_the_dequantized_cache(quant, span, "cpu")
+
+
+def assert_attention_over_the_dequantized_cache(quant: str, span: int, device: str) -> None:
+    """The test above on `device` (tests/test_cuda.py runs it on a GPU, where every read is batched)."""
+    cache, q = filled_cache(quant, span, device=device)
     valid = cache.valid(span)
     out, probs = cache.attend(0, q, valid, span, 0.3)
     k, v = cache.view(0, span)
@@ -188,9 +194,14 @@ def test_block_sparse_reads_over_a_quantized_cache(quant) -> None:
 def test_the_first_token_is_exact_and_later_ones_close() -> None:
     """Prefill is full precision (the first token's log-prob is the dense engine's bit for bit); decode steps
     read int8 keys and values (log-probs of the same tokens within 0.2 nats on the random tiny model)."""
+    assert_first_token_exact_and_later_ones_close(engine(KVConfig()), engine(KVConfig(quant="int8")))
+
+
+def assert_first_token_exact_and_later_ones_close(dense, quantized) -> None:
+    """The test above on two engines of one model (tests/test_cuda.py runs it on a GPU)."""
     prompts = random_prompts([20, 30], 6)
-    a = engine(KVConfig()).generate(prompts, n=1, max_new_tokens=6, seed=2)
-    b = engine(KVConfig(quant="int8")).generate(prompts, n=1, max_new_tokens=6, seed=2)
+    a = dense.generate(prompts, n=1, max_new_tokens=6, seed=2)
+    b = quantized.generate(prompts, n=1, max_new_tokens=6, seed=2)
     for x, y in zip(a, b, strict=True):
         assert x.logprobs[0] == y.logprobs[0]
         same = next(
