@@ -195,6 +195,7 @@ def test_cuda_quantized_reads_equal_attention_over_the_dequantized_cache(no_tf32
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
 def test_cuda_quantized_cache_first_token_exact_and_later_ones_close(tiny_cuda, quant):
+    """A quantized cache on the GPU: the prefill's token is the dense engine's bit for bit, later ones close."""
     from test_kv_quant import assert_first_token_exact_and_later_ones_close
 
     model, tok = tiny_cuda
