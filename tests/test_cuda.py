@@ -31,6 +31,14 @@ def tiny_cuda(no_tf32):
     return model.cuda(), tok
 
 
+def no_eos_engine(tiny_cuda, kv: KVConfig | None = None, **kwargs) -> RolloutEngine:
+    """An engine on the GPU model that draws every requested token (EOS ignored), as the CPU tests' engines."""
+    model, tok = tiny_cuda
+    e = RolloutEngine(model, tok, kv=kv, **kwargs)
+    e.eos_ids = set()
+    return e
+
+
 def test_cuda_sampler_matches_the_scorer(tiny_cuda):
     model, tok = tiny_cuda
     prompts = prompts_of(tok)
@@ -58,12 +66,10 @@ def test_cuda_graphs_evicting_under_a_cap_give_the_eager_samples(tiny_cuda):
     """The compiled step on a GPU runs as a CUDA graph (mode reduce-overhead) writing the cache in place: R-KV
     under a memory cap (rows come and go, buckets change, the cut stays eager between replays) gives the eager
     samples, so no replay read a stale cache or a logits buffer the next replay had overwritten."""
-    model, tok = tiny_cuda
     kv = KVConfig(method="rkv", budget=12, window=4, interval=4)
     lengths = [5, 40, 9, 17, 3, 60, 22, 8, 31]
-    eager, graphs = RolloutEngine(model, tok, kv), RolloutEngine(model, tok, kv, compile=True)
+    eager, graphs = no_eos_engine(tiny_cuda, kv), no_eos_engine(tiny_cuda, kv, compile=True)
     assert graphs.cuda_graphs
-    eager.eos_ids = graphs.eos_ids = set()
     static, _, _ = Scheduler(eager).run(cap_requests(lengths), Sampling())
     run, unfinished, _ = Scheduler(graphs, 6 * 15 * static.bytes_per_position).run(
         cap_requests(lengths), Sampling()
@@ -131,13 +137,13 @@ def test_cuda_block_sparse_prompt_held_once_equals_copies(tiny_cuda):
     samples of rows holding copies, within the CPU tolerance (tests/test_shared_prefix.py)."""
     from test_shared_prefix import assert_same_samples
 
-    model, tok = tiny_cuda
+    tok = tiny_cuda[1]
     kv = KVConfig(method="block_topk", budget=24, page_size=4, dense_layers=[0])
     out = {}
     for share in (True, False):
-        engine = RolloutEngine(model, tok, kv=kv, share_prompts=share)
-        engine.eos_ids = set()
-        out[share] = engine.generate(prompts_of(tok), n=4, max_new_tokens=32, seed=3)
+        out[share] = no_eos_engine(tiny_cuda, kv, share_prompts=share).generate(
+            prompts_of(tok), n=4, max_new_tokens=32, seed=3
+        )
     assert_same_samples(out[True], out[False])
     assert out[True].stats["read_positions_mean"] < out[True].stats["held_positions_mean"]
 
@@ -172,13 +178,10 @@ def test_cuda_calibration_unit_matches_the_cpu_one(tiny_cuda, tmp_path):
 def test_cuda_forks_draw_the_parents_tokens_again(tiny_cuda, name):
     """Tree forks on the GPU (engine/forks.py): children started from their parents' kept states, on the
     parents' streams, draw the parents' tokens again with no prefill (tests/test_forks.py on the CPU)."""
-    from test_forks import KVS, LOGP_TOL, QUANT_LOGP_TOL, assert_forks_draw_the_parents_tokens
+    from test_forks import KVS, assert_forks_draw_the_parents_tokens, logp_tol
 
-    model, tok = tiny_cuda
-    e = RolloutEngine(model, tok, kv=KVS[name])
-    e.eos_ids = set()
-    tol = LOGP_TOL if KVS[name].quant == "none" else QUANT_LOGP_TOL  # a batch may move a code one step
-    assert_forks_draw_the_parents_tokens(e, name, group=2, tol=tol)
+    e = no_eos_engine(tiny_cuda, KVS[name])
+    assert_forks_draw_the_parents_tokens(e, name, group=2, tol=logp_tol(KVS[name]))
 
 
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
@@ -198,8 +201,5 @@ def test_cuda_quantized_cache_first_token_exact_and_later_ones_close(tiny_cuda, 
     """A quantized cache on the GPU: the prefill's token is the dense engine's bit for bit, later ones close."""
     from test_kv_quant import assert_first_token_exact_and_later_ones_close
 
-    model, tok = tiny_cuda
-    engines = [RolloutEngine(model, tok, kv=KVConfig(quant=q)) for q in ("none", quant)]
-    for e in engines:
-        e.eos_ids = set()
+    engines = [no_eos_engine(tiny_cuda, KVConfig(quant=q)) for q in ("none", quant)]
     assert_first_token_exact_and_later_ones_close(*engines)

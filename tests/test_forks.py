@@ -17,6 +17,13 @@ LOGP_TOL = 1e-4  # a forked row's cache was written by decode steps, a re-prefil
 # int8 beside other rows vs alone: the batch changes a float sum by ~1e-7, enough to move a query or key across
 # a rounding boundary, one code step; measured up to 5e-4 on an Intel Xeon (under 1e-4 on an AMD EPYC)
 QUANT_LOGP_TOL = 2e-3
+
+
+def logp_tol(kv: KVConfig) -> float:
+    """A fork's log-prob tolerance against a run of other rows: the quantization's for a quantized cache."""
+    return QUANT_LOGP_TOL if kv.quant != "none" else LOGP_TOL
+
+
 KVS = {
     "dense": KVConfig(),
     **{
@@ -161,8 +168,7 @@ def test_a_fork_joining_its_parents_run_draws_what_it_draws_in_a_run_of_its_own(
             assert (run.completion(same)[1] - logps[t:]).abs().max() < LOGP_TOL
             alone = decode(e, [run.requests[own]])
             assert run.completion(own)[0] == alone.completion(0)[0], (name, i, t)
-            tol = QUANT_LOGP_TOL if KVS[name].quant != "none" else LOGP_TOL
-            assert (run.completion(own)[1] - alone.completion(0)[1]).abs().max() < tol
+            assert (run.completion(own)[1] - alone.completion(0)[1]).abs().max() < logp_tol(KVS[name])
 
 
 def test_a_longer_request_joining_a_run_draws_what_it_draws_alone():
