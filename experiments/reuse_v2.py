@@ -5,6 +5,8 @@ decoding dominates the rollout. GRPO is rerun too: the code under it changed sin
 
     python experiments/reuse_v2.py rules   # the decision rules and goals (commit them before any run)
     python experiments/reuse_v2.py         # everything not done yet (resumable); ~16 CPU-hours at one thread
+    python experiments/reuse_v2.py run grpo256-seed1 spec256-seed1 grpo256-seed2 spec256-seed2 \
+        tree256-seed1 tree256-seed2     # the rest, in the order of the rule `order`
     python experiments/reuse_v2.py report  # goals from the committed parts
 
 The rules are in docs/results/reuse_v2.json before any run. Every run uses the same code, sparserl as of
@@ -64,6 +66,10 @@ RULES = {
     "budget": "~16 CPU-hours: 9 runs at 64 tokens x ~27 CPU-min (the first experiment's) + 9 at 256 x ~70 "
     "CPU-min (estimate: decoding 4x, the update ~2.5x) + 18 evaluations x 3-6 CPU-min; if it runs over, the "
     "tree arms at 256 are cut first",
+    "order": "added when 12 of 18 runs were in (grpo256 seed 1 had trained 2 of 24 steps, no other 256-token "
+    "run of seeds 1-2 had started): the remaining 256-token runs go grpo, spec for seed 1, then grpo, spec for "
+    "seed 2, then the tree arms (report only) for seeds 1 and 2, so that the judged pairs land first and a "
+    "budget cut falls on the tree arms, as the rule `budget` says; no judgment changes",
 }
 
 
