@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,6 +147,47 @@ def test_a_checkpoint_written_before_the_sources_had_parts_resumes_exactly(tmp_p
     a, b = weights(straight), weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert straight.source.state_dict() == resumed.source.state_dict()
+
+
+def test_a_checkpoint_written_before_the_addons_had_parts_resumes_exactly(tmp_path):
+    """Older checkpoints kept DistillSparse's probe in trainer_state.json under the add-on's name: it is moved
+    into the add-on's part on load, and the resumed run's adapter and probe metrics equal an uninterrupted
+    run's. An entry that names neither a field nor a part is refused by name."""
+    import json
+
+    from sparserl.trainer import latest_checkpoint, load_checkpoint
+    from tests.test_distill import distill_cfg, make
+
+    straight = make(distill_cfg(tmp_path, "distill.probe_every=1", name="straight"))
+    straight.train()
+    old = make(distill_cfg(tmp_path, "distill.probe_every=1", name="old"))
+    old.train(until_step=2)
+    old.close()
+    ckpt = latest_checkpoint(tmp_path / "old")
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["distill"] = json.loads((ckpt / "distill" / "state.json").read_text())
+    assert state["distill"]["probe"]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    (ckpt / "distill" / "state.json").unlink()
+    resumed = make(distill_cfg(tmp_path, "distill.probe_every=1", name="old"), run_dir=tmp_path / "old",
+                   resume=True)  # fmt: skip
+    resumed.train()
+    name = straight.policy.distill_adapter
+    a, b = straight.policy.adapter_weights(name), resumed.policy.adapter_weights(name)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def last_probe(run: str) -> dict:  # step 3's alpha tail on the probe, before and after the update
+        probes = [
+            {k: v for k, v in r.items() if "alpha_p5" in k} for r in rows(tmp_path / run) if r["step"] == 3
+        ]
+        return [p for p in probes if p][-1]
+
+    assert last_probe("straight") == last_probe("old")
+    (ckpt / "trainer_state.json").write_text(json.dumps({**state, "mystery": {"x": 1}}))
+    with pytest.raises(RuntimeError, match="'mystery'"):
+        load_checkpoint(ckpt)
+    straight.close()
+    resumed.close()
 
 
 def test_an_unknown_source_or_backend_is_named(tmp_path):

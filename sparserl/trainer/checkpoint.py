@@ -13,7 +13,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -235,14 +235,20 @@ def _load_part(folder: Path) -> Part:
 
 def _upgrade(saved: dict[str, Any], parts: dict[str, Part]) -> TrainerState:
     """A TrainerState from its JSON; checkpoints written before the group source and the add-ons saved parts
-    of their own kept the data position, leftover groups and DistillSparse's probe in it: moved to their parts."""
-    position, probe = saved.pop("data_position", None), saved.pop("distill", {}).get("probe")
-    rollout = saved.get("rollout", {})
+    of their own kept the data position and leftover groups in it (moved to the source's part), and each
+    add-on's state under the add-on's name (moved to the add-on's part, whose folder held its weights)."""
+    position, rollout = saved.pop("data_position", None), saved.get("rollout", {})
     if position is not None and SOURCE_PART not in parts:
         buffer = {"leftover": rollout.pop("leftover", []), "dropped_groups": rollout.pop("dropped_groups", 0)}
         parts[SOURCE_PART] = Part(state={**buffer, "inner": {"position": position}})
-    if probe is not None and "distill" in parts and not parts["distill"].state:
-        parts["distill"].state = {"probe": probe}
+    for name in sorted(set(saved) - {f.name for f in fields(TrainerState)}):
+        state = saved.pop(name)
+        if name in parts and not parts[name].state:
+            parts[name].state = state
+        elif state:  # an empty entry is an add-on that was off
+            raise ValueError(
+                f"trainer_state.json holds {name!r}, which is neither a field nor an add-on's part"
+            )
     return TrainerState(**saved)
 
 
