@@ -127,7 +127,7 @@ def conversion(args) -> None:
             fn()
             times[name].append(time.process_time() - c0)
     med = {a: statistics.median(v) * 1e3 for a, v in times.items()}
-    payload = {"elements": keys.numel(), "median_cpu_ms": med, "cpu_ms": times, "threads": 1,
+    payload = {"elements": keys.numel(), "median_cpu_ms": med, "cpu_s": times, "threads": 1,
                "command": command_line()}  # fmt: skip
     print(med)
     print(record_result(RESULT, "conversion", payload, {}))

@@ -104,7 +104,8 @@ def lower_bound(diffs: list[float]) -> float:
 def length_goals(runs: dict, n: int, machines: dict[str, list[str]]) -> dict:
     pairs = paired_runs(runs, "spec", n)
     base = {"command": EXPERIMENT.command, "seeds": len(pairs)}
-    unmeasured = {"value": None, "met": None, "status": "not run yet", **base}  # judged once every seed ran
+    waiting = f"{len(pairs)} of {len(EXPERIMENT.seeds)} seeds' pairs in: judged once every seed's is"
+    unmeasured = {"value": None, "met": None, "status": waiting, **base}
     speed = {"target": SPEED_TARGETS[n], **unmeasured}
     quality = {"target": -MARGIN, **unmeasured}
     mixed = [s for s in EXPERIMENT.seeds if not one_machine(machines, f"spec{n}-seed{s}", f"grpo{n}-seed{s}")]

@@ -191,10 +191,41 @@ def test_block_sparse_reads_over_a_quantized_cache(quant) -> None:
     assert out.stats["read_positions_peak"] <= 32
 
 
-def test_the_first_token_is_exact_and_later_ones_close() -> None:
+@pytest.mark.parametrize("method", [*sorted(EVICTION_METHODS), "block_topk"])
+def test_the_prompts_cut_and_page_summaries_are_made_at_full_precision(method) -> None:
+    """An evicting method cuts a long prompt, and block_topk summarises its pages, on the prefill's own keys
+    before they are quantized: at the first decode step the int8 run holds the float32 run's positions and page
+    summaries, bit for bit."""
+
+    def first_step(quant: str) -> dict[str, torch.Tensor]:
+        seen: dict[str, torch.Tensor] = {}
+
+        def hook(step: int, cache, samples: torch.Tensor) -> None:
+            if step == 0:  # no page fills and no cut at step 0 (prompts of 20 and 30, pages of 8, interval 4)
+                seen.update({f"pos.{i}": p.clone() for i, p in enumerate(cache.pos)})
+                seen.update(
+                    {k: v.clone() for k, v in cache.row_state.items() if k.startswith("page_summaries")}
+                )
+
+        budget = 32 if method == "block_topk" else 16  # block_topk always reads 3 pages of 8
+        kv = KVConfig(method=method, budget=budget, interval=4, page_size=8, dense_layers=[], quant=quant)
+        e = engine(kv, share_prompts=False)  # a quantized cache copies prompts: compared with copies
+        e.step_hooks.append(hook)
+        e.generate(random_prompts([20, 30], 7), n=2, max_new_tokens=3, seed=1)
+        return seen
+
+    full, int8 = first_step("none"), first_step("int8")
+    assert full.keys() == int8.keys() and any(k.startswith("page_summaries") for k in full) == (
+        method == "block_topk"
+    )
+    assert all(torch.equal(full[k], int8[k]) for k in full)
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_the_first_token_is_exact_and_later_ones_close(quant) -> None:
     """Prefill is full precision (the first token's log-prob is the dense engine's bit for bit); decode steps
-    read int8 keys and values (log-probs of the same tokens within 0.2 nats on the random tiny model)."""
-    assert_first_token_exact_and_later_ones_close(engine(KVConfig()), engine(KVConfig(quant="int8")))
+    read quantized keys and values (log-probs of the same tokens within 0.2 nats on the random tiny model)."""
+    assert_first_token_exact_and_later_ones_close(engine(KVConfig()), engine(KVConfig(quant=quant)))
 
 
 def assert_first_token_exact_and_later_ones_close(dense, quantized) -> None:
