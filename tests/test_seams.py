@@ -191,7 +191,6 @@ def test_a_checkpoint_written_before_the_addons_had_parts_resumes_exactly(tmp_pa
 
 
 def test_an_unknown_source_or_backend_is_named(tmp_path):
-    import pytest
 
     from sparserl.errors import UserError
 
@@ -204,7 +203,6 @@ def test_an_unknown_source_or_backend_is_named(tmp_path):
 def test_backend_capabilities_are_read_not_its_name():
     """A config asking for what the run's backend does not declare is refused, naming the keys: whatever the
     backend's name (a registered one without recording or early stop here)."""
-    import pytest
 
     from sparserl.config import load_config
     from sparserl.config.errors import ConfigError
