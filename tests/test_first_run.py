@@ -160,6 +160,25 @@ def test_header_names_every_active_system_and_the_kv_schedule():
     assert "budget 80" not in header(sched, "runs/x")
 
 
+def test_header_summary_and_run_dir_name_a_quantized_cache(tmp_path: Path):
+    """kv.quant changes what the sampler reads, so the header, the run summary's `rollouts` and the run
+    directory's name say it; a quantized dense cache shows no budget (it has none)."""
+    from sparserl.config import load_config
+    from sparserl.trainer.console import header, kv_text
+    from sparserl.trainer.run_dir import new_run_dir
+
+    cases = [
+        (["kv.quant=int8"], "rollouts sparse rkv, budget 80, int8 KV", "-rkv-int8-"),
+        (["kv.quant=fp8", "kv.method=dense"], "rollouts dense, fp8 KV", "-dense-fp8-"),
+        (["kv.quant=int8", "algo.preset=dense"], "rollouts dense,", "-dense-2"),
+    ]
+    for overrides, words, name in cases:
+        cfg = load_config(None, [*overrides, f"trainer.output_dir={tmp_path}"])
+        assert words in header(cfg, "runs/x"), (overrides, header(cfg, "runs/x"))
+        assert name in new_run_dir(cfg).name, (overrides, new_run_dir(cfg).name)
+    assert kv_text(load_config(None, ["kv.quant=fp8", "kv.method=dense"])) == "dense, fp8 KV"
+
+
 def test_notes_say_spec_rl_is_idle_at_first_and_eval_runs_at_its_own_temperature():
     from sparserl.config import load_config
     from sparserl.trainer.console import notes

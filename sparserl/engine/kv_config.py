@@ -15,10 +15,12 @@ from sparserl.engine.sparse_attention import SELECTORS
 from sparserl.engine.sparse_attention.base import ALWAYS_READ_PAGES
 from sparserl.errors import UserError
 
+DENSE = "dense"  # the kv.method that keeps and reads every position: no registered class, the absence of one
+
 
 def kv_methods() -> tuple[str, ...]:
     """Every kv.method value: dense, the registered eviction methods, then the registered page selectors."""
-    return ("dense", *EVICTION_METHODS, *SELECTORS)
+    return (DENSE, *EVICTION_METHODS, *SELECTORS)
 
 
 @dataclass
@@ -26,7 +28,7 @@ class KVConfig:
     """KV-cache policy of the sampler. `method="dense"` keeps and reads every position."""
 
     method: str = field(
-        default="dense",
+        default=DENSE,
         metadata={
             "help": f"KV policy while sampling: one of {', '.join(kv_methods())}. Eviction methods "
             f"({', '.join(EVICTION_METHODS)}) cut the cache to the budget; block-sparse ones "
@@ -122,7 +124,7 @@ class KVConfig:
         if any(layer < 0 for layer in self.dense_layers):
             raise UserError(f"kv.dense_layers={self.dense_layers} must be layer indices >= 0")
         self.schedule = parse_schedule(self.schedule, method=self.method)
-        if self.method != "dense":
+        if self.method != DENSE:
             for name, budget in self._budgets():
                 self._check_budget(name, budget)
 

@@ -26,7 +26,7 @@ from sparserl.algo.acceptance import (
     check_tau,
 )
 from sparserl.engine.acceptance import TokenAcceptance, measure_acceptance
-from sparserl.engine.kv_config import KVConfig, kv_methods
+from sparserl.engine.kv_config import DENSE, KVConfig, kv_methods
 from sparserl.engine.prefill_reuse import reusing_prefills
 from sparserl.engine.schedule import parse_schedule
 from sparserl.errors import UserError
@@ -69,7 +69,7 @@ class CalibrationSettings:
     )
 
     def __post_init__(self) -> None:
-        sparse = [m for m in kv_methods() if m != "dense"]
+        sparse = [m for m in kv_methods() if m != DENSE]
         if self.method not in sparse:
             raise UserError(f"method={self.method!r} cannot be calibrated; choose one of {', '.join(sparse)}")
         check_tau(self.tau)

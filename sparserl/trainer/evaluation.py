@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sparserl.engine import RolloutEngine
+from sparserl.engine.kv_config import DENSE
 from sparserl.engine.scored import generate_and_score
 from sparserl.rollout import TaskView
 from sparserl.seeds import EVAL, derive_seed
@@ -37,7 +38,7 @@ class HeldOutEval:
                 engine, self.view.tokenizer, self.view.task, self.rows, prompt_ids, sampling,
                 derive_seed(t.seed, EVAL), self.view.rewards, sample_keys=list(self.rows),
             )  # fmt: skip
-            if mode == "dense":
+            if mode == DENSE:
                 self.samples = list(zip(got.texts, got.examples, got.rewards.tolist(), strict=True))
             out[f"eval/{mode}/reward"] = got.rewards.mean().item()
             out[f"eval/{mode}/length"] = sum(got.lengths) / max(1, len(got.lengths))
@@ -74,5 +75,5 @@ def held_out_eval(
     dense = (
         RolloutEngine(policy.module, policy.tokenizer, dtype=policy.compute_dtype) if cfg.sparse else engine()
     )
-    engines = {"dense": dense, **({"sparse": engine()} if cfg.trainer.eval_sparse and cfg.sparse else {})}
+    engines = {DENSE: dense, **({"sparse": engine()} if cfg.trainer.eval_sparse and cfg.sparse else {})}
     return HeldOutEval(cfg, view, usable_rows(view, cfg.trainer.eval_prompts), engines, policy.module)

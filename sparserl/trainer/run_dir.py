@@ -12,6 +12,7 @@ from datetime import datetime
 from pathlib import Path
 
 from sparserl.config import ConfigError, TrainConfig, flatten, load_config
+from sparserl.engine.kv_config import DENSE
 from sparserl.errors import UserError
 from sparserl.trainer.checkpoint import Checkpoint, latest_checkpoint, list_checkpoints, load_latest_intact
 
@@ -55,11 +56,13 @@ class RunDirBusy(UserError):
 
 def new_run_dir(cfg: TrainConfig) -> Path:
     """RUN_DIR for a fresh run: output_dir/run_name, or a new unique '<preset>-<kv>-<time>-<random>' that no
-    other run (even one started in the same second) can get: the directory is created here, exclusively."""
+    other run (even one started in the same second) can get: the directory is created here, exclusively.
+    <kv> is the sampler's kv.method, with kv.quant after a dash when the cache is quantized (rkv-int8)."""
     root = Path(cfg.trainer.output_dir)
     if cfg.trainer.run_name:
         return root / cfg.trainer.run_name
-    kv = cfg.kv.method if cfg.sparse else "dense"
+    kv = cfg.kv.method if cfg.sparse else DENSE
+    kv += f"-{cfg.kv.quant}" if cfg.sparse and cfg.kv.quantized else ""
     root.mkdir(parents=True, exist_ok=True)
     while True:
         path = (
