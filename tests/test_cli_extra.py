@@ -136,7 +136,7 @@ def test_eval_cli_length_defaults_to_training_s_and_its_table_keeps_whole_header
     )
     assert rc == 0, err
     assert json.loads(out)["sampling"]["max_new_tokens"] == 64
-    for text in ("inference", "truncated", "retained", "peak KV", "sparse (rkv, budget 40)"):
+    for text in ("inference", "truncated", "retained", "peak KV", "sparse rkv, budget 40"):
         assert text in err, err
     assert "\u2026" not in err  # rich's ellipsis
     run = finished_run(tmp_path, tiny_dir, "rollout.max_new_tokens=6")
@@ -145,9 +145,34 @@ def test_eval_cli_length_defaults_to_training_s_and_its_table_keeps_whole_header
     assert json.loads(out)["sampling"]["max_new_tokens"] == 6
 
 
+def test_eval_cli_evaluates_a_quantized_cache_alone_or_with_a_method(
+    tiny_dir: Path, qa_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--kv-quant alone quantizes a dense cache, with --kv that method's: the sparse arm is recorded with its
+    quantization, named in the table, and its peak KV counts the quantized bytes (int8 holds a quarter of
+    float32's, plus scales)."""
+    for extra, words in ((["--kv-quant", "int8"], "dense, int8 KV"), ([*SMALL_KV, "--kv-quant", "int8"],
+                         "sparse rkv, budget 40, int8 KV")):  # fmt: skip
+        rc, out, err = run_cli(
+            capsys, "eval", "--model", str(tiny_dir), "--data", str(qa_file), *extra, "-k", "1",
+            "--max-new-tokens", "8",
+        )  # fmt: skip
+        assert rc == 0, err
+        result = json.loads(out)
+        assert result["kv"]["quant"] == "int8" and result["kv"]["described"] == words, result["kv"]
+        assert words in err, err
+        if "--kv" not in extra:  # same positions held: the bytes differ only by the quantization
+            assert result["sparse"]["peak_kv_bytes"] < 0.5 * result["dense"]["peak_kv_bytes"], result
+
+
 @pytest.mark.parametrize(
     ("args", "code", "needle"),
     [
+        (
+            ["--data", "{qa}", "--kv-quant", "int4"],
+            2,
+            "config error: --kv-quant int4: kv.quant='int4' is unknown",
+        ),
         (["--data", "{tmp}/missing.jsonl"], 1, "missing.jsonl"),
         (["--data", "{qa}", "--kv", "bogus"], 2, "'bogus' is unknown; choose one of dense, rkv"),
         (["--data", "{qa}", "--kv", "snapkv", "--budget", "4"], 2, "kv.budget=4 must exceed"),
@@ -191,6 +216,13 @@ def test_rollout_cli(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert "2 completions" in flat and "tokens/s" in flat
     assert "KV memory: peak" in flat and "for the dense engine" in flat and "saved" in flat
     assert "prompt 0" in flat  # one sample shown
+    rc, out, err = run_cli(
+        capsys, "rollout", "--model", str(tiny_dir), *SMALL_KV, "--kv-quant", "fp8", "--prompts", "1",
+        "--n", "1", "--max-new-tokens", "4", "--show", "0",
+    )  # fmt: skip
+    assert rc == 0 and "(1 prompts x 1, sparse rkv, budget 40, fp8 KV, interval 4)" in " ".join(
+        out.split()
+    ), err
     rc, _, err = run_cli(capsys, "rollout", "--model", str(tiny_dir), "--kv", "nope")
     assert rc == 2 and "'nope' is unknown" in err
 

@@ -84,7 +84,15 @@ def _eval_epilog() -> str:
         default="",
         help="build the question from row fields, e.g. '{body} {question}' (default: the question field)",
     ),
-    arg("--no-dense", action="store_true", help="with --kv: skip dense inference (sparse only)"),
+    arg(
+        "--kv-quant",
+        default=None,
+        help="also evaluate with quantized KV (kv.quant: int8 or fp8; with --kv, of that method's cache, "
+        "else of a dense one); default none",
+    ),
+    arg(
+        "--no-dense", action="store_true", help="with --kv or --kv-quant: skip dense inference (sparse only)"
+    ),
     *MODEL_LOAD_ARGS,
     arg(
         "--out", "-o", default=None, help="also write the report, with per-prompt results, to this JSON file"
@@ -114,6 +122,7 @@ def eval_(args: argparse.Namespace) -> int:
     arg("--budget", type=int, default=128, help="retained KV positions per sequence (default 128)"),
     arg("--window", type=int, default=None, help="always-kept recent positions (default: KVConfig's)"),
     arg("--interval", type=int, default=16, help="decode steps between compressions (default 16)"),
+    arg("--kv-quant", default=None, help="kv.quant: none, int8 or fp8 keys and values (default none)"),
     arg("--prompts", type=int, default=2, help="prompts (default 2)"),
     arg("--n", type=int, default=2, help="completions per prompt (default 2)"),
     arg("--max-new-tokens", type=int, default=192, help="completion length cap (default 192)"),

@@ -180,6 +180,20 @@ class KVConfig:
         quantized cache)."""
         return self.evicting or self.sparse_attention or self.quantized
 
+    def describe(self) -> str:
+        """The cache in words for headers and tables: 'dense', 'sparse rkv, budget 80', or the schedule when
+        kv.schedule replaces kv.budget (the budget is then unused and not shown); then ', int8 KV' when
+        quantized."""
+        if self.method == DENSE:
+            words = DENSE
+        elif self.schedule:
+            budgets = [b for _, b in self.schedule]
+            span = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)}"
+            words = f"sparse {self.method}, schedule of {len(budgets)} bins (budgets {span})"
+        else:
+            words = f"sparse {self.method}, budget {self.budget}"
+        return f"{words}, {self.quant} KV" if self.quantized else words
+
     @property
     def budget_schedule(self) -> BudgetSchedule:
         """The budget as a function of length: kv.schedule, or kv.budget at every length."""

@@ -19,20 +19,30 @@ from sparserl.errors import UserError
 
 
 def kv_config(
-    method: str, budget: int | None = None, window: int | None = None, interval: int | None = None
+    method: str | None,
+    budget: int | None = None,
+    window: int | None = None,
+    interval: int | None = None,
+    kv_quant: str | None = None,
 ) -> Any:
-    """KVConfig from command-line flags (None: KVConfig's default); a bad method or budget is a ConfigError
-    naming the flags."""
+    """KVConfig from command-line flags (None: KVConfig's default; method None: dense); a bad method, budget
+    or quantization is a ConfigError naming the flags given."""
     from sparserl.engine import KVConfig
 
-    given = {
-        k: v for k, v in (("budget", budget), ("window", window), ("interval", interval)) if v is not None
-    }
+    flags = (
+        ("kv", method),
+        ("budget", budget),
+        ("window", window),
+        ("interval", interval),
+        ("kv_quant", kv_quant),
+    )
+    given = {k: v for k, v in flags if v is not None}
+    fields = {"kv": "method", "kv_quant": "quant"}
     try:
-        return KVConfig(method=method, **given)
+        return KVConfig(**{fields.get(k, k): v for k, v in given.items()})
     except ValueError as e:
-        flags = "".join(f" --{k} {v}" for k, v in given.items())
-        raise ConfigError(f"--kv {method}{flags}: {e}") from None
+        said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+        raise ConfigError(f"{said}: {e}") from None
 
 
 def _device(name: str | None) -> str:
@@ -177,9 +187,7 @@ def render_eval(result: dict[str, Any], console: Console) -> None:
         s = result.get(mode)
         if not s:
             continue
-        label = (
-            mode if mode == "dense" else f"sparse ({result['kv']['method']}, budget {result['kv']['budget']})"
-        )
+        label = mode if mode == "dense" else result["kv"]["described"]
         table.add_row(
             label,
             f"{s[f'mean@{k}']:.3f}",
@@ -198,8 +206,9 @@ def render_eval(result: dict[str, Any], console: Console) -> None:
 
 
 def _sparse_kv(args: argparse.Namespace) -> Any:
-    """The KV policy of sparse inference: None (dense only) without `--kv` or with `--kv dense`. The
-    cache-shape flags without `--kv` are an error, not silently ignored."""
+    """The KV policy of sparse inference: None (dense only) without `--kv` and `--kv-quant`, or when they
+    name a plain dense cache; `--kv-quant` alone quantizes a dense cache. The cache-shape flags without `--kv`
+    are an error, not silently ignored."""
     if args.kv is None:
         given = [f"--{k}" for k in ("budget", "window", "interval") if getattr(args, k) is not None]
         if given:
@@ -207,8 +216,7 @@ def _sparse_kv(args: argparse.Namespace) -> Any:
                 f"{', '.join(given)} without --kv: sparse inference is off (dense only); add --kv METHOD "
                 "(e.g. --kv rkv) to evaluate it beside dense inference"
             )
-        return None
-    kv = kv_config(args.kv, args.budget, args.window, args.interval)
+    kv = kv_config(args.kv, args.budget, args.window, args.interval, args.kv_quant)
     return kv if kv.sparse else None
 
 
@@ -232,7 +240,9 @@ def eval_command(args: argparse.Namespace) -> int:
     device = _device(args.device)
     kv = _sparse_kv(args)
     if kv is None and args.no_dense:
-        raise ConfigError("--no-dense leaves nothing to evaluate: add --kv METHOD for sparse inference")
+        raise ConfigError(
+            "--no-dense leaves nothing to evaluate: add --kv METHOD (or --kv-quant) for sparse inference"
+        )
     _prepare_out(args.out)
     console = Console(stderr=True, quiet=args.quiet)
     with _flag_names(DATA_KEY_FLAGS):
@@ -300,7 +310,7 @@ def rollout_command(args: argparse.Namespace) -> int:
     _check_positive(prompts=args.prompts, n=args.n, max_new_tokens=args.max_new_tokens)
     check_samples("--n", args.n)
     _check_sampling(args.temperature, args.top_p)
-    kv = kv_config(args.kv, args.budget, args.window, args.interval)
+    kv = kv_config(args.kv, args.budget, args.window, args.interval, args.kv_quant)
     device = _device(args.device)
     console = Console()
     if args.threads:
@@ -342,7 +352,7 @@ def rollout_command(args: argparse.Namespace) -> int:
     rows = len(out)
     dense_bytes = st["peak_dense_kv_bytes"]  # the dense engine's own allocation for this batch
     dense_positions = max(len(prompts[s.prompt_index]) + len(s.completion_ids) for s in out.samples)
-    mode = f"sparse {kv.method}, budget {kv.budget}, interval {kv.interval}" if kv.sparse else "dense"
+    mode = kv.describe() + (f", interval {kv.interval}" if kv.evicting else "")
     console.print(
         f"[bold]{rows} completions[/bold] ({count} prompts x {args.n}, {mode}): "
         f"{int(st['generated_tokens'])} tokens in {st['prefill_s'] + st['decode_s']:.2f}s = "

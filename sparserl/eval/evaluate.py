@@ -227,7 +227,8 @@ def evaluate(
         "batch_prompts": batch_prompts,
         "sampling": {k: v for k, v in gen_kwargs.items() if k != "stop"} | {"stop": list(stop or [])},
         "kv": (
-            {k: getattr(kv, k) for k in ("method", "budget", "window", "interval", "granularity")}
+            {k: getattr(kv, k) for k in ("method", "budget", "window", "interval", "granularity", "quant")}
+            | {"described": kv.describe()}
             if sparse
             else None
         ),

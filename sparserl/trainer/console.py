@@ -10,20 +10,8 @@ from sparserl.engine.kv_config import DENSE
 
 
 def kv_text(cfg: Any) -> str:
-    """The sampler's cache in words: 'dense', or the method with its budget, or with its schedule when
-    kv.schedule replaces kv.budget (the budget is then unused and not shown); then its quantization, if any."""
-    if not cfg.sparse:
-        return DENSE
-    kv = cfg.kv
-    if kv.method == DENSE:
-        words = DENSE
-    elif kv.schedule:
-        budgets = [b for _, b in kv.schedule]
-        span = f"{budgets[0]}" if len(set(budgets)) == 1 else f"{min(budgets)}-{max(budgets)}"
-        words = f"sparse {kv.method}, schedule of {len(budgets)} bins (budgets {span})"
-    else:
-        words = f"sparse {kv.method}, budget {kv.budget}"
-    return f"{words}, {kv.quant} KV" if kv.quantized else words
+    """The sampler's cache in words: 'dense' when rollouts are sampled dense, else `KVConfig.describe()`."""
+    return cfg.kv.describe() if cfg.sparse else DENSE
 
 
 def own_source(sampling: Any) -> bool:
