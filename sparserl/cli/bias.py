@@ -69,7 +69,9 @@ def _part(text: str) -> tuple[int, int]:
         "parameters, else 2^20)",
     ),
     arg("--draws", type=int, default=2000, help="bootstrap draws for the 90%% intervals (default 2000)"),
-    arg("--out", "-o", default=None, help="output folder (default: runs/bias-<kv.method>-<time>)"),
+    arg(
+        "--out", "-o", default=None, help="output folder (default: runs/bias-<kv.method>[-<kv.quant>]-<time>)"
+    ),
     arg(
         "--resume", action="store_true", help="continue the measurement in --out (its saved batches are kept)"
     ),
@@ -107,7 +109,7 @@ def bias(args: argparse.Namespace) -> int:
             raise ConfigError(f"{flag} needs --out (the folder of the measurement to continue or share)")
     if args.part and args.part[1] > args.batches:
         raise ConfigError(f"--part {args.part[0]}/{args.part[1]}: more parts than --batches {args.batches}")
-    out = args.out or f"runs/bias-{cfg.kv.method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = args.out or f"runs/bias-{cfg.kv.short_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     command_line = shlex.join(["sparserl", "bias", *sys.argv[2:]])
     with _progress(not args.no_progress, args.batches) as progress:
         report = measure(cfg, settings, out, args.resume, progress, command=command_line, part=args.part)

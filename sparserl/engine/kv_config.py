@@ -180,6 +180,11 @@ class KVConfig:
         quantized cache)."""
         return self.evicting or self.sparse_attention or self.quantized
 
+    @property
+    def short_name(self) -> str:
+        """kv.method, then kv.quant after a dash when quantized ('rkv-int8'): for directory names."""
+        return f"{self.method}-{self.quant}" if self.quantized else self.method
+
     def describe(self) -> str:
         """The cache in words for headers and tables: 'dense', 'sparse rkv, budget 80', or the schedule when
         kv.schedule replaces kv.budget (the budget is then unused and not shown); then ', int8 KV' when

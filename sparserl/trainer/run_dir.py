@@ -57,12 +57,11 @@ class RunDirBusy(UserError):
 def new_run_dir(cfg: TrainConfig) -> Path:
     """RUN_DIR for a fresh run: output_dir/run_name, or a new unique '<preset>-<kv>-<time>-<random>' that no
     other run (even one started in the same second) can get: the directory is created here, exclusively.
-    <kv> is the sampler's kv.method, with kv.quant after a dash when the cache is quantized (rkv-int8)."""
+    <kv> is the sampler's `KVConfig.short_name` (rkv, or rkv-int8 when quantized)."""
     root = Path(cfg.trainer.output_dir)
     if cfg.trainer.run_name:
         return root / cfg.trainer.run_name
-    kv = cfg.kv.method if cfg.sparse else DENSE
-    kv += f"-{cfg.kv.quant}" if cfg.sparse and cfg.kv.quantized else ""
+    kv = cfg.kv.short_name if cfg.sparse else DENSE
     root.mkdir(parents=True, exist_ok=True)
     while True:
         path = (
