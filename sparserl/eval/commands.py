@@ -30,18 +30,17 @@ def kv_config(
     from sparserl.engine import KVConfig
 
     flags = (
-        ("kv", method),
-        ("budget", budget),
-        ("window", window),
-        ("interval", interval),
-        ("kv_quant", kv_quant),
+        ("--kv", "method", method),
+        ("--budget", "budget", budget),
+        ("--window", "window", window),
+        ("--interval", "interval", interval),
+        ("--kv-quant", "quant", kv_quant),
     )
-    given = {k: v for k, v in flags if v is not None}
-    fields = {"kv": "method", "kv_quant": "quant"}
+    given = [(flag, name, v) for flag, name, v in flags if v is not None]
     try:
-        return KVConfig(**{fields.get(k, k): v for k, v in given.items()})
+        return KVConfig(**{name: v for _, name, v in given})
     except ValueError as e:
-        said = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+        said = " ".join(f"{flag} {v}" for flag, _, v in given)
         raise ConfigError(f"{said}: {e}") from None
 
 
